@@ -1,0 +1,321 @@
+"""Typed configuration: dataclasses, Python config files and `key=value` overrides.
+
+A config file under `configs/` defines `get_config() -> Config`. Overrides such as `model.d_model=256` are parsed
+against the field's annotated type (never evaluated), and every loaded config is validated before use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.util
+import json
+import pathlib
+import types
+import typing
+from typing import Any
+
+from ltm_jax.errors import ConfigError
+
+MIXERS = {"A": "attention", "R": "rwkv4"}
+FFNS = ("auto", "swiglu", "channel_mix")
+NORMS = ("rmsnorm", "layernorm")
+DTYPES = ("float32", "bfloat16")
+WKV_IMPLS = ("auto", "scan", "associative")
+ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+TOKENIZERS = ("byte",)
+VOCAB_MULTIPLE = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """The decoder. `layer_pattern` letters: A = causal attention, R = RWKV-4 time-mix; tiled over `n_layers`."""
+  vocab_size: int = 259
+  d_model: int = 128
+  n_layers: int = 4
+  n_heads: int = 4
+  n_kv_heads: int | None = None  # None: n_heads (multi-head); fewer: grouped-query attention.
+  mlp_dim: int | None = None  # None: 4*d_model for channel_mix, 8/3*d_model rounded up to 64 for swiglu.
+  layer_pattern: str = "A"
+  ffn: str = "auto"  # auto: channel_mix after R layers, swiglu after A layers.
+  window: int | None = None  # Sliding attention window W: query i sees keys i-W < j <= i.
+  rope_theta: float = 10_000.0
+  max_seq_len: int = 2048  # Key/value cache capacity of full-attention layers.
+  tie_embeddings: bool = False
+  norm: str = "rmsnorm"
+  norm_eps: float = 1e-5
+  dtype: str = "float32"  # Compute dtype; parameters stay float32.
+  init_std: float = 0.02
+  wkv_impl: str = "auto"
+  attention_impl: str = "auto"
+
+  @property
+  def kv_heads(self) -> int:
+    return self.n_kv_heads or self.n_heads
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.n_heads
+
+  @property
+  def padded_vocab_size(self) -> int:
+    return -(-self.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+  @property
+  def mixers(self) -> tuple[str, ...]:
+    """The mixer name of every layer, e.g. ('rwkv4', 'rwkv4', 'attention')."""
+    return tuple(MIXERS[self.layer_pattern[i % len(self.layer_pattern)]] for i in range(self.n_layers))
+
+  def ffn_kind(self, mixer: str) -> str:
+    if self.ffn != "auto":
+      return self.ffn
+    return "channel_mix" if mixer == "rwkv4" else "swiglu"
+
+  def ffn_dim(self, kind: str) -> int:
+    if self.mlp_dim is not None:
+      return self.mlp_dim
+    if kind == "channel_mix":
+      return 4 * self.d_model
+    return -(-(8 * self.d_model) // (3 * 64)) * 64
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """`source`: "embedded" (Python's own documentation), a text file, a folder of .txt/.md files, or a .bin file of
+  uint16/uint32 token ids (dtype from `bin_dtype`)."""
+  source: str = "embedded"
+  tokenizer: str = "byte"
+  bin_dtype: str = "uint16"
+  val_fraction: float = 0.05  # For user text/.bin sources; the embedded corpus has a fixed split.
+  worker_threads: int = 2  # Background threads that assemble batches.
+  prefetch: int = 4  # Batches prepared ahead of the training step.
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  steps: int = 1000
+  batch_size: int = 32
+  seq_len: int = 256
+  grad_accum: int = 1  # Micro-batches per step; batch_size must divide by it.
+  lr: float = 3e-3
+  min_lr_ratio: float = 0.1  # Cosine decay ends at lr * min_lr_ratio.
+  warmup_steps: int = 100
+  weight_decay: float = 0.1
+  decay_embeddings: bool = False
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  grad_clip: float = 1.0  # Global-norm clipping; 0 disables.
+  eval_every: int = 200
+  eval_batches: int = 16
+  checkpoint_every: int = 500
+  keep_checkpoints: int = 3
+  async_checkpoint: bool = True
+  log_every: int = 10
+  seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  name: str = "unnamed"
+  model: ModelConfig = ModelConfig()
+  data: DataConfig = DataConfig()
+  train: TrainConfig = TrainConfig()
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  def to_json(self) -> str:
+    return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
+
+
+# ----------------------------------------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | pathlib.Path, overrides: typing.Sequence[str] = ()) -> Config:
+  """Loads `get_config()` from a Python file, applies `key=value` overrides and validates the result."""
+  path = pathlib.Path(path)
+  if not path.is_file():
+    raise ConfigError(f"config file not found: {path}")
+  spec = importlib.util.spec_from_file_location(f"ltm_config_{path.stem}", path)
+  module = importlib.util.module_from_spec(spec)
+  try:
+    spec.loader.exec_module(module)
+  except Exception as e:  # A broken config file is the user's input: report it on one line.
+    raise ConfigError(f"could not execute config file {path}: {type(e).__name__}: {e}") from e
+  if not hasattr(module, "get_config"):
+    raise ConfigError(f"config file {path} does not define get_config()")
+  config = module.get_config()
+  if not isinstance(config, Config):
+    raise ConfigError(f"get_config() in {path} returned {type(config).__name__}, expected ltm_jax.config.Config")
+  return validate(apply_overrides(config, overrides))
+
+
+def from_dict(d: dict[str, Any]) -> Config:
+  """Rebuilds a Config saved with `to_dict` (e.g. a workdir's config.json); unknown keys are errors."""
+  d = dict(d)
+  sections = {}
+  for name, cls in SECTIONS.items():
+    values = d.pop(name, {})
+    _check_keys(values, cls, prefix=f"{name}.")
+    sections[name] = cls(**{k: _coerce(v, _field_types(cls)[k], f"{name}.{k}") for k, v in values.items()})
+  _check_keys(d, Config, prefix="", ignore=SECTIONS)
+  return validate(Config(**d, **sections))
+
+
+def apply_overrides(config: Config, overrides: typing.Sequence[str]) -> Config:
+  for item in overrides:
+    key, sep, raw = item.partition("=")
+    if not sep:
+      raise ConfigError(f"override {item!r} is not of the form key=value")
+    config = _set(config, key.strip(), raw.strip())
+  return config
+
+
+def all_keys() -> list[str]:
+  keys = [f.name for f in dataclasses.fields(Config) if f.name not in SECTIONS]
+  for name, cls in SECTIONS.items():
+    keys += [f"{name}.{f.name}" for f in dataclasses.fields(cls)]
+  return keys
+
+
+def _set(config: Config, key: str, raw: str) -> Config:
+  section, _, field = key.rpartition(".")
+  target_cls = SECTIONS.get(section) if section else Config
+  if target_cls is None or field not in _field_types(target_cls) or (not section and field in SECTIONS):
+    raise ConfigError(f"unknown config key {key!r}{_suggest(key, all_keys())}")
+  value = _parse(raw, _field_types(target_cls)[field], key)
+  if not section:
+    return dataclasses.replace(config, **{field: value})
+  return dataclasses.replace(config, **{section: dataclasses.replace(getattr(config, section), **{field: value})})
+
+
+def _field_types(cls) -> dict[str, Any]:
+  return typing.get_type_hints(cls)
+
+
+def _check_keys(values: dict[str, Any], cls, prefix: str, ignore=()) -> None:
+  valid = [f.name for f in dataclasses.fields(cls) if f.name not in ignore]
+  for k in values:
+    if k not in valid:
+      raise ConfigError(f"unknown config key {prefix + k!r}{_suggest(prefix + k, all_keys())}")
+
+
+def _suggest(key: str, candidates: list[str]) -> str:
+  close = difflib.get_close_matches(key, candidates, n=3, cutoff=0.5)
+  if not close:
+    tail = key.rpartition(".")[2]
+    close = [c for c in candidates if c.rpartition(".")[2] == tail]
+  return f"; did you mean {', '.join(close)}?" if close else ""
+
+
+def _allowed(tp) -> tuple[type, ...]:
+  if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+    return typing.get_args(tp)
+  return (tp,)
+
+
+def _parse(raw: str, tp, key: str):
+  """Parses a command-line string as the annotated type: int, float, bool, str, or `X | None` ("none"/"null")."""
+  allowed = _allowed(tp)
+  if type(None) in allowed and raw.lower() in ("none", "null"):
+    return None
+  for t in allowed:
+    if t is bool:
+      if raw.lower() in ("true", "1", "yes"):
+        return True
+      if raw.lower() in ("false", "0", "no"):
+        return False
+    elif t is int:
+      try:
+        return int(raw.replace("_", ""))
+      except ValueError:
+        pass
+    elif t is float:
+      try:
+        return float(raw)
+      except ValueError:
+        pass
+    elif t is str:
+      return raw
+  names = " or ".join(t.__name__ if t is not type(None) else "none" for t in allowed)
+  raise ConfigError(f"config key {key!r} expects {names}, got {raw!r}")
+
+
+def _coerce(value, tp, key: str):
+  """Checks a value from a dict (JSON) against the annotated type; ints are accepted where floats are expected."""
+  allowed = _allowed(tp)
+  if value is None and type(None) in allowed:
+    return None
+  for t in allowed:
+    if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+      return float(value)
+    if t is int and isinstance(value, int) and not isinstance(value, bool):
+      return value
+    if t in (bool, str) and isinstance(value, t):
+      return value
+  names = " or ".join(t.__name__ if t is not type(None) else "none" for t in allowed)
+  raise ConfigError(f"config key {key!r} expects {names}, got {value!r}")
+
+
+# -------------------------------------------------------------------------------------------------------- validation
+
+
+def validate(config: Config) -> Config:
+  """Checks types and the relations between values; returns the config unchanged or raises ConfigError."""
+  for name, cls in SECTIONS.items():
+    section = getattr(config, name)
+    if not isinstance(section, cls):
+      raise ConfigError(f"config section {name!r} must be {cls.__name__}, got {type(section).__name__}")
+    for key, tp in _field_types(cls).items():
+      _coerce(getattr(section, key), tp, f"{name}.{key}")
+  m, d, t = config.model, config.data, config.train
+
+  def need(ok: bool, message: str):
+    if not ok:
+      raise ConfigError(message)
+
+  for key in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
+    need(getattr(m, key) > 0, f"model.{key} must be positive, got {getattr(m, key)}")
+  need(m.d_model % m.n_heads == 0, f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}")
+  need(m.kv_heads > 0 and m.n_heads % m.kv_heads == 0,
+       f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}")
+  need(m.head_dim % 2 == 0, f"head dimension d_model/n_heads={m.head_dim} must be even for RoPE")
+  need(len(m.layer_pattern) > 0, "model.layer_pattern is empty")
+  bad = sorted(set(m.layer_pattern) - set(MIXERS))
+  need(not bad, f"model.layer_pattern={m.layer_pattern!r} has unknown letter(s) {''.join(bad)!r}; "
+                f"valid: {', '.join(f'{k}={v}' for k, v in MIXERS.items())}")
+  need(m.n_layers % len(m.layer_pattern) == 0,
+       f"model.n_layers={m.n_layers} is not a multiple of len(model.layer_pattern)={len(m.layer_pattern)}")
+  need(m.mlp_dim is None or m.mlp_dim > 0, f"model.mlp_dim must be positive, got {m.mlp_dim}")
+  need(m.window is None or m.window > 0, f"model.window must be positive or none, got {m.window}")
+  need(m.rope_theta > 0 and m.norm_eps > 0 and m.init_std > 0, "model.rope_theta, norm_eps, init_std must be > 0")
+  for key, choices in (("ffn", FFNS), ("norm", NORMS), ("dtype", DTYPES), ("wkv_impl", WKV_IMPLS),
+                       ("attention_impl", ATTENTION_IMPLS)):
+    need(getattr(m, key) in choices, f"model.{key}={getattr(m, key)!r} is not one of {', '.join(choices)}")
+
+  need(d.tokenizer in TOKENIZERS, f"data.tokenizer={d.tokenizer!r} is not one of {', '.join(TOKENIZERS)}")
+  need(d.bin_dtype in ("uint16", "uint32"), f"data.bin_dtype={d.bin_dtype!r} is not one of uint16, uint32")
+  need(0 < d.val_fraction < 1, f"data.val_fraction must be in (0, 1), got {d.val_fraction}")
+  need(d.worker_threads >= 0 and d.prefetch >= 0, "data.worker_threads and data.prefetch must be >= 0")
+  need(bool(d.source), "data.source is empty")
+  if d.tokenizer == "byte":
+    need(m.vocab_size >= 259, f"model.vocab_size={m.vocab_size} is smaller than the byte tokenizer's 259 ids")
+
+  for key in ("steps", "batch_size", "seq_len", "grad_accum", "eval_every", "eval_batches", "checkpoint_every",
+              "keep_checkpoints", "log_every"):
+    need(getattr(t, key) > 0, f"train.{key} must be positive, got {getattr(t, key)}")
+  need(t.batch_size % t.grad_accum == 0,
+       f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}")
+  need(t.lr > 0, f"train.lr must be positive, got {t.lr}")
+  need(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
+  need(t.warmup_steps >= 0 and t.weight_decay >= 0 and t.grad_clip >= 0,
+       "train.warmup_steps, weight_decay and grad_clip must be >= 0")
+  need(0 <= t.b1 < 1 and 0 <= t.b2 < 1 and t.eps > 0, "train.b1 and train.b2 must be in [0, 1), train.eps > 0")
+  has_full_attention = "A" in m.layer_pattern and m.window is None
+  need(not has_full_attention or t.seq_len <= m.max_seq_len,
+       f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+  return config

@@ -1,0 +1,40 @@
+"""Shared building blocks: logically partitioned initialisers, dense layers and norms.
+
+Logical axis names used by every parameter (the sharding issue maps them to mesh axes):
+  vocab, embed, heads, kv_heads, head_dim, mlp, wkv (RWKV-4 channels), norm, and embed_out (the output axis of a
+  square d_model x d_model gate, named apart from `embed` so the two axes can map to different mesh axes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "wkv", "norm", "embed_out")
+
+
+def init(std: float, axes: Sequence[str]):
+  """Normal(0, std) initialiser annotated with logical axis names."""
+  return nn.with_logical_partitioning(nn.initializers.normal(std), tuple(axes))
+
+
+def dense(features, axes: Sequence[str], std: float, dtype, name: str, in_axis=-1) -> nn.DenseGeneral:
+  """A bias-free projection whose kernel carries the logical axes `axes` (input axes first)."""
+  return nn.DenseGeneral(features, axis=in_axis, use_bias=False, dtype=dtype, param_dtype=jnp.float32,
+                         kernel_init=init(std, axes), name=name)
+
+
+def norm(kind: str, eps: float, dtype, name: str) -> nn.Module:
+  """RMSNorm or LayerNorm over the last axis, computed in float32 (flax upcasts), output in `dtype`."""
+  scale = nn.with_logical_partitioning(nn.initializers.ones, ("norm",))
+  if kind == "rmsnorm":
+    return nn.RMSNorm(epsilon=eps, dtype=dtype, param_dtype=jnp.float32, scale_init=scale, name=name)
+  bias = nn.with_logical_partitioning(nn.initializers.zeros, ("norm",))
+  return nn.LayerNorm(epsilon=eps, dtype=dtype, param_dtype=jnp.float32, scale_init=scale, bias_init=bias, name=name)
+
+
+def token_shift(x, last):
+  """The previous token's input at every position: [B, T, C] from x and `last` [B, C] (the token before x)."""
+  return jnp.concatenate([last[:, None].astype(x.dtype), x[:, :-1]], axis=1)

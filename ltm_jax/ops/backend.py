@@ -1,0 +1,25 @@
+"""Backend selection shared by every op: `impl="auto"` resolves by platform through a per-op table."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import jax
+
+
+def platform() -> str:
+  """'cpu', 'gpu' or 'tpu': the platform of the default device (what jitted ops run on)."""
+  return jax.default_backend()
+
+
+def resolve(op: str, impl: str, available: Sequence[str], auto: Mapping[str, str]) -> str:
+  """Returns the concrete backend name for `impl`, or raises ValueError naming the valid choices.
+
+  `auto` maps a platform to the backend measured fastest there (the benchmark that measured it is named beside each
+  table); a platform missing from the table falls back to the first (reference) backend.
+  """
+  if impl == "auto":
+    return auto.get(platform(), available[0])
+  if impl not in available:
+    raise ValueError(f"{op}: unknown impl {impl!r}; choose from auto, {', '.join(available)}")
+  return impl

@@ -1,0 +1,3 @@
+"""Training: optimizer, jitted steps, checkpoints, metrics and the loop."""
+
+from ltm_jax.train.loop import TrainResult, train

@@ -1,0 +1,77 @@
+"""Orbax checkpoints in WORKDIR/checkpoints: train state, data-iterator state and the model config, saved together
+asynchronously, keeping the last N. A workdir refuses a config whose model differs from the one it was trained with."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from ltm_jax import config as config_lib
+from ltm_jax.errors import CheckpointError
+
+
+class Checkpointer:
+  """Items per step: "state" (TrainState pytree), "data" (loader state, JSON), "config" (Config dict, JSON)."""
+
+  def __init__(self, workdir: str | pathlib.Path, keep: int = 3, async_save: bool = True, read_only: bool = False):
+    self.directory = pathlib.Path(workdir).absolute() / "checkpoints"
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=not read_only,
+                                           read_only=read_only)
+    self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data", "config"))
+
+  def latest_step(self) -> int | None:
+    return self._manager.latest_step()
+
+  def all_steps(self) -> list[int]:
+    return list(self._manager.all_steps())
+
+  def save(self, step: int, state, data_state: dict[str, Any], config: config_lib.Config) -> None:
+    args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
+                              config=ocp.args.JsonSave(config.to_dict()))
+    self._manager.save(step, args=args, force=True)
+
+  def saved_config(self, step: int) -> config_lib.Config:
+    restored = self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+    return config_lib.from_dict(restored["config"])
+
+  def restore(self, step: int, abstract_state) -> tuple[Any, dict[str, Any]]:
+    """Restores step `step` into the structure/shapes of `abstract_state` (e.g. from jax.eval_shape)."""
+    args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore())
+    try:
+      restored = self._manager.restore(step, args=args)
+    except (ValueError, KeyError, TypeError) as e:
+      raise CheckpointError(f"checkpoint {self.directory}/{step} does not fit the configured model: "
+                            f"{str(e).splitlines()[0]}") from e
+    return restored["state"], restored["data"]
+
+  def wait(self) -> None:
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    self._manager.wait_until_finished()
+    self._manager.close()
+
+
+def check_compatible(saved: config_lib.Config, current: config_lib.Config, where: str) -> None:
+  """Raises CheckpointError naming every model key whose value differs between a checkpoint and the config."""
+  a, b = saved.model.__dict__, current.model.__dict__
+  diffs = [f"model.{k}: checkpoint {a[k]!r}, config {b[k]!r}" for k in a if a[k] != b[k]]
+  if diffs:
+    raise CheckpointError(f"{where} holds a checkpoint of a different model ({'; '.join(diffs)}); "
+                          "use another workdir or the same model config")
+
+
+def abstract(tree):
+  """ShapeDtypeStructs of a pytree (what restore needs to know about the target)."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+def read_config_json(workdir: str | pathlib.Path) -> config_lib.Config:
+  path = pathlib.Path(workdir) / "config.json"
+  if not path.is_file():
+    raise CheckpointError(f"{workdir} is not an ltm_jax workdir (no config.json)")
+  return config_lib.from_dict(json.loads(path.read_text()))

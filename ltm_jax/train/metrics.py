@@ -1,0 +1,48 @@
+"""Training metrics: one JSON object per logged step in WORKDIR/metrics.jsonl, plus TensorBoard event files."""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+from typing import Any
+
+from tensorboardX import SummaryWriter
+
+
+class MetricsWriter:
+  """Appends rows to metrics.jsonl and scalars to WORKDIR/tensorboard. On resume from step S, rows logged after S by
+  the interrupted run are dropped first: the resumed run recomputes those steps, so the file stays one row per step."""
+
+  def __init__(self, workdir: str | pathlib.Path, resume_step: int = 0):
+    workdir = pathlib.Path(workdir)
+    self.path = workdir / "metrics.jsonl"
+    if self.path.exists():
+      kept = [line for line in self.path.read_text().splitlines()
+              if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+      self.path.write_text("".join(line + "\n" for line in kept))
+    self._file = self.path.open("a")
+    self._tb = SummaryWriter(str(workdir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
+
+  def write(self, step: int, metrics: dict[str, Any]) -> None:
+    row = {"step": int(step), **{k: _plain(v) for k, v in metrics.items()}}
+    self._file.write(json.dumps(row) + "\n")
+    self._file.flush()
+    for k, v in row.items():
+      if k != "step" and isinstance(v, (int, float)):
+        self._tb.add_scalar(k, v, step)
+    self._tb.flush()
+
+  def close(self) -> None:
+    self._file.close()
+    self._tb.close()
+
+
+def _plain(value):
+  value = float(value) if hasattr(value, "dtype") or isinstance(value, float) else value
+  return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def read_metrics(workdir: str | pathlib.Path) -> list[dict[str, Any]]:
+  path = pathlib.Path(workdir) / "metrics.jsonl"
+  return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []

@@ -1,0 +1,31 @@
+"""AdamW with linear warmup, cosine decay, global-norm clipping and a weight-decay mask."""
+
+from __future__ import annotations
+
+import jax
+import optax
+
+from ltm_jax.config import TrainConfig
+
+
+def learning_rate(t: TrainConfig) -> optax.Schedule:
+  """0 -> lr linearly over warmup_steps, then cosine to lr * min_lr_ratio at step `steps` (constant after)."""
+  warmup = optax.linear_schedule(0.0, t.lr, max(t.warmup_steps, 1))
+  decay = optax.cosine_decay_schedule(t.lr, max(t.steps - t.warmup_steps, 1), alpha=t.min_lr_ratio)
+  return optax.join_schedules([warmup, decay], [t.warmup_steps])
+
+
+def decay_mask(params, decay_embeddings: bool):
+  """True for matrices (kernels); False for norms, biases, per-channel vectors and, unless asked, embeddings."""
+  def decays(path, leaf) -> bool:
+    names = [getattr(p, "key", getattr(p, "name", "")) for p in path]
+    if "embedding" in names:
+      return decay_embeddings
+    return leaf.ndim >= 2
+  return jax.tree_util.tree_map_with_path(decays, params)
+
+
+def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
+  adamw = optax.adamw(learning_rate(t), b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay,
+                      mask=lambda params: decay_mask(params, t.decay_embeddings))
+  return optax.chain(optax.clip_by_global_norm(t.grad_clip), adamw) if t.grad_clip > 0 else adamw

@@ -1,0 +1,1 @@
+"""Pallas GPU kernels (no model knowledge). Filled by the kernel issues."""
