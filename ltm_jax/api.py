@@ -27,10 +27,10 @@ from ltm_jax.train.step import create_train_state
 class LanguageModel:
   """Config + parameters + tokenizer, with `forward`, `step` and `generate`."""
 
-  def __init__(self, config: Config, params, step: int = 0):
+  def __init__(self, config: Config, params, trained_steps: int = 0):
     self.config = config
     self.params = params
-    self.step = step
+    self.trained_steps = trained_steps  # Optimizer steps behind these parameters (0 for a fresh model).
     self.model = model_lib.LM(config.model)
     self.tokenizer = data_lib.get_tokenizer(config.data.tokenizer)
     self._apply = jax.jit(self.model.apply)

@@ -34,7 +34,7 @@ def _eval(args) -> int:
   splits = data_lib.load_splits(lm.config.data, lm.config.model.vocab_size, t.seq_len)
   batches = data_lib.eval_batches(splits.val, batch_size, t.seq_len, args.batches or 10**9)
   started = time.time()
-  metrics = {"step": lm.step, **evaluate(make_eval_step(lm.model), lm.params, batches, lm.tokenizer.bytes_per_token),
+  metrics = {"step": lm.trained_steps, **evaluate(make_eval_step(lm.model), lm.params, batches, lm.tokenizer.bytes_per_token),
              "seq_len": t.seq_len, "seconds": round(time.time() - started, 2)}
   out = pathlib.Path(args.workdir) / "eval.json"
   out.write_text(json.dumps(metrics, indent=2) + "\n")

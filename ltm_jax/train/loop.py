@@ -129,6 +129,7 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = N
         say(f"stopped by signal {stop.signum} at step {step}; checkpoint saved, run again to resume")
   finally:
     bar.close()
+    loader.close()
     checkpointer.close()
     writer.close()
   return TrainResult(step, last, stop.signum, time.time() - started)

@@ -51,7 +51,7 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, s
     grads = jax.tree.map(lambda g: g / grad_accum, grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {"loss": losses.mean(), "grad_norm": optax.global_norm(grads), "lr": schedule(state.step)}
+    metrics = {"loss": losses.mean(), "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step)}
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
   return jax.jit(step, donate_argnums=0)

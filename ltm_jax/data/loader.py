@@ -1,0 +1,166 @@
+"""Batches of token windows: a shuffled, resumable training stream (grain) and fixed validation batches.
+
+A window is seq_len+1 consecutive tokens; inputs are its first seq_len tokens and targets its last seq_len. Windows
+start every seq_len tokens, so neighbours share one token and each token is a target at most once per epoch. The
+slack left after the last full window (fewer than seq_len tokens) is used by shifting all window starts of an epoch by
+an offset in [0, slack] drawn from (seed, epoch): every token is seen in some epochs, and window boundaries move.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+from typing import Any
+
+import grain
+import numpy as np
+
+from ltm_jax.errors import DataError
+
+_STATE_FORMAT = "ltm_jax.TrainLoader/1"
+
+
+def _num_windows(num_tokens: int, seq_len: int) -> int:
+  return (num_tokens - 1) // seq_len if num_tokens > seq_len else 0
+
+
+def _gather(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
+  """Windows at `starts` [B] -> {"inputs", "targets"}: int32 [B, seq_len], targets shifted one ahead."""
+  # One fancy-indexing read per batch instead of B slices; also works on np.memmap without loading the file.
+  windows = np.asarray(tokens[starts[:, None] + np.arange(seq_len + 1)], dtype=np.int32)
+  return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
+
+
+@functools.lru_cache(maxsize=64)
+def _epoch_offset(seed: int, slack: int, epoch: int) -> int:
+  # Cached: a Generator per window would cost more than the gather. lru_cache is safe across grain's reader threads.
+  return int(np.random.default_rng([seed, epoch]).integers(slack + 1)) if slack else 0
+
+
+class _WindowStarts:
+  """(stream index, window) -> first token of the window, shifted by the epoch's offset in [0, slack]."""
+
+  def __init__(self, num_windows: int, seq_len: int, slack: int, seed: int):
+    self.num_windows, self.seq_len, self.slack, self.seed = num_windows, seq_len, slack, seed
+
+  def __call__(self, index: int, window: int) -> int:
+    return window * self.seq_len + _epoch_offset(self.seed, self.slack, index // self.num_windows)
+
+
+class TrainLoader:
+  """Endless stream of shuffled training batches {"inputs", "targets"}: np.int32 [batch_size, seq_len].
+
+  Each epoch visits every window once in an order drawn from (seed, epoch); batches run across epoch boundaries.
+  `worker_threads` threads assemble up to `prefetch` batches in the background while the caller trains. The stream is
+  a pure function of (tokens, batch_size, seq_len, seed) and the batch counter, so `get_state()` is just that counter
+  (plus a fingerprint to catch resuming with other data), and `set_state` restarts the pipeline at that batch.
+  """
+
+  def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, worker_threads: int = 2,
+               prefetch: int = 4):
+    if batch_size <= 0 or seq_len <= 0:
+      raise ValueError(f"batch_size and seq_len must be positive, got {batch_size} and {seq_len}")
+    self._tokens = tokens
+    self.batch_size = int(batch_size)
+    self.seq_len = int(seq_len)
+    self.seed = int(seed)
+    self.num_windows = _num_windows(len(tokens), seq_len)
+    if self.num_windows == 0:
+      raise DataError(f"{len(tokens):,} training tokens are fewer than one window of seq_len+1={seq_len + 1}")
+    # grain shuffles epoch e with seed+e, so user seeds 0 and 1 would share epochs shifted by one; hashing the user
+    # seed into two unrelated 32-bit words avoids that and gives the offsets their own stream.
+    shuffle_seed, offset_seed = (int(w) for w in np.random.SeedSequence(self.seed % 2**64).generate_state(2))
+    slack = len(tokens) - 1 - self.num_windows * seq_len
+    self._read_options = grain.ReadOptions(num_threads=worker_threads, prefetch_buffer_size=prefetch)
+    self._batches = (
+        grain.MapDataset.range(self.num_windows)
+        .shuffle(seed=shuffle_seed)
+        .repeat()  # Infinite; reseeds the shuffle every epoch.
+        .map_with_index(_WindowStarts(self.num_windows, seq_len, slack, offset_seed))
+        .batch(batch_size)
+        .map(functools.partial(_gather, tokens, seq_len=seq_len)))
+    self._next_batch = 0
+    self._iterator = None
+    self._restart()
+
+  @property
+  def batches_per_epoch(self) -> float:
+    return self.num_windows / self.batch_size
+
+  @property
+  def epoch(self) -> float:
+    """Fractional epochs consumed so far."""
+    return self._next_batch * self.batch_size / self.num_windows
+
+  def _restart(self) -> None:
+    if self._iterator is not None:
+      self._iterator.close()
+    # Slicing the deterministic MapDataset (rather than restoring grain's own iterator state) keeps checkpoints
+    # independent of grain's internal state format, which grain may change between versions.
+    self._iterator = iter(self._batches[self._next_batch:].to_iter_dataset(self._read_options))
+    # Begin assembling batches now, so the first ones are ready by the time the model has compiled.
+    self._iterator.start_prefetch()
+
+  def __iter__(self) -> TrainLoader:
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    batch = next(self._iterator)
+    self._next_batch += 1
+    return batch
+
+  def get_state(self) -> dict[str, Any]:
+    """JSON-serialisable position in the stream: the next batch index plus what the stream depends on."""
+    return {
+        "format": _STATE_FORMAT,
+        "next_batch": self._next_batch,
+        "seed": self.seed,
+        "batch_size": self.batch_size,
+        "seq_len": self.seq_len,
+        "num_tokens": len(self._tokens),
+    }
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    """Continues from `state` (from `get_state`); the following batches equal those of the uninterrupted loader.
+
+    Raises DataError if the state belongs to a stream with other data, seed, batch size or sequence length.
+    """
+    if state.get("format") != _STATE_FORMAT:
+      raise DataError(f"data loader state has format {state.get('format')!r}, expected {_STATE_FORMAT!r}")
+    for key, value in (("seed", self.seed), ("batch_size", self.batch_size), ("seq_len", self.seq_len),
+                       ("num_tokens", len(self._tokens))):
+      if state.get(key) != value:
+        raise DataError(f"data loader state was saved with {key}={state.get(key)!r} but the loader has "
+                        f"{key}={value!r}; the resumed batches would not continue the saved run")
+    next_batch = state.get("next_batch")
+    if isinstance(next_batch, bool) or not isinstance(next_batch, numbers.Integral) or next_batch < 0:
+      raise DataError(f"data loader state has an invalid next_batch={next_batch!r}")
+    self._next_batch = int(next_batch)
+    self._restart()
+
+  def close(self) -> None:
+    """Stops the background threads. Idempotent."""
+    if self._iterator is not None:
+      self._iterator.close()
+
+  def __enter__(self) -> TrainLoader:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int, n_batches: int) -> list[dict[str, np.ndarray]]:
+  """Fixed validation batches {"inputs", "targets"}: np.int32 [batch_size, seq_len], windows evenly spaced.
+
+  With fewer than n_batches*batch_size windows, as many full batches as exist are returned; with fewer than
+  batch_size windows, a single smaller batch holds all of them. DataError if not even one window fits.
+  """
+  available = _num_windows(len(tokens), seq_len)
+  if available == 0:
+    raise DataError(f"{len(tokens):,} validation tokens are fewer than one window of seq_len+1={seq_len + 1}")
+  n_batches = max(1, min(n_batches, available // batch_size))
+  count = min(n_batches * batch_size, available)
+  # Strictly increasing since available >= count: distinct windows spread over the whole split.
+  starts = (np.arange(count, dtype=np.int64) * available // count) * seq_len
+  return [_gather(tokens, starts[i:i + batch_size], seq_len) for i in range(0, count, batch_size)]

@@ -1,0 +1,172 @@
+"""Multi-head softmax attention with grouped key/value heads, causal and sliding-window masks, packed segments and
+explicit positions for key/value caches.
+
+Backends: "xla" (reference, any platform, every option) and "cudnn" (fused flash attention on NVIDIA GPUs, for the
+calls `cudnn.unsupported_reason` accepts). `impl="auto"` takes cuDNN on GPU when it accepts the call, else xla.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from ltm_jax.ops import backend
+from ltm_jax.ops.attention import cudnn, xla
+
+IMPLS = ("xla", "cudnn")
+# Not benchmarked yet: cuDNN's fused kernel is taken on GPU because it never builds the [T, S] logits. Calls it does
+# not accept fall back to xla (see `attention`).
+_AUTO = {"gpu": "cudnn"}
+
+SegmentIds = jax.Array | tuple[jax.Array, jax.Array]
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = True,
+    window: int | None = None,
+    segment_ids: SegmentIds | None = None,
+    q_positions: jax.Array | None = None,
+    kv_positions: jax.Array | None = None,
+    scale: float | None = None,
+    impl: str = "auto",
+) -> jax.Array:
+  """softmax(scale * q k^T + mask) v, per head; logits and softmax in float32.
+
+  Positions: query i has position S - T + i and key j position j, i.e. the queries are the last T of the S keys'
+  positions (plain self-attention when T == S; a cache-less call on the last T queries otherwise). `q_positions` and
+  `kv_positions` replace both, so that a key/value cache can hold keys at their absolute positions. Positions only
+  matter to the causal and window masks. A cache slot that holds no key must be invisible: give it a position larger
+  than any query's, e.g. `jnp.iinfo(jnp.int32).max`. Positions must be non-negative.
+
+  Masks (a key is visible when all that apply hold):
+    causal: kv_pos <= q_pos.
+    window=W (needs causal): q_pos - kv_pos < W, so with default positions query i sees keys i - W < j <= i.
+    segment_ids: equal segment ids (packed sequences).
+  A query that sees no key outputs zeros (and gets zero gradients), never NaN.
+
+  Args:
+    q: [B, T, Hq, D] float.
+    k: [B, S, Hkv, D], q's dtype. Hq must be a multiple of Hkv; query head h reads key/value head h // (Hq // Hkv)
+      (grouped-query attention; Hkv == 1 is multi-query attention).
+    v: [B, S, Hkv, D], q's dtype.
+    causal: apply the causal mask.
+    window: sliding window length W >= 1, or None for no window. Needs causal=True.
+    segment_ids: [B, T] int for self-attention (needs T == S), or a pair ([B, T], [B, S]) of query and key ids.
+    q_positions: [B, T] int; given together with kv_positions, and only with causal=True.
+    kv_positions: [B, S] int.
+    scale: a static Python float multiplying the logits; None means D ** -0.5.
+    impl: "auto", "xla" or "cudnn". An explicit "cudnn" that cannot run the call raises ValueError.
+
+  Returns:
+    [B, T, Hq, D] in q's dtype.
+  """
+  _check_qkv(q, k, v)
+  b, t, _, d = q.shape
+  s = k.shape[1]
+  window = _check_window(window, causal)
+  has_positions = _check_positions(q_positions, kv_positions, causal, b, t, s)
+  q_segment_ids, kv_segment_ids = _split_segment_ids(segment_ids, b, t, s)
+  scale = d**-0.5 if scale is None else float(scale)
+
+  name = backend.resolve("attention", impl, IMPLS, _AUTO)
+  if name == "cudnn":
+    reason, max_head_dim = cudnn.device_unsupported_reason()
+    if reason is None:
+      reason = cudnn.unsupported_reason(
+          q.shape, k.shape, q.dtype, causal=causal, has_positions=has_positions,
+          has_segment_ids=q_segment_ids is not None, max_head_dim=max_head_dim)
+    if reason is not None:
+      if impl == "cudnn":
+        raise ValueError(f"attention: impl='cudnn' cannot run this call: {reason}")
+      name = "xla"
+  if name == "cudnn":
+    return cudnn.attention(q, k, v, causal=causal, window=window, scale=scale)
+
+  if not has_positions:
+    # Shaped [1, ...]: the same for every batch row, broadcast by the mask.
+    q_positions = (jnp.arange(t, dtype=jnp.int32) + (s - t))[None]
+    kv_positions = jnp.arange(s, dtype=jnp.int32)[None]
+  mask = xla.visibility_mask(
+      q_positions.astype(jnp.int32), kv_positions.astype(jnp.int32), causal=causal, window=window,
+      q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+  return xla.attention(q, k, v, mask=mask, scale=scale)
+
+
+def _check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    if x.ndim != 4:
+      raise ValueError(f"attention: {name} must be [B, len, heads, head_dim], got shape {x.shape}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise ValueError(f"attention: {name} must be floating point, got {x.dtype}")
+  if k.shape != v.shape:
+    raise ValueError(f"attention: k and v must have the same shape, got {k.shape} and {v.shape}")
+  if not q.dtype == k.dtype == v.dtype:
+    raise ValueError(f"attention: q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+  if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+    raise ValueError(f"attention: q {q.shape} and k {k.shape} must agree on batch and head_dim")
+  if q.shape[2] % k.shape[2]:
+    raise ValueError(f"attention: query heads ({q.shape[2]}) must be a multiple of key/value heads ({k.shape[2]})")
+
+
+def _check_window(window: int | None, causal: bool) -> int | None:
+  if window is None:
+    return None
+  if isinstance(window, bool):
+    raise ValueError(f"attention: window must be a positive int or None, got {window!r}")
+  try:
+    window = operator.index(window)
+  except TypeError:
+    raise ValueError(f"attention: window must be a static positive int or None, got {window!r}") from None
+  if window < 1:
+    raise ValueError(f"attention: window must be >= 1, got {window}")
+  if not causal:
+    raise ValueError("attention: window needs causal=True")
+  return window
+
+
+def _check_positions(
+    q_positions: jax.Array | None, kv_positions: jax.Array | None, causal: bool, b: int, t: int, s: int
+) -> bool:
+  """Whether positions were given; raises ValueError on bad ones."""
+  if q_positions is None and kv_positions is None:
+    return False
+  if q_positions is None or kv_positions is None:
+    raise ValueError("attention: give both q_positions and kv_positions or neither")
+  if not causal:
+    # Positions mask nothing without causal; refusing them keeps empty cache slots from being attended silently.
+    raise ValueError("attention: q_positions/kv_positions only take effect with causal=True")
+  for name, x, length in (("q_positions", q_positions, t), ("kv_positions", kv_positions, s)):
+    if x.shape != (b, length):
+      raise ValueError(f"attention: {name} must have shape {(b, length)}, got {x.shape}")
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+      raise ValueError(f"attention: {name} must be integers, got {x.dtype}")
+  return True
+
+
+def _split_segment_ids(
+    segment_ids: SegmentIds | None, b: int, t: int, s: int
+) -> tuple[jax.Array | None, jax.Array | None]:
+  """(query ids [B, T], key ids [B, S]) from either accepted form, checked."""
+  if segment_ids is None:
+    return None, None
+  if isinstance(segment_ids, Sequence):
+    if len(segment_ids) != 2:
+      raise ValueError(f"attention: segment_ids pair must have 2 entries, got {len(segment_ids)}")
+    q_ids, kv_ids = segment_ids
+  else:
+    if t != s:
+      raise ValueError(f"attention: a single segment_ids array needs T == S (got {t} and {s}); pass a pair")
+    q_ids = kv_ids = segment_ids
+  for name, x, length in (("query segment_ids", q_ids, t), ("key segment_ids", kv_ids, s)):
+    if x.shape != (b, length):
+      raise ValueError(f"attention: {name} must have shape {(b, length)}, got {x.shape}")
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+      raise ValueError(f"attention: {name} must be integers, got {x.dtype}")
+  return q_ids, kv_ids

@@ -1,0 +1,85 @@
+"""Reference attention: a dense [T, S] mask, einsums and a float32 softmax.
+
+This is the definition the other backends are tested against, and the backend used wherever no faster one applies
+(CPU, TPU, float32 on GPU, custom positions, packed segments).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def visibility_mask(
+    q_positions: jax.Array,
+    kv_positions: jax.Array,
+    *,
+    causal: bool,
+    window: int | None,
+    q_segment_ids: jax.Array | None,
+    kv_segment_ids: jax.Array | None,
+) -> jax.Array | None:
+  """Which keys each query may see; None when every key is visible.
+
+  Args:
+    q_positions: [B, T] int32 (or [1, T], shared by the batch); non-negative.
+    kv_positions: [B, S] int32 (or [1, S]).
+    causal: key visible only if kv_pos <= q_pos.
+    window: additionally q_pos - kv_pos < window (requires causal).
+    q_segment_ids: [B, T] int or None.
+    kv_segment_ids: [B, S] int or None.
+
+  Returns:
+    [B, T, S] bool (leading 1 when nothing is per-row), or None.
+  """
+  mask = None
+  if causal:
+    q_pos = q_positions[:, :, None]
+    kv_pos = kv_positions[:, None, :]
+    mask = kv_pos <= q_pos
+    if window is not None:
+      # Evaluated only where kv_pos <= q_pos matters: there both are bounded by q_pos, so the difference cannot
+      # overflow even when empty cache slots carry int32 max.
+      mask = mask & (q_pos - kv_pos < window)
+  if q_segment_ids is not None:
+    same = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
+    mask = same if mask is None else mask & same
+  return mask
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    mask: jax.Array | None,
+    scale: float,
+) -> jax.Array:
+  """Softmax attention with grouped key/value heads, never repeating k or v.
+
+  Args:
+    q: [B, T, Hq, D].
+    k: [B, S, Hkv, D]; query head h reads key/value head h // (Hq // Hkv).
+    v: [B, S, Hkv, D].
+    mask: [B, T, S] bool (True = visible) or None.
+    scale: multiplies the logits.
+
+  Returns:
+    [B, T, Hq, D] in q's dtype. Query rows with no visible key are zero.
+  """
+  b, t, hq, d = q.shape
+  hkv = k.shape[2]
+  qg = q.reshape(b, t, hkv, hq // hkv, d)
+  # Inputs keep their dtype (bf16 runs at bf16 matmul speed); accumulation and everything after is float32.
+  logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+  if mask is None:
+    probs = jax.nn.softmax(logits, axis=-1)
+  else:
+    mask = mask[:, None, None, :, :]
+    # A finite fill keeps fully masked rows NaN-free (their softmax is uniform); the outer where then zeroes them,
+    # and zeroes their gradient too.
+    filled = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+    probs = jnp.where(mask, jax.nn.softmax(filled, axis=-1), 0.0)
+  # Probabilities are rounded to v's dtype for the second matmul, as fused kernels do; a no-op for float32.
+  out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  return out.reshape(b, t, hq, d).astype(q.dtype)

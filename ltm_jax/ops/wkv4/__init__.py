@@ -1,0 +1,91 @@
+"""The RWKV-4 WKV op: a per-channel exponentially decayed, key-weighted average of values.
+
+For every batch row and channel, with a_0, b_0 the incoming state:
+
+  y_t = (a_{t-1} + e^{u+k_t}·v_t) / (b_{t-1} + e^{u+k_t})
+  a_t = e^w·a_{t-1} + e^{k_t}·v_t
+  b_t = e^w·b_{t-1} + e^{k_t}
+
+The state is stored as (num, den, max) with a = num·e^max and b = den·e^max, the running-max trick of the official
+RWKV-4 CUDA kernel, so nothing overflows for any T, key or decay. Accumulation is float32 whatever the input dtype.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from ltm_jax.ops import backend
+from ltm_jax.ops.wkv4 import associative
+from ltm_jax.ops.wkv4 import scan
+
+# A log-scale far below any real one but finite: e^{EMPTY_MAX - x} is exactly 0 and no inf - inf can make a NaN.
+EMPTY_MAX = -1e38
+
+# The first entry is the reference. A Pallas kernel joins this list (and the gpu entry below) in a later issue.
+AVAILABLE = ("scan", "associative")
+_BACKENDS = {"scan": scan.wkv4, "associative": associative.wkv4}
+
+# Fastest backend per platform for training-like shapes, forward+backward under jit, as measured by
+# `python benchmarks/wkv.py` (results in benchmarks/results/wkv4-<device>.json).
+# TODO(wkv4): cpu entry set from the measured table.
+AUTO = {"cpu": "scan", "gpu": "associative"}
+
+
+class Wkv4State(NamedTuple):
+  """The recurrent state after some tokens, each [B, C] float32: a = num·e^max, b = den·e^max."""
+  num: jax.Array
+  den: jax.Array
+  max: jax.Array
+
+
+def empty_state(batch: int, channels: int) -> Wkv4State:
+  """The state before any token: a = b = 0."""
+  zeros = jnp.zeros((batch, channels), jnp.float32)
+  return Wkv4State(zeros, zeros, jnp.full((batch, channels), EMPTY_MAX, jnp.float32))
+
+
+def wkv4(
+    w: jax.Array,
+    u: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    state: Wkv4State | tuple[jax.Array, jax.Array, jax.Array] | None = None,
+    *,
+    impl: str = "auto",
+) -> tuple[jax.Array, Wkv4State]:
+  """Runs WKV over a sequence, starting from `state`.
+
+  Args:
+    w: [C] per-channel log-decay, negative (RWKV-4 passes -exp(time_decay)).
+    u: [C] per-channel bonus of the current token (RWKV-4's time_first).
+    k: [B, T, C] keys, any float dtype.
+    v: [B, T, C] values, any float dtype.
+    state: the state before the first token, (num, den, max) each [B, C]; None is `empty_state`. A state whose den
+      is 0 must have max = EMPTY_MAX (or another value far below every u + k).
+    impl: "auto" (the platform's fastest, see AUTO), or one of AVAILABLE.
+
+  Returns:
+    y: [B, T, C] in v's dtype, and the Wkv4State after the last token: feeding it back continues the sequence, so
+    running two segments one after the other equals running their concatenation.
+
+  Raises:
+    ValueError: on mismatched shapes, non-float keys or values, or an unknown impl.
+  """
+  name = backend.resolve("wkv4", impl, AVAILABLE, AUTO)
+  if k.ndim != 3 or v.shape != k.shape:
+    raise ValueError(f"wkv4: k and v must both be [B, T, C]; got k {k.shape}, v {v.shape}")
+  if not (jnp.issubdtype(k.dtype, jnp.floating) and jnp.issubdtype(v.dtype, jnp.floating)):
+    raise ValueError(f"wkv4: k and v must be floating point; got {k.dtype}, {v.dtype}")
+  batch, _, channels = k.shape
+  if w.shape != (channels,) or u.shape != (channels,):
+    raise ValueError(f"wkv4: w and u must be [C] = ({channels},); got w {w.shape}, u {u.shape}")
+  if state is None:
+    state = empty_state(batch, channels)
+  elif len(state) != 3 or any(s.shape != (batch, channels) for s in state):
+    shapes = [getattr(s, "shape", s) for s in state]
+    raise ValueError(f"wkv4: state must be (num, den, max), each [B, C] = {(batch, channels)}; got {shapes}")
+  y, new_state = _BACKENDS[name](w, u, k, v, tuple(state))
+  return y, Wkv4State(*new_state)

@@ -1,0 +1,233 @@
+"""Numerics of ltm_jax.ops.wkv4, every backend against a plain float64 recurrence written out below."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ltm_jax.ops.wkv4 import AVAILABLE, EMPTY_MAX, Wkv4State, empty_state, wkv4
+
+# Tolerances, each relative to the largest magnitude in the compared array (atol = rtol * max|expected|), so that
+# entries which cancel to near zero are judged on the array's scale. float32 accumulation over a few dozen tokens
+# lands near 1e-6; 16k tokens of slow decay sum far more terms (the w-gradient of the scan reaches ~2e-5).
+F32_RTOL = 2e-5
+LONG_RTOL = 2e-4
+# bfloat16 keeps 8 significant bits (relative rounding 2^-9 ≈ 2e-3), float16 11 (2^-12 ≈ 2.4e-4). y is rounded once
+# to them from float32, and so is its cotangent, through which every gradient flows: allow about two units in the
+# last place. The state never leaves float32 and keeps F32_RTOL.
+LOW_PRECISION_RTOL = {jnp.bfloat16: 8e-3, jnp.float16: 1e-3}
+NAMES = ("w", "u", "k", "v", "state.num", "state.den", "state.max")
+
+
+def _inputs(seed, b, t, c, *, k_scale=1.0):
+  """Random float32 (w, u, k, v, state): w = -exp(U(-3, 1)), and a state with a/b ~ N(0, 1), max in [-2, 2]."""
+  rng = np.random.default_rng(seed)
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  w = -np.exp(rng.uniform(-3.0, 1.0, c))
+  u = rng.normal(0.0, 0.5, c)
+  k = rng.normal(0.0, k_scale, (b, t, c))
+  v = rng.normal(0.0, 1.0, (b, t, c))
+  den = rng.uniform(0.5, 2.0, (b, c))
+  state = Wkv4State(f32(den * rng.normal(0.0, 1.0, (b, c))), f32(den), f32(rng.uniform(-2.0, 2.0, (b, c))))
+  return f32(w), f32(u), f32(k), f32(v), state
+
+
+def _cotangents(seed, b, t, c):
+  """Random weights for y [B, T, C], and for a/b [B, C] and log b [B, C] of the final state."""
+  rng = np.random.default_rng(seed + 1000)
+  return tuple(jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((b, t, c), (b, c), (b, c)))
+
+
+def _weighted(cot, y, ratio, log_b):
+  """A random-weighted sum of the outputs; the final state enters as a/b and log b, scale-free views of (a, b)."""
+  cy, cr, cb = cot
+  return jnp.sum(cy * y) + jnp.sum(cr * ratio) + jnp.sum(cb * log_b)
+
+
+def _reference(w, u, k, v, state):
+  """The WKV recurrence without the running-max trick (float64 keeps it finite here); y and the final (a, b)."""
+  num, den, mx = state
+  a0, b0 = num * jnp.exp(mx), den * jnp.exp(mx)
+
+  def step(carry, kv):
+    a, b = carry
+    k_t, v_t = kv
+    bonus = jnp.exp(u + k_t)
+    y_t = (a + bonus * v_t) / (b + bonus)
+    return (jnp.exp(w) * a + jnp.exp(k_t) * v_t, jnp.exp(w) * b + jnp.exp(k_t)), y_t
+
+  (a, b), y = jax.lax.scan(step, (a0, b0), (jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1)))
+  return jnp.swapaxes(y, 0, 1), a, b
+
+
+@jax.jit
+def _reference_and_grads(inputs, cot):
+  def loss(inputs):
+    y, a, b = _reference(*inputs)
+    return _weighted(cot, y, a / b, jnp.log(b)), (y, a, b)
+
+  (_, out), grads = jax.value_and_grad(loss, has_aux=True)(inputs)
+  return out, grads
+
+
+def _run_reference(inputs, cot):
+  """(y, a, b) and the gradients of `_weighted` w.r.t. (w, u, k, v, state), in float64 numpy."""
+  with jax.enable_x64(True):
+    to64 = lambda x: jnp.asarray(np.asarray(x, np.float64))  # Exact: every float32, bfloat16, float16 fits.
+    return jax.tree.map(np.asarray, _reference_and_grads(jax.tree.map(to64, inputs), jax.tree.map(to64, cot)))
+
+
+def _outputs_and_grads(impl, transform=lambda f: f):
+  """A function of (inputs, cot) giving (y, state) and the gradients of `_weighted` w.r.t. every input."""
+
+  def loss(inputs, cot):
+    y, s = transform(lambda *args: wkv4(*args, impl=impl))(*inputs)
+    return _weighted(cot, y.astype(jnp.float32), s.num / s.den, jnp.log(s.den) + s.max), (y, s)
+
+  def run(inputs, cot):
+    (_, out), grads = jax.value_and_grad(loss, has_aux=True)(inputs, cot)
+    return out, grads
+
+  return run
+
+
+# One jitted function per backend, shared by the tests so that equal shapes compile once: XLA on CPU takes seconds
+# to compile the associative scan and its transpose.
+_JITTED = {impl: jax.jit(_outputs_and_grads(impl)) for impl in AVAILABLE}
+
+
+def _plain(state):
+  """(a, b) in float64 from the stabilised (num, den, max)."""
+  num, den, mx = (np.asarray(s, np.float64) for s in state)
+  return num * np.exp(mx), den * np.exp(mx)
+
+
+def _assert_close(actual, expected, rtol, what):
+  actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+  assert np.all(np.isfinite(actual)), what
+  np.testing.assert_allclose(actual, expected, rtol=rtol, atol=rtol * np.max(np.abs(expected)), err_msg=what)
+
+
+def _assert_matches_reference(impl, inputs, cot, rtol, y_rtol=None):
+  """Checks y (and every gradient, all of which flow through y's cotangent) to y_rtol, the final state to rtol."""
+  y_rtol = y_rtol or rtol
+  (y, state), grads = _JITTED[impl](inputs, cot)
+  (y_ref, a_ref, b_ref), grads_ref = _run_reference(inputs, cot)
+  _assert_close(y, y_ref, y_rtol, "y")
+  a, b = _plain(state)
+  _assert_close(a, a_ref, rtol, "final a")
+  _assert_close(b, b_ref, rtol, "final b")
+  for name, g, g_ref in zip(NAMES, jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
+    _assert_close(g, g_ref, y_rtol, f"grad {name}")
+  return y, state, grads
+
+
+@pytest.mark.parametrize("impl", AVAILABLE)
+def test_matches_reference_odd_shapes(impl):
+  b, t, c = 2, 37, 5
+  _assert_matches_reference(impl, _inputs(0, b, t, c), _cotangents(0, b, t, c), F32_RTOL)
+
+
+@pytest.mark.parametrize("impl", AVAILABLE)
+def test_long_sequence_slow_and_fast_decay(impl):
+  # 16k tokens with decays near 0 (memory of ~100..10k tokens) and near -20 (forgets within one token).
+  b, t = 1, 16384
+  _, u, k, v, state = _inputs(1, b, t, 6)
+  w = jnp.asarray([-1e-4, -1e-3, -1e-2, -19.0, -20.0, -21.0], jnp.float32)
+  _assert_matches_reference(impl, (w, u, k, v, state), _cotangents(1, b, t, 6), LONG_RTOL)
+
+
+@pytest.mark.parametrize("impl", AVAILABLE)
+def test_large_keys_do_not_overflow(impl):
+  # Keys up to ~±150: e^k alone overflows float32, the running-max form must not. Same shapes as above: no compile.
+  b, t, c = 2, 37, 5
+  inputs, cot = _inputs(2, b, t, c, k_scale=50.0), _cotangents(2, b, t, c)
+  (y, state), grads = _JITTED[impl](inputs, cot)
+  (y_ref, a_ref, b_ref), _ = _run_reference(inputs, cot)
+  _assert_close(y, y_ref, F32_RTOL, "y")
+  # a and b themselves overflow float32; compare a/b and log b.
+  _assert_close(np.asarray(state.num) / np.asarray(state.den), a_ref / b_ref, F32_RTOL, "a/b")
+  _assert_close(np.log(np.asarray(state.den, np.float64)) + np.asarray(state.max), np.log(b_ref), F32_RTOL, "log b")
+  assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("impl", AVAILABLE)
+def test_low_precision_inputs(impl, dtype):
+  b, t, c = 2, 37, 5
+  w, u, k, v, state = _inputs(3, b, t, c)
+  # The reference sees the same rounded inputs, so what is left is float32 accumulation plus rounding y once.
+  inputs = (w, u, k.astype(dtype), v.astype(dtype), state)
+  y, state, grads = _assert_matches_reference(
+      impl, inputs, _cotangents(3, b, t, c), F32_RTOL, y_rtol=LOW_PRECISION_RTOL[dtype])
+  assert y.dtype == dtype and grads[2].dtype == dtype and grads[3].dtype == dtype
+  assert all(s.dtype == jnp.float32 for s in state)  # The state stays float32 and is held to float32 tolerance.
+
+
+@pytest.mark.parametrize("impl", AVAILABLE)
+def test_segmented_equals_whole(impl):
+  b, t, c = 2, 37, 5
+  w, u, k, v, state = _inputs(4, b, t, c)
+  run = jax.jit(wkv4, static_argnames="impl")
+  cut = 13
+  for start in (state, empty_state(b, c)):
+    y_whole, s_whole = run(w, u, k, v, start, impl=impl)
+    y1, s1 = run(w, u, k[:, :cut], v[:, :cut], start, impl=impl)
+    y2, s2 = run(w, u, k[:, cut:], v[:, cut:], s1, impl=impl)
+    _assert_close(jnp.concatenate([y1, y2], axis=1), y_whole, F32_RTOL, "y")
+    for x, x_whole in zip(_plain(s2), _plain(s_whole)):
+      _assert_close(x, x_whole, F32_RTOL, "state")
+
+
+@pytest.mark.parametrize("impl", AVAILABLE)
+def test_none_state_is_empty_state(impl):
+  b, t, c = 2, 4, 3
+  w, u, k, v, _ = _inputs(5, b, t, c)
+  empty = empty_state(b, c)
+  assert all(s.shape == (b, c) and s.dtype == jnp.float32 for s in empty)
+  np.testing.assert_array_equal(empty.max, np.float32(EMPTY_MAX))
+  run = jax.jit(wkv4, static_argnames="impl")
+  y_none, s_none = run(w, u, k, v, impl=impl)
+  y_empty, s_empty = run(w, u, k, v, empty, impl=impl)
+  np.testing.assert_array_equal(y_none, y_empty)
+  jax.tree.map(np.testing.assert_array_equal, s_none, s_empty)
+  # Against the reference from a = b = 0 (num = den = 0 at any finite max).
+  zero = Wkv4State(*(jnp.zeros((b, c)),) * 3)
+  (y_ref, a_ref, b_ref), _ = _run_reference((w, u, k, v, zero), _cotangents(5, b, t, c))
+  _assert_close(y_none, y_ref, F32_RTOL, "y")
+  _assert_close(_plain(s_none)[0], a_ref, F32_RTOL, "a")
+
+
+@pytest.mark.parametrize("impl", AVAILABLE)
+def test_jit_checkpoint_vmap_agree(impl):
+  b, t, c = 2, 6, 3
+  inputs, cot = _inputs(6, b, t, c), _cotangents(6, b, t, c)
+  expected = _JITTED[impl](inputs, cot)
+  # Eager forward only: op-by-op, the associative scan and its transpose take many seconds to dispatch.
+  jax.tree.map(lambda x, y: _assert_close(x, y, F32_RTOL, "eager"), wkv4(*inputs, impl=impl), expected[0])
+  checkpointed = jax.jit(_outputs_and_grads(impl, jax.checkpoint))(inputs, cot)
+  jax.tree.map(lambda x, y: _assert_close(x, y, F32_RTOL, "checkpoint"), checkpointed, expected)
+  # vmap over a stack of three independent problems (their own w, u too) equals running them one by one.
+  stack = [_inputs(7 + i, b, t, c) for i in range(3)]
+  batched = jax.jit(jax.vmap(lambda *args: wkv4(*args, impl=impl)))(*jax.tree.map(lambda *xs: jnp.stack(xs), *stack))
+  for i, one in enumerate(stack):
+    jax.tree.map(lambda x, y: _assert_close(x[i], y, F32_RTOL, "vmap"), batched, wkv4(*one, impl=impl))
+
+
+def test_rejects_bad_shapes_and_impl():
+  w, u, k, v, state = _inputs(8, 2, 7, 3)
+  bad_calls = [
+      ("k and v must both be", lambda: wkv4(w, u, k, v[:, :5])),
+      ("k and v must both be", lambda: wkv4(w, u, k[0], v[0])),
+      ("w and u must be", lambda: wkv4(w[:2], u, k, v)),
+      ("w and u must be", lambda: wkv4(w, u[None], k, v)),
+      ("state must be", lambda: wkv4(w, u, k, v, Wkv4State(state.num, state.den, state.max[:1]))),
+      ("state must be", lambda: wkv4(w, u, k, v, (state.num, state.den))),
+      ("floating point", lambda: wkv4(w, u, k.astype(jnp.int32), v)),
+      ("unknown impl", lambda: wkv4(w, u, k, v, impl="cuda")),
+  ]
+  for match, call in bad_calls:
+    with pytest.raises(ValueError, match=match):
+      call()

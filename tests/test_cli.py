@@ -1,0 +1,99 @@
+"""The `ltm` command: a full train -> eval -> generate -> info round, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+from conftest import ROOT
+from ltm_jax import cli
+from ltm_jax.api import load
+
+TINY = str(ROOT / "configs" / "tiny.py")
+# The tiny config shrunk so the round trip compiles and runs in seconds.
+SMALL = ["model.d_model=32", "model.n_layers=2", "train.batch_size=4", "train.seq_len=32", "train.eval_batches=2",
+         "train.log_every=5", "data.worker_threads=1"]
+
+
+def _run(capsys, *argv) -> tuple[int, str, str]:
+  code = cli.main([str(a) for a in argv])
+  out = capsys.readouterr()
+  return code, out.out, out.err
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+  path = tmp_path_factory.mktemp("cli")
+  code = cli.main(["train", "--config", TINY, "--workdir", str(path), *SMALL, "train.steps=10",
+                   "train.eval_every=5", "train.checkpoint_every=5"])
+  assert code == 0
+  return path
+
+
+def test_train_resumes_where_it_stopped(workdir, capsys):
+  code, out, _ = _run(capsys, "train", "--config", TINY, "--workdir", workdir, *SMALL, "train.steps=15",
+                      "train.eval_every=5", "train.checkpoint_every=5")
+  assert code == 0 and "resuming from step 10" in out
+  steps = [json.loads(line)["step"] for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  assert steps == [5, 10, 15]
+
+
+def test_eval_writes_eval_json(workdir, capsys):
+  code, out, _ = _run(capsys, "eval", "--workdir", workdir, "--batches", 3)
+  assert code == 0
+  result = json.loads((workdir / "eval.json").read_text())
+  assert result["step"] == load(workdir).trained_steps and 0 < result["val_bpb"] < 9
+  assert result["val_tokens"] == 3 * 4 * 32
+  assert "val_bpb" in out
+
+
+def test_generate_prints_prompt_and_continuation(workdir, capsys):
+  code, out, _ = _run(capsys, "generate", "--workdir", workdir, "--prompt", "The ", "--max-new-tokens", 20,
+                      "--temperature", 0.8, "--top-k", 40, "--top-p", 0.95, "--seed", 3)
+  assert code == 0 and out.startswith("The ")
+
+
+def test_info_reports_size_flops_memory(capsys):
+  code, out, _ = _run(capsys, "info", "--config", TINY, "--json", "model.d_model=64")
+  info = json.loads(out)
+  assert code == 0 and info["params"] > 0 and info["flops_per_token_train"] == 3 * info["flops_per_token_forward"]
+  assert info["memory_bytes_estimate"] > info["train_state_bytes"] == 16 * info["params"]
+  assert "parameters" in _run(capsys, "info", "--config", TINY)[1]
+
+
+def _fails(capsys, *argv, match: str) -> str:
+  code, out, err = _run(capsys, *argv)
+  assert code == 2, (out, err)
+  assert len(err.strip().splitlines()) == 1 and err.startswith("error: ") and match in err, err
+  return err
+
+
+def test_bad_input_gives_one_line_errors(capsys, tmp_path):
+  _fails(capsys, "info", "--config", TINY, "model.d_modle=64", match="did you mean model.d_model")
+  _fails(capsys, "info", "--config", TINY, "model.d_model=abc", match="expects int")
+  _fails(capsys, "info", "--config", TINY, "model.n_heads=5", match="not divisible by model.n_heads=5")
+  _fails(capsys, "info", "--config", TINY, "model.layer_pattern=RQ", match="unknown letter(s) 'Q'")
+  _fails(capsys, "info", "--config", tmp_path / "missing.py", match="config file not found")
+  _fails(capsys, "train", "--config", TINY, "--workdir", tmp_path / "w", "data.source=" + str(tmp_path / "none.txt"),
+         match="none.txt")
+  (tmp_path / "empty.txt").write_text("")
+  _fails(capsys, "train", "--config", TINY, "--workdir", tmp_path / "w", "data.source=" + str(tmp_path / "empty.txt"),
+         match="empty")
+  tokens = np.random.default_rng(0).integers(0, 259, 5000).astype(np.uint16)
+  tokens[4321] = 300
+  tokens.tofile(tmp_path / "tokens.bin")
+  _fails(capsys, "train", "--config", TINY, "--workdir", tmp_path / "w", "data.source=" + str(tmp_path / "tokens.bin"),
+         match="4,321")
+  assert not (tmp_path / "w").exists()  # Bad data fails before the workdir is created.
+  _fails(capsys, "eval", "--workdir", tmp_path, match="not an ltm_jax workdir")
+  _fails(capsys, "generate", "--workdir", tmp_path, match="not an ltm_jax workdir")
+
+
+def test_mismatched_model_is_refused_without_changes(workdir, capsys):
+  before = {p: p.stat().st_mtime_ns for p in pathlib.Path(workdir).rglob("*")}
+  _fails(capsys, "train", "--config", TINY, "--workdir", workdir, *SMALL, "model.d_model=64",
+         match="model.d_model: checkpoint 32, config 64")
+  assert {p: p.stat().st_mtime_ns for p in pathlib.Path(workdir).rglob("*")} == before

@@ -1,0 +1,118 @@
+"""The LM: causality, segment-wise processing with carried state, parameters and their logical axes."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import micro_config
+from ltm_jax import model as model_lib
+from ltm_jax.layers.common import LOGICAL_AXES
+
+# Every mixer alone, with its options, and hybrids.
+VARIANTS = {
+    "attention": dict(layer_pattern="A"),
+    "attention_window_gqa": dict(layer_pattern="A", window=5, n_kv_heads=2),
+    "rwkv4": dict(layer_pattern="R"),
+    "hybrid": dict(layer_pattern="RA"),
+    "hybrid_swiglu_layernorm_tied": dict(layer_pattern="RA", ffn="swiglu", norm="layernorm", tie_embeddings=True),
+}
+FLOAT32_ATOL = 2e-5  # Different association of the same float32 sums (chunked vs whole).
+
+
+def _setup(variant: str, seed: int = 0):
+  cfg = micro_config(**VARIANTS[variant]).model
+  params = model_lib.init_params(cfg, jax.random.key(seed))
+  return cfg, model_lib.LM(cfg), params
+
+
+def _tokens(key, batch, length, cfg):
+  return jax.random.randint(key, (batch, length), 0, cfg.vocab_size)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_future_tokens_never_change_earlier_logits(variant):
+  cfg, model, params = _setup(variant)
+  tokens = _tokens(jax.random.key(1), 2, 23, cfg)
+  cut = 11
+  changed = tokens.at[:, cut:].set(_tokens(jax.random.key(2), 2, 23 - cut, cfg))
+  apply = jax.jit(lambda t: model.apply({"params": params}, t)[0])
+  a, b = apply(tokens), apply(changed)
+  np.testing.assert_array_equal(np.asarray(a[:, :cut]), np.asarray(b[:, :cut]))
+  assert not np.allclose(a[:, cut:], b[:, cut:])  # The change is visible where it should be.
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_segments_with_carried_state_equal_whole_sequence(variant):
+  cfg, model, params = _setup(variant)
+  tokens = _tokens(jax.random.key(3), 2, 29, cfg)
+  whole, whole_state = model.apply({"params": params}, tokens)
+  state, pieces = model_lib.init_state(cfg, 2), []
+  for start, stop in [(0, 7), (7, 8), (8, 20), (20, 29)]:  # Includes one-token steps, as decoding does.
+    logits, state = model.apply({"params": params}, tokens[:, start:stop], state)
+    pieces.append(logits)
+  np.testing.assert_allclose(np.concatenate(pieces, axis=1), whole, atol=FLOAT32_ATOL, rtol=0)
+  for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(whole_state)):  # Final states agree too.
+    np.testing.assert_allclose(a, b, atol=FLOAT32_ATOL, rtol=1e-5)
+
+
+def test_window_cache_holds_exactly_window_entries():
+  cfg, model, params = _setup("attention_window_gqa")
+  state = model_lib.init_state(cfg, 1)
+  assert state[0].mixer.k.shape == (1, cfg.window, cfg.kv_heads, cfg.head_dim)
+  _, state = model.apply({"params": params}, _tokens(jax.random.key(4), 1, 12, cfg), state)
+  np.testing.assert_array_equal(state[0].mixer.positions[0], np.arange(12 - cfg.window, 12))
+
+
+def test_state_none_equals_initial_state():
+  cfg, model, params = _setup("hybrid")
+  tokens = _tokens(jax.random.key(5), 3, 9, cfg)
+  a, _ = model.apply({"params": params}, tokens)
+  b, _ = model.apply({"params": params}, tokens, model_lib.init_state(cfg, 3))
+  np.testing.assert_allclose(a, b, atol=FLOAT32_ATOL, rtol=0)
+
+
+def test_bfloat16_compute_keeps_float32_params_and_logits():
+  cfg = micro_config(dtype="bfloat16").model
+  params = model_lib.init_params(cfg, jax.random.key(0))
+  assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
+  tokens = _tokens(jax.random.key(6), 2, 16, cfg)
+  low, _ = model_lib.LM(cfg).apply({"params": params}, tokens)
+  full, _ = model_lib.LM(micro_config().model).apply({"params": params}, tokens)
+  assert low.dtype == jnp.float32
+  # bfloat16 has an 8-bit mantissa: logits of order 1 agree to a few 1e-2.
+  np.testing.assert_allclose(low, full, atol=0.1, rtol=0)
+  assert np.abs(low - full).mean() < 0.02
+
+
+def test_logits_cover_the_vocabulary_and_head_is_padded():
+  cfg, model, params = _setup("hybrid")
+  logits, _ = model.apply({"params": params}, _tokens(jax.random.key(7), 1, 4, cfg))
+  assert logits.shape == (1, 4, cfg.vocab_size)
+  assert params["embed"]["embedding"].shape == (384, cfg.d_model)
+  assert params["head"]["kernel"].shape == (cfg.d_model, 384)
+
+
+def test_every_parameter_has_logical_axes():
+  for variant in VARIANTS:
+    cfg = micro_config(**VARIANTS[variant]).model
+    variables = jax.eval_shape(lambda: model_lib.LM(cfg).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))
+    leaves = jax.tree_util.tree_flatten_with_path(variables["params"],
+                                                  is_leaf=lambda x: isinstance(x, nn.Partitioned))[0]
+    for path, leaf in leaves:
+      assert isinstance(leaf, nn.Partitioned), f"{variant}: {jax.tree_util.keystr(path)} has no logical axes"
+      assert len(leaf.names) == leaf.value.ndim
+      assert set(leaf.names) <= set(LOGICAL_AXES), leaf.names
+      assert len(set(leaf.names)) == len(leaf.names), f"{jax.tree_util.keystr(path)} repeats an axis name"
+
+
+def test_init_is_deterministic_and_seed_dependent():
+  cfg = micro_config().model
+  a = model_lib.init_params(cfg, jax.random.key(0))
+  b = model_lib.init_params(cfg, jax.random.key(0))
+  c = model_lib.init_params(cfg, jax.random.key(1))
+  assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  assert not np.array_equal(a["embed"]["embedding"], c["embed"]["embedding"])

@@ -1,0 +1,127 @@
+"""End to end: the loss falls, an interrupted run resumes to the same metrics, checkpoints round-trip, and a workdir
+refuses a different model without touching its checkpoints."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import ROOT, micro_config
+from ltm_jax import model as model_lib
+from ltm_jax.config import apply_overrides
+from ltm_jax.errors import CheckpointError
+from ltm_jax.train import checkpoint as ckpt_lib
+from ltm_jax.train import train
+from ltm_jax.train.metrics import read_metrics
+from ltm_jax.train.optimizer import make_optimizer
+from ltm_jax.train.step import create_train_state
+
+# Fields that must match between an interrupted+resumed run and an uninterrupted one (timings are excluded).
+COMPARED = ("loss", "grad_norm", "lr", "val_loss", "val_bpb")
+RESUME_RTOL = 1e-6  # Same program, same inputs, same device: only a different compilation could differ.
+
+
+def _tree_digest(path: pathlib.Path) -> str:
+  digest = hashlib.sha256()
+  for f in sorted(p for p in path.rglob("*") if p.is_file()):
+    digest.update(str(f.relative_to(path)).encode() + f.read_bytes())
+  return digest.hexdigest()
+
+
+# Long enough that a signal sent at the first log row lands mid-run; short enough to finish in seconds.
+LOOP_OVERRIDES = ["train.steps=120", "train.log_every=10", "train.eval_every=60", "train.checkpoint_every=60"]
+
+
+def loop_config(**model_overrides):
+  return apply_overrides(micro_config(**model_overrides), LOOP_OVERRIDES)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("uninterrupted")
+  result = train(loop_config(), workdir, progress=False)
+  return workdir, result
+
+
+def test_loss_falls_and_files_are_written(uninterrupted):
+  workdir, result = uninterrupted
+  rows = read_metrics(workdir)
+  assert [r["step"] for r in rows] == list(range(10, 121, 10))
+  for key in ("step", "loss", "lr", "grad_norm", "tokens_per_sec"):
+    assert all(key in r for r in rows)
+  assert [r["step"] for r in rows if "val_loss" in r and "val_bpb" in r] == [60, 120]
+  assert rows[-1]["loss"] < rows[0]["loss"] - 1.0
+  assert result.step == 120 and result.interrupted_by is None
+  assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == [60, 120]
+  assert list((workdir / "tensorboard").glob("events.out.tfevents.*"))
+  assert json.loads((workdir / "config.json").read_text())["model"]["d_model"] == 32
+
+
+def test_sigterm_saves_and_resume_reproduces_the_uninterrupted_metrics(uninterrupted, tmp_path):
+  reference = {r["step"]: r for r in read_metrics(uninterrupted[0])}
+  workdir = tmp_path / "interrupted"
+  config_file = tmp_path / "micro.py"
+  config_file.write_text("import sys\nsys.path.insert(0, %r)\nfrom conftest import micro_config\n"
+                         "def get_config():\n  return micro_config()\n" % str(ROOT / "tests"))
+  cmd = [sys.executable, "-m", "ltm_jax", "train", "--config", str(config_file), "--workdir", str(workdir),
+         *LOOP_OVERRIDES]
+  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  deadline = time.time() + 240
+  while time.time() < deadline and proc.poll() is None and not read_metrics(workdir):
+    time.sleep(0.01)
+  proc.send_signal(signal.SIGTERM)
+  out, _ = proc.communicate(timeout=240)
+  assert proc.returncode == 128 + signal.SIGTERM, out
+  assert "checkpoint saved" in out
+  stopped = ckpt_lib.Checkpointer(workdir, read_only=True).latest_step()
+  assert stopped is not None and 10 <= stopped < 120, out
+
+  result = train(loop_config(), workdir, progress=False)
+  assert result.step == 120
+  resumed = {r["step"]: r for r in read_metrics(workdir)}
+  assert sorted(resumed) == sorted(reference)
+  for step, row in reference.items():
+    for key in COMPARED:
+      if key in row:
+        assert resumed[step][key] == pytest.approx(row[key], rel=RESUME_RTOL), (step, key)
+
+
+def test_checkpoint_round_trip(tmp_path):
+  cfg = micro_config()
+  params = model_lib.init_params(cfg.model, jax.random.key(3))
+  state = create_train_state(params, make_optimizer(cfg.train), seed=5)
+  checkpointer = ckpt_lib.Checkpointer(tmp_path, keep=2)
+  data_state = {"next_batch": 7, "seed": 0}
+  checkpointer.save(4, state, data_state, cfg)
+  checkpointer.close()
+  restored, restored_data = ckpt_lib.Checkpointer(tmp_path, read_only=True).restore(4, ckpt_lib.abstract(state))
+  assert restored_data == data_state
+  for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored)):
+    np.testing.assert_array_equal(a, b)
+  assert ckpt_lib.Checkpointer(tmp_path, read_only=True).saved_config(4) == cfg
+
+
+def test_different_model_is_refused_and_nothing_is_touched(uninterrupted):
+  workdir, _ = uninterrupted
+  before = _tree_digest(workdir)
+  with pytest.raises(CheckpointError, match=r"model.d_model: checkpoint 32, config 64"):
+    train(loop_config(d_model=64), workdir, progress=False)
+  with pytest.raises(CheckpointError, match=r"model.layer_pattern: checkpoint 'RA', config 'AR'"):
+    train(loop_config(layer_pattern="AR"), workdir, progress=False)
+  assert _tree_digest(workdir) == before
+
+
+def test_finished_run_is_not_repeated(uninterrupted):
+  workdir, _ = uninterrupted
+  before = _tree_digest(workdir / "checkpoints")
+  result = train(loop_config(), workdir, progress=False)
+  assert result.step == 120 and _tree_digest(workdir / "checkpoints") == before
