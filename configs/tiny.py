@@ -8,6 +8,6 @@ def get_config() -> Config:
       name="tiny",
       model=ModelConfig(d_model=128, n_layers=4, n_heads=4, layer_pattern="RA", max_seq_len=1024),
       data=DataConfig(source="embedded"),
-      train=TrainConfig(steps=1500, batch_size=32, seq_len=128, lr=4e-3, warmup_steps=100, eval_every=250,
-                        eval_batches=16, checkpoint_every=500, log_every=50),
+      train=TrainConfig(steps=900, batch_size=32, seq_len=128, lr=4e-3, warmup_steps=100, eval_every=150,
+                        eval_batches=16, checkpoint_every=300, log_every=50),
   )

@@ -34,8 +34,8 @@ def _eval(args) -> int:
   splits = data_lib.load_splits(lm.config.data, lm.config.model.vocab_size, t.seq_len)
   batches = data_lib.eval_batches(splits.val, batch_size, t.seq_len, args.batches or 10**9)
   started = time.time()
-  metrics = {"step": lm.trained_steps, **evaluate(make_eval_step(lm.model), lm.params, batches, lm.tokenizer.bytes_per_token),
-             "seq_len": t.seq_len, "seconds": round(time.time() - started, 2)}
+  evaluation = evaluate(make_eval_step(lm.model), lm.params, batches, lm.tokenizer.bytes_per_token)
+  metrics = {"step": lm.trained_steps, **evaluation, "seq_len": t.seq_len, "seconds": round(time.time() - started, 2)}
   out = pathlib.Path(args.workdir) / "eval.json"
   out.write_text(json.dumps(metrics, indent=2) + "\n")
   for k, v in metrics.items():
@@ -127,6 +127,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
   args = parser().parse_args(argv)
+  from absl import logging as absl_logging  # orbax logs routine notices as warnings; keep the terminal for results.
+  absl_logging.set_verbosity(absl_logging.ERROR)
   from ltm_jax.errors import LtmError
   try:
     return args.run(args)

@@ -19,8 +19,10 @@ class Checkpointer:
 
   def __init__(self, workdir: str | pathlib.Path, keep: int = 3, async_save: bool = True, read_only: bool = False):
     self.directory = pathlib.Path(workdir).absolute() / "checkpoints"
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=not read_only,
-                                           read_only=read_only)
+    if read_only:
+      options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0, max_to_keep=None)
+    else:
+      options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save)
     self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data", "config"))
 
   def latest_step(self) -> int | None:

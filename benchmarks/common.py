@@ -1,0 +1,98 @@
+"""Timing and reporting helpers shared by the scripts in benchmarks/.
+
+Scripts run as `python benchmarks/<name>.py` from a checkout; importing this module first puts the checkout on
+sys.path, so they time the working tree's ltm_jax without an install.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import pathlib
+import platform
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+  sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402  (after the path fix, like every ltm_jax import in the scripts)
+import jaxlib  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def device_name() -> str:
+  """'cpu', or the accelerator's kind slugified, e.g. 'nvidia-h100-80gb-hbm3': the suffix of result files."""
+  device = jax.devices()[0]
+  if device.platform == "cpu":
+    return "cpu"
+  return re.sub(r"[^a-z0-9]+", "-", device.device_kind.lower()).strip("-")
+
+
+def environment() -> dict[str, Any]:
+  """What a result depends on besides the code: device, library versions, host, date."""
+  device = jax.devices()[0]
+  return {
+      "device": device_name(),
+      "device_kind": device.device_kind,
+      "platform": device.platform,
+      "device_count": jax.device_count(),
+      "jax": jax.__version__,
+      "jaxlib": jaxlib.__version__,
+      "python": platform.python_version(),
+      "host_cpus": os.cpu_count(),
+      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+  }
+
+
+def compile_fn(fn: Callable[..., Any], *args) -> tuple[Callable[..., Any], float]:
+  """jax.jit(fn) compiled ahead of time for `args`, and the seconds that compiling took."""
+  start = time.perf_counter()
+  compiled = jax.jit(fn).lower(*args).compile()
+  return compiled, time.perf_counter() - start
+
+
+def time_fn(
+    fn: Callable[..., Any], *args, warmup: int = 2, min_runs: int = 5, max_runs: int = 50, budget_s: float = 2.0
+) -> dict[str, float]:
+  """Wall-clock milliseconds of fn(*args) until its outputs are ready: median, min and max over the runs.
+
+  After `warmup` untimed calls, runs at least `min_runs` times and then stops at `max_runs` or once `budget_s` of
+  timed calls have passed, whichever comes first.
+  """
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  times = []
+  while len(times) < max_runs and (len(times) < min_runs or sum(times) < budget_s):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  ms = [t * 1e3 for t in times]
+  return {"median_ms": statistics.median(ms), "min_ms": min(ms), "max_ms": max(ms), "runs": len(ms)}
+
+
+def print_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> None:
+  """Prints `columns` of `rows` as an aligned text table; floats to 4 significant digits."""
+  fmt = lambda x: f"{x:.4g}" if isinstance(x, float) else str(x)
+  cells = [list(columns)] + [[fmt(row.get(c, "")) for c in columns] for row in rows]
+  widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
+  for i, line in enumerate(cells):
+    print("  ".join(cell.rjust(width) for cell, width in zip(line, widths)))
+    if i == 0:
+      print("  ".join("-" * width for width in widths))
+
+
+def write_results(name: str, rows: Sequence[Mapping[str, Any]], **config: Any) -> pathlib.Path:
+  """Writes benchmarks/results/<name>-<device>.json: the environment, the run's `config` and one entry per row."""
+  RESULTS.mkdir(parents=True, exist_ok=True)
+  path = RESULTS / f"{name}-{device_name()}.json"
+  payload = {"benchmark": name, **environment(), "config": config, "results": list(rows)}
+  path.write_text(json.dumps(payload, indent=2) + "\n")
+  return path
