@@ -16,8 +16,9 @@ import numpy as np
 
 from ltm_jax import data as data_lib
 from ltm_jax import model as model_lib
+from ltm_jax import config as config_lib
 from ltm_jax.config import Config
-from ltm_jax.errors import CheckpointError
+from ltm_jax.errors import CheckpointError, LtmError
 from ltm_jax.inference import generate_tokens
 from ltm_jax.train import checkpoint as ckpt_lib
 from ltm_jax.train.optimizer import make_optimizer
@@ -40,10 +41,18 @@ class LanguageModel:
     return model_lib.count_params(self.params)
 
   def encode(self, text: str) -> np.ndarray:
+    self._check_text_vocabulary()
     return self.tokenizer.encode(text)
 
   def decode(self, tokens) -> str:
+    self._check_text_vocabulary()
     return self.tokenizer.decode(np.asarray(tokens))
+
+  def _check_text_vocabulary(self) -> None:
+    if self.config.model.vocab_size > self.tokenizer.vocab_size:  # Trained on pre-tokenized ids (.bin).
+      raise LtmError(f"the model's vocabulary ({self.config.model.vocab_size} ids) is larger than the "
+                     f"{self.tokenizer.name} tokenizer's ({self.tokenizer.vocab_size}); use token ids "
+                     "(forward, step, generate_tokens) instead of text")
 
   def forward(self, tokens) -> jax.Array:
     """tokens [B, T] (or [T]) int -> float32 logits [B, T, vocab_size] (or [T, vocab_size])."""
@@ -56,8 +65,20 @@ class LanguageModel:
     return model_lib.init_state(self.config.model, batch)
 
   def step(self, state, tokens):
-    """Advances `state` by a chunk of tokens [B, T] -> (logits [B, T, vocab_size], new state)."""
-    return self._apply({"params": self.params}, jnp.asarray(tokens, jnp.int32), state)
+    """Advances `state` by a chunk of tokens [B, T] -> (logits [B, T, vocab_size], new state).
+
+    Full-attention layers hold at most model.max_seq_len keys; going past that raises instead of silently turning
+    them into sliding-window layers."""
+    tokens = jnp.asarray(tokens, jnp.int32)
+    m = self.config.model
+    for layer_state, kind in zip(state, m.mixers):
+      if kind == "attention" and m.window is None:
+        end = int(jnp.max(layer_state.mixer.next_position)) + tokens.shape[1]
+        if end > m.max_seq_len:
+          raise ValueError(f"step would reach position {end}, beyond model.max_seq_len={m.max_seq_len}, the "
+                           "attention cache capacity")
+        break
+    return self._apply({"params": self.params}, tokens, state)
 
   def generate(self, prompt: str | Sequence[str], max_new_tokens: int = 200, *, temperature: float = 1.0,
                top_k: int | None = None, top_p: float | None = None, seed: int = 0,
@@ -102,8 +123,11 @@ def build(config: Config, seed: int = 0) -> LanguageModel:
   return LanguageModel(config, model_lib.init_params(config.model, jax.random.key(seed)))
 
 
-def load(workdir: str | pathlib.Path, step: int | None = None) -> LanguageModel:
-  """The model saved in `workdir` at `step` (default: the latest checkpoint)."""
+def load(workdir: str | pathlib.Path, step: int | None = None, overrides: Sequence[str] = ()) -> LanguageModel:
+  """The model saved in `workdir` at `step` (default: the latest checkpoint).
+
+  `overrides` change how the model runs, e.g. ["model.wkv_impl=scan", "model.dtype=bfloat16"]; keys that would
+  change the parameters are refused."""
   ckpt_lib.read_config_json(workdir)  # A clear error for a folder that is not a workdir.
   checkpointer = ckpt_lib.Checkpointer(workdir, read_only=True)
   available = checkpointer.all_steps()
@@ -112,7 +136,9 @@ def load(workdir: str | pathlib.Path, step: int | None = None) -> LanguageModel:
   step = max(available) if step is None else step
   if step not in available:
     raise CheckpointError(f"{workdir} has no checkpoint at step {step}; available: {sorted(available)}")
-  config = checkpointer.saved_config(step)
+  saved = checkpointer.saved_config(step)
+  config = config_lib.validate(config_lib.apply_overrides(saved, overrides))
+  ckpt_lib.check_compatible(saved, config, str(workdir))
   template = jax.eval_shape(lambda: create_train_state(
       model_lib.init_params(config.model, jax.random.key(0)), make_optimizer(config.train), 0))
   state, _ = checkpointer.restore(step, template)

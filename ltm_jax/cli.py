@@ -34,7 +34,8 @@ def _eval(args) -> int:
   splits = data_lib.load_splits(lm.config.data, lm.config.model.vocab_size, t.seq_len)
   batches = data_lib.eval_batches(splits.val, batch_size, t.seq_len, args.batches or 10**9)
   started = time.time()
-  evaluation = evaluate(make_eval_step(lm.model), lm.params, batches, lm.tokenizer.bytes_per_token)
+  bytes_per_token = None if splits.is_token_file else lm.tokenizer.bytes_per_token
+  evaluation = evaluate(make_eval_step(lm.model), lm.params, batches, bytes_per_token)
   metrics = {"step": lm.trained_steps, **evaluation, "seq_len": t.seq_len, "seconds": round(time.time() - started, 2)}
   out = pathlib.Path(args.workdir) / "eval.json"
   out.write_text(json.dumps(metrics, indent=2) + "\n")
@@ -45,17 +46,10 @@ def _eval(args) -> int:
 
 
 def _generate(args) -> int:
-  import jax
-  import numpy as np
   from ltm_jax.api import load
   lm = load(args.workdir, args.step)
-  ids = lm.encode(args.prompt)
-  if len(ids) == 0:
-    ids = np.array([lm.tokenizer.bos_id], np.int32)
-  tokens = lm.generate_tokens(ids[None], args.max_new_tokens, key=jax.random.key(args.seed),
-                              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)[0]
-  eos = np.flatnonzero(tokens == lm.tokenizer.eos_id)
-  print(args.prompt + lm.decode(tokens[:eos[0]] if eos.size else tokens))
+  print(args.prompt + lm.generate(args.prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                                  top_p=args.top_p, seed=args.seed))
   return 0
 
 

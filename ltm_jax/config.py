@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import importlib.util
 import json
+import math
 import pathlib
 import types
 import typing
@@ -51,7 +52,7 @@ class ModelConfig:
 
   @property
   def kv_heads(self) -> int:
-    return self.n_kv_heads or self.n_heads
+    return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
 
   @property
   def head_dim(self) -> int:
@@ -236,9 +237,11 @@ def _parse(raw: str, tp, key: str):
         pass
     elif t is float:
       try:
-        return float(raw)
+        value = float(raw)
       except ValueError:
-        pass
+        continue
+      if math.isfinite(value):
+        return value
     elif t is str:
       return raw
   names = " or ".join(t.__name__ if t is not type(None) else "none" for t in allowed)
@@ -283,7 +286,8 @@ def validate(config: Config) -> Config:
   need(m.d_model % m.n_heads == 0, f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}")
   need(m.kv_heads > 0 and m.n_heads % m.kv_heads == 0,
        f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}")
-  need(m.head_dim % 2 == 0, f"head dimension d_model/n_heads={m.head_dim} must be even for RoPE")
+  need("A" not in m.layer_pattern or m.head_dim % 2 == 0,
+       f"head dimension d_model/n_heads={m.head_dim} must be even for RoPE")
   need(len(m.layer_pattern) > 0, "model.layer_pattern is empty")
   bad = sorted(set(m.layer_pattern) - set(MIXERS))
   need(not bad, f"model.layer_pattern={m.layer_pattern!r} has unknown letter(s) {''.join(bad)!r}; "

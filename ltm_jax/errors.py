@@ -15,3 +15,7 @@ class DataError(LtmError):
 
 class CheckpointError(LtmError):
   """A workdir whose checkpoint does not belong to the configured model."""
+
+
+class TrainingError(LtmError):
+  """Training diverged (non-finite loss or gradients); the last good checkpoint is kept."""

@@ -42,15 +42,18 @@ class Block(nn.Module):
     cfg, mixer_kind = self.cfg, self.cfg.mixers[self.layer]
     std, out_std = _std(cfg)
     if mixer_kind == "attention":
-      mixer = Attention(cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.window, _cache_capacity(cfg), cfg.rope_theta,
-                        std, out_std, cfg.attention_impl, cfg.dtype, name="mixer")
+      mixer = Attention(n_heads=cfg.n_heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, window=cfg.window,
+                        capacity=_cache_capacity(cfg), rope_theta=cfg.rope_theta, std=std, out_std=out_std,
+                        impl=cfg.attention_impl, dtype=cfg.dtype, name="mixer")
     else:
-      mixer = TimeMix(self.layer, cfg.n_layers, std, out_std, cfg.wkv_impl, cfg.dtype, name="mixer")
+      mixer = TimeMix(layer=self.layer, n_layers=cfg.n_layers, std=std, out_std=out_std, impl=cfg.wkv_impl,
+                      dtype=cfg.dtype, name="mixer")
     ffn_kind = cfg.ffn_kind(mixer_kind)
     if ffn_kind == "channel_mix":
-      ffn = ChannelMix(self.layer, cfg.n_layers, cfg.ffn_dim(ffn_kind), std, out_std, cfg.dtype, name="ffn")
+      ffn = ChannelMix(layer=self.layer, n_layers=cfg.n_layers, hidden=cfg.ffn_dim(ffn_kind), std=std,
+                       out_std=out_std, dtype=cfg.dtype, name="ffn")
     else:
-      ffn = SwiGLU(cfg.ffn_dim(ffn_kind), std, out_std, cfg.dtype, name="ffn")
+      ffn = SwiGLU(hidden=cfg.ffn_dim(ffn_kind), std=std, out_std=out_std, dtype=cfg.dtype, name="ffn")
     mixer_state, ffn_state = (None, None) if state is None else state
     h, mixer_state = mixer(norm(cfg.norm, cfg.norm_eps, cfg.dtype, "mixer_norm")(x), mixer_state)
     x = x + h.astype(x.dtype)
@@ -60,13 +63,15 @@ class Block(nn.Module):
 
 class LM(nn.Module):
   """tokens [B, T] int -> (logits [B, T, vocab_size] float32, state). The LM head is padded to a multiple of 128
-  for fast matmuls; the padded columns are sliced off, so they never enter the softmax."""
+  for fast matmuls; the padded columns are sliced off, so they never enter the softmax. The residual stream stays
+  float32 whatever `dtype` is (sub-layers compute in `dtype` and their outputs are added in float32), as PyTorch
+  autocast does, so deep bfloat16 models do not accumulate rounding in the residual sum."""
   cfg: ModelConfig
 
   @nn.compact
   def __call__(self, tokens, state: tuple[BlockState, ...] | None = None):
     cfg = self.cfg
-    embed = nn.Embed(cfg.padded_vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=jnp.float32,
+    embed = nn.Embed(cfg.padded_vocab_size, cfg.d_model, dtype=jnp.float32, param_dtype=jnp.float32,
                      embedding_init=init(cfg.init_std, ("vocab", "embed")), name="embed")
     x = embed(tokens)
     new_state = []
@@ -75,7 +80,7 @@ class LM(nn.Module):
       new_state.append(block_state)
     x = norm(cfg.norm, cfg.norm_eps, cfg.dtype, "final_norm")(x)
     if cfg.tie_embeddings:
-      logits = embed.attend(x)
+      logits = x @ embed.embedding.astype(cfg.dtype).T  # In the compute dtype, as the untied head.
     else:
       logits = nn.Dense(cfg.padded_vocab_size, use_bias=False, dtype=cfg.dtype, param_dtype=jnp.float32,
                         kernel_init=init(cfg.init_std, ("embed", "vocab")), name="head")(x)

@@ -11,6 +11,7 @@ import pytest
 from conftest import ROOT
 from ltm_jax import cli
 from ltm_jax.api import load
+from ltm_jax.errors import CheckpointError
 
 TINY = str(ROOT / "configs" / "tiny.py")
 # The tiny config shrunk so the round trip compiles and runs in seconds.
@@ -90,6 +91,13 @@ def test_bad_input_gives_one_line_errors(capsys, tmp_path):
   assert not (tmp_path / "w").exists()  # Bad data fails before the workdir is created.
   _fails(capsys, "eval", "--workdir", tmp_path, match="not an ltm_jax workdir")
   _fails(capsys, "generate", "--workdir", tmp_path, match="not an ltm_jax workdir")
+
+
+def test_load_accepts_runtime_overrides_only(workdir):
+  lm = load(workdir, overrides=["model.wkv_impl=associative", "model.dtype=bfloat16"])
+  assert lm.config.model.wkv_impl == "associative"
+  with pytest.raises(CheckpointError, match="model.d_model"):
+    load(workdir, overrides=["model.d_model=64"])
 
 
 def test_mismatched_model_is_refused_without_changes(workdir, capsys):

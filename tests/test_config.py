@@ -42,6 +42,8 @@ def test_overrides_never_evaluate():
     ("model.d_model=12.5", r"'model.d_model' expects int, got '12.5'"),
     ("model.tie_embeddings=maybe", r"expects bool"),
     ("model.d_model", r"not of the form key=value"),
+    ("train.lr=inf", r"'train.lr' expects float, got 'inf'"),
+    ("train.lr=nan", r"expects float"),
 ])
 def test_bad_overrides_name_the_problem(override, message):
   with pytest.raises(ConfigError, match=message):
@@ -57,6 +59,7 @@ def test_bad_overrides_name_the_problem(override, message):
     (["model.vocab_size=100"], r"smaller than the byte tokenizer"),
     (["model.dtype=float64"], r"model.dtype='float64' is not one of"),
     (["train.lr=-1"], r"train.lr must be positive"),
+    (["model.n_kv_heads=0"], r"not divisible by model.n_kv_heads=0"),
     (["train.seq_len=4096"], r"exceeds model.max_seq_len"),
 ])
 def test_validation_rejects_inconsistent_values(overrides, message):

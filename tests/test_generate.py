@@ -35,10 +35,11 @@ def test_sampling_is_reproducible_and_top_k_one_is_greedy(lm):
   prompt = np.array([[65, 66, 67]], np.int32)
   a = lm.generate_tokens(prompt, 10, key=jax.random.key(3), temperature=1.0, top_p=0.9)
   b = lm.generate_tokens(prompt, 10, key=jax.random.key(3), temperature=1.0, top_p=0.9)
-  c = lm.generate_tokens(prompt, 10, key=jax.random.key(4), temperature=1.0)
   np.testing.assert_array_equal(a, b)
   assert a.shape == (1, 10) and a.dtype == np.int32
-  assert 0 <= c.min() and c.max() < lm.config.model.vocab_size
+  hot = [lm.generate_tokens(prompt, 10, key=jax.random.key(seed), temperature=20.0, stop_at_eos=False)
+         for seed in (4, 5)]
+  assert not np.array_equal(*hot)  # The key matters: a sampler ignoring it would repeat itself.
   greedy = lm.generate_tokens(prompt, 10, key=jax.random.key(5), temperature=0.0, stop_at_eos=False)
   top1 = lm.generate_tokens(prompt, 10, key=jax.random.key(6), temperature=1.0, top_k=1, stop_at_eos=False)
   np.testing.assert_array_equal(greedy, top1)
@@ -51,6 +52,15 @@ def test_text_generation_and_prompt_limits(lm):
   if "attention" in lm.config.model.mixers and lm.config.model.window is None:
     with pytest.raises(ValueError, match="exceeds model.max_seq_len"):
       lm.generate_tokens(np.zeros((1, 100), np.int32) + 65, 29, key=jax.random.key(0))
+
+
+def test_step_refuses_to_overflow_the_attention_cache():
+  lm = api.build(micro_config(layer_pattern="RA"))  # Full attention: the context is bounded by max_seq_len.
+  m = lm.config.model
+  state = lm.init_state(1)
+  _, state = lm.step(state, np.full((1, m.max_seq_len - 2), 65, np.int32))
+  with pytest.raises(ValueError, match="beyond model.max_seq_len"):
+    lm.step(state, np.full((1, 3), 65, np.int32))
 
 
 def test_step_api_continues_forward(lm):

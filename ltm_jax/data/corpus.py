@@ -64,6 +64,11 @@ class Splits(NamedTuple):
   name: str  # "embedded" or the source path.
   description: str  # One line with sizes, for logs.
 
+  @property
+  def is_token_file(self) -> bool:
+    """Pre-tokenized ids (.bin): how many bytes a token stands for is unknown, so there is no bits-per-byte."""
+    return self.name.endswith(".bin")
+
 
 def load_splits(data_cfg: DataConfig, vocab_size: int, seq_len: int) -> Splits:
   """Loads `data_cfg.source` as train/validation token arrays; each holds at least one (seq_len+1)-token window.

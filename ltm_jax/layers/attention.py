@@ -18,6 +18,9 @@ EMPTY_POSITION = jnp.iinfo(jnp.int32).max  # An empty cache slot: causally invis
 class KVCache(NamedTuple):
   """The last `capacity` keys/values in time order (empty slots first), with their absolute positions.
 
+  Older keys fall out once more than `capacity` tokens have been seen: exactly the sliding window for windowed
+  layers; for full attention `capacity` is model.max_seq_len and callers must stay within it (the API checks).
+
   k, v: [B, capacity, Hkv, D] (RoPE already applied to k); positions: [B, capacity] int32 (EMPTY_POSITION when
   empty); next_position: [B] int32, the position of the next token.
   """

@@ -4,6 +4,7 @@ asynchronously, keeping the last N. A workdir refuses a config whose model diffe
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 from typing import Any
 
@@ -46,8 +47,7 @@ class Checkpointer:
     try:
       restored = self._manager.restore(step, args=args)
     except (ValueError, KeyError, TypeError) as e:
-      raise CheckpointError(f"checkpoint {self.directory}/{step} does not fit the configured model: "
-                            f"{str(e).splitlines()[0]}") from e
+      raise CheckpointError(f"could not restore {self.directory}/{step}: {str(e).splitlines()[0]}") from e
     return restored["state"], restored["data"]
 
   def wait(self) -> None:
@@ -58,18 +58,33 @@ class Checkpointer:
     self._manager.close()
 
 
+# Model keys that change how the model runs, not what its parameters are or compute: free to change on resume/load.
+RUNTIME_MODEL_KEYS = ("dtype", "wkv_impl", "attention_impl", "max_seq_len")
+
+
 def check_compatible(saved: config_lib.Config, current: config_lib.Config, where: str) -> None:
-  """Raises CheckpointError naming every model key whose value differs between a checkpoint and the config."""
+  """Raises CheckpointError naming every model key (other than runtime choices) that differs from the checkpoint's."""
   a, b = saved.model.__dict__, current.model.__dict__
-  diffs = [f"model.{k}: checkpoint {a[k]!r}, config {b[k]!r}" for k in a if a[k] != b[k]]
+  diffs = [f"model.{k}: checkpoint {a[k]!r}, config {b[k]!r}" for k in a
+           if a[k] != b[k] and k not in RUNTIME_MODEL_KEYS]
   if diffs:
     raise CheckpointError(f"{where} holds a checkpoint of a different model ({'; '.join(diffs)}); "
                           "use another workdir or the same model config")
 
 
 def abstract(tree):
-  """ShapeDtypeStructs of a pytree (what restore needs to know about the target)."""
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+  """ShapeDtypeStructs of a pytree placed on this process's first device, so a checkpoint written on another device
+  (a GPU run opened in a CPU notebook) restores here instead of onto the device it was saved from."""
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), tree)
+
+
+def write_config_json(workdir: str | pathlib.Path, config: config_lib.Config) -> None:
+  """Writes WORKDIR/config.json atomically (a crash never leaves half a file)."""
+  path = pathlib.Path(workdir) / "config.json"
+  tmp = path.with_suffix(".json.tmp")
+  tmp.write_text(config.to_json())
+  os.replace(tmp, path)
 
 
 def read_config_json(workdir: str | pathlib.Path) -> config_lib.Config:

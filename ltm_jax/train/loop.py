@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import pathlib
 import signal
 import sys
@@ -17,6 +18,7 @@ import tqdm
 from ltm_jax import data as data_lib
 from ltm_jax import model as model_lib
 from ltm_jax.config import Config
+from ltm_jax.errors import TrainingError
 from ltm_jax.train import checkpoint as ckpt_lib
 from ltm_jax.train.metrics import MetricsWriter
 from ltm_jax.train.optimizer import learning_rate, make_optimizer
@@ -60,76 +62,90 @@ class _StopFlag:
 
 
 def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = None) -> TrainResult:
-  """Trains `cfg` in `workdir`, resuming from its latest checkpoint. `progress=None` shows a bar only on a terminal."""
+  """Trains `cfg` in `workdir`, resuming from its latest checkpoint. `progress=None` shows a bar only on a terminal.
+
+  Everything that can refuse the run (bad data, a checkpoint of another model, a data-iterator state that does not
+  fit) is checked before anything in the workdir is written.
+  """
   started = time.time()
   workdir = pathlib.Path(workdir)
   m, t = cfg.model, cfg.train
   tokenizer = data_lib.get_tokenizer(cfg.data.tokenizer)
-  splits = data_lib.load_splits(cfg.data, m.vocab_size, t.seq_len)  # Bad data fails before the workdir is touched.
-
-  checkpointer = ckpt_lib.Checkpointer(workdir, t.keep_checkpoints, t.async_checkpoint)
-  start = checkpointer.latest_step()
-  if start is not None:
-    ckpt_lib.check_compatible(checkpointer.saved_config(start), cfg, str(workdir))
-  (workdir / "config.json").write_text(cfg.to_json())
-
+  splits = data_lib.load_splits(cfg.data, m.vocab_size, t.seq_len)
+  bytes_per_token = None if splits.is_token_file else tokenizer.bytes_per_token
   model = model_lib.LM(m)
   optimizer = make_optimizer(t)
   state = create_train_state(model_lib.init_params(m, jax.random.key(t.seed)), optimizer, t.seed)
-  loader = data_lib.TrainLoader(splits.train, t.batch_size, t.seq_len, seed=t.seed,
-                                worker_threads=cfg.data.worker_threads, prefetch=cfg.data.prefetch)
-  if start is not None:
-    state, data_state = checkpointer.restore(start, ckpt_lib.abstract(state))
-    loader.set_state(data_state)
-  start = start or 0
-  eval_batches = data_lib.eval_batches(splits.val, t.batch_size, t.seq_len, t.eval_batches)
-  train_step = make_train_step(model, optimizer, learning_rate(t), t.grad_accum)
-  eval_step = make_eval_step(model)
 
-  writer = MetricsWriter(workdir, start)
-  show_bar = sys.stderr.isatty() if progress is None else progress
-  bar = tqdm.tqdm(total=t.steps, initial=start, disable=not show_bar, dynamic_ncols=True, unit="step")
-  say = bar.write if show_bar else print
-  last: dict[str, Any] = {}
-  step, tokens_per_step = start, t.batch_size * t.seq_len
-  if start:
-    say(f"resuming from step {start} in {workdir}")
-  interval_start, interval_steps, saved_step = time.time(), 0, start
-  try:
+  with contextlib.ExitStack() as cleanup:
+    checkpointer = ckpt_lib.Checkpointer(workdir, t.keep_checkpoints, t.async_checkpoint)
+    cleanup.callback(checkpointer.close)
+    loader = data_lib.TrainLoader(splits.train, t.batch_size, t.seq_len, seed=t.seed,
+                                  worker_threads=cfg.data.worker_threads, prefetch=cfg.data.prefetch)
+    cleanup.callback(loader.close)
+    start = checkpointer.latest_step()
+    if start is not None:
+      ckpt_lib.check_compatible(checkpointer.saved_config(start), cfg, str(workdir))
+      state, data_state = checkpointer.restore(start, ckpt_lib.abstract(state))
+      loader.set_state(data_state)
+    ckpt_lib.write_config_json(workdir, cfg)
+    start = start or 0
+    eval_batches = data_lib.eval_batches(splits.val, t.batch_size, t.seq_len, t.eval_batches)
+    train_step = make_train_step(model, optimizer, learning_rate(t), t.grad_accum)
+    eval_step = make_eval_step(model)
+
+    writer = MetricsWriter(workdir, start)
+    cleanup.callback(writer.close)
+    show_bar = sys.stderr.isatty() if progress is None else progress
+    bar = tqdm.tqdm(total=t.steps, initial=start, disable=not show_bar, dynamic_ncols=True, unit="step")
+    cleanup.callback(bar.close)
+    say = bar.write if show_bar else print
+    if start:
+      say(f"resuming from step {start} in {workdir}")
+    last: dict[str, Any] = {}
+    step, saved_step, tokens_per_step = start, start, t.batch_size * t.seq_len
+    interval_start, interval_steps = time.time(), 0
     with _StopFlag().installed() as stop:
       while step < t.steps and stop.signum is None:
         state, metrics = train_step(state, next(loader))
         step, interval_steps = step + 1, interval_steps + 1
+        log_now, save_now = step % t.log_every == 0 or step == t.steps, step % t.checkpoint_every == 0
         row: dict[str, Any] = {}
-        if step % t.log_every == 0 or step == t.steps:
-          metrics = jax.device_get(metrics)
+        if log_now or save_now:
+          metrics = _finite(jax.device_get(metrics), step, saved_step)
+        if log_now:
           elapsed = time.time() - interval_start
-          row.update({k: float(v) for k, v in metrics.items()},
-                     tokens_per_sec=interval_steps * tokens_per_step / elapsed, step_seconds=elapsed / interval_steps,
-                     tokens=step * tokens_per_step)
+          row.update(metrics, tokens_per_sec=interval_steps * tokens_per_step / elapsed,
+                     step_seconds=elapsed / interval_steps, tokens=step * tokens_per_step)
           bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_sec']:.0f}")
           if not show_bar:
             say(f"step {step}/{t.steps} loss {row['loss']:.4f} lr {row['lr']:.2e} "
                 f"grad_norm {row['grad_norm']:.3f} tokens/s {row['tokens_per_sec']:.0f}")
         if step % t.eval_every == 0 or step == t.steps:
-          evaluation = evaluate(eval_step, state.params, eval_batches, tokenizer.bytes_per_token)
+          evaluation = evaluate(eval_step, state.params, eval_batches, bytes_per_token)
           row.update(evaluation)
           say(f"step {step}: " + " ".join(f"{k} {v:.4f}" for k, v in evaluation.items() if isinstance(v, float)))
         if row:
           writer.write(step, row)
           last.update(row)
           interval_start, interval_steps = time.time(), 0
-        if step % t.checkpoint_every == 0 or step == t.steps:
+        if save_now or step == t.steps:
           checkpointer.save(step, state, loader.get_state(), cfg)
           saved_step = step
         bar.update(1)
       if step != saved_step:  # Stopped by a signal between checkpoints.
+        _finite(jax.device_get(metrics), step, saved_step)
         checkpointer.save(step, state, loader.get_state(), cfg)
       if stop.signum is not None:
         say(f"stopped by signal {stop.signum} at step {step}; checkpoint saved, run again to resume")
-  finally:
-    bar.close()
-    loader.close()
-    checkpointer.close()
-    writer.close()
   return TrainResult(step, last, stop.signum, time.time() - started)
+
+
+def _finite(metrics: dict[str, Any], step: int, saved_step: int) -> dict[str, float]:
+  """Float metrics, or TrainingError when the loss or gradient norm is no longer finite (nothing is saved)."""
+  metrics = {k: float(v) for k, v in metrics.items()}
+  bad = [k for k in ("loss", "grad_norm") if not math.isfinite(metrics[k])]
+  if bad:
+    raise TrainingError(f"{' and '.join(bad)} became {metrics[bad[0]]} at step {step}; the last checkpoint "
+                        f"(step {saved_step}) is kept; lower train.lr or set train.grad_clip and resume")
+  return metrics

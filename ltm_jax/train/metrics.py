@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pathlib
 from typing import Any
 
@@ -18,9 +19,10 @@ class MetricsWriter:
     workdir = pathlib.Path(workdir)
     self.path = workdir / "metrics.jsonl"
     if self.path.exists():
-      kept = [line for line in self.path.read_text().splitlines()
-              if line.strip() and json.loads(line).get("step", 0) <= resume_step]
-      self.path.write_text("".join(line + "\n" for line in kept))
+      kept = [json.dumps(row) for row in read_metrics(workdir) if row.get("step", 0) <= resume_step]
+      tmp = self.path.with_suffix(".jsonl.tmp")
+      tmp.write_text("".join(line + "\n" for line in kept))
+      os.replace(tmp, self.path)
     self._file = self.path.open("a")
     self._tb = SummaryWriter(str(workdir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
 
@@ -44,5 +46,12 @@ def _plain(value):
 
 
 def read_metrics(workdir: str | pathlib.Path) -> list[dict[str, Any]]:
+  """The rows of WORKDIR/metrics.jsonl; a line cut short by a crash mid-write is skipped."""
   path = pathlib.Path(workdir) / "metrics.jsonl"
-  return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+  rows = []
+  for line in path.read_text().splitlines() if path.exists() else []:
+    try:
+      rows.append(json.loads(line))
+    except json.JSONDecodeError:
+      continue
+  return rows

@@ -28,4 +28,6 @@ def decay_mask(params, decay_embeddings: bool):
 def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
   adamw = optax.adamw(learning_rate(t), b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay,
                       mask=lambda params: decay_mask(params, t.decay_embeddings))
-  return optax.chain(optax.clip_by_global_norm(t.grad_clip), adamw) if t.grad_clip > 0 else adamw
+  # identity() has the same (empty) state as clipping, so toggling train.grad_clip keeps checkpoints restorable.
+  clip = optax.clip_by_global_norm(t.grad_clip) if t.grad_clip > 0 else optax.identity()
+  return optax.chain(clip, adamw)

@@ -276,7 +276,11 @@ def test_impl_dispatch_off_gpu():
     with pytest.raises(ValueError, match="impl='cudnn'"):
       attention(q, k, v, impl="cudnn")
   auto = _jitted(lambda q, k, v: attention(q, k, v, impl="auto"), q, k, v)
-  np.testing.assert_array_equal(auto, _jitted(lambda q, k, v: attention(q, k, v, impl="xla"), q, k, v))
+  xla = _jitted(lambda q, k, v: attention(q, k, v, impl="xla"), q, k, v)
+  if jax.default_backend() == "gpu":  # auto may pick cuDNN there: same math, other rounding.
+    np.testing.assert_allclose(np.float32(auto), np.float32(xla), atol=BF16_ATOL, rtol=0)
+  else:
+    np.testing.assert_array_equal(auto, xla)
   with pytest.raises(ValueError, match="unknown impl"):
     attention(q, k, v, impl="flash")
 

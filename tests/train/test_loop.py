@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,9 +19,10 @@ import pytest
 from conftest import ROOT, micro_config
 from ltm_jax import model as model_lib
 from ltm_jax.config import apply_overrides
-from ltm_jax.errors import CheckpointError
+from ltm_jax.errors import CheckpointError, DataError, TrainingError
 from ltm_jax.train import checkpoint as ckpt_lib
 from ltm_jax.train import train
+from ltm_jax.train.loop import _finite
 from ltm_jax.train.metrics import read_metrics
 from ltm_jax.train.optimizer import make_optimizer
 from ltm_jax.train.step import create_train_state
@@ -101,8 +103,10 @@ def test_checkpoint_round_trip(tmp_path):
   state = create_train_state(params, make_optimizer(cfg.train), seed=5)
   checkpointer = ckpt_lib.Checkpointer(tmp_path, keep=2)
   data_state = {"next_batch": 7, "seed": 0}
-  checkpointer.save(4, state, data_state, cfg)
+  for step in (2, 3, 4):
+    checkpointer.save(step, state, data_state, cfg)
   checkpointer.close()
+  assert ckpt_lib.Checkpointer(tmp_path, read_only=True).all_steps() == [3, 4]  # keep=2 prunes the oldest.
   restored, restored_data = ckpt_lib.Checkpointer(tmp_path, read_only=True).restore(4, ckpt_lib.abstract(state))
   assert restored_data == data_state
   for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored)):
@@ -118,6 +122,28 @@ def test_different_model_is_refused_and_nothing_is_touched(uninterrupted):
   with pytest.raises(CheckpointError, match=r"model.layer_pattern: checkpoint 'RA', config 'AR'"):
     train(loop_config(layer_pattern="AR"), workdir, progress=False)
   assert _tree_digest(workdir) == before
+
+
+def test_resume_that_does_not_fit_the_data_state_touches_nothing(uninterrupted):
+  workdir, _ = uninterrupted
+  before = _tree_digest(workdir)
+  with pytest.raises(DataError, match="batch_size"):
+    train(apply_overrides(loop_config(), ["train.batch_size=8"]), workdir, progress=False)
+  assert _tree_digest(workdir) == before
+
+
+def test_resume_may_change_runtime_choices(uninterrupted, tmp_path):
+  workdir = tmp_path / "copy"
+  shutil.copytree(uninterrupted[0], workdir)
+  cfg = apply_overrides(loop_config(), ["train.steps=123", "train.grad_clip=0", "model.wkv_impl=associative",
+                                        "model.max_seq_len=256"])
+  assert train(cfg, workdir, progress=False).step == 123
+
+
+def test_divergence_stops_without_saving():
+  with pytest.raises(TrainingError, match="loss became nan at step 7; the last checkpoint \\(step 5\\) is kept"):
+    _finite({"loss": np.float32("nan"), "grad_norm": 1.0, "lr": 1e-3}, 7, 5)
+  assert _finite({"loss": np.float32(2.5), "grad_norm": 1.0, "lr": 1e-3}, 7, 5)["loss"] == 2.5
 
 
 def test_finished_run_is_not_repeated(uninterrupted):
