@@ -9,7 +9,6 @@ import pytest
 
 from conftest import micro_config
 from ltm_jax import api
-from ltm_jax import model as model_lib
 
 
 @pytest.fixture(scope="module", params=["RA", "A", "R"])

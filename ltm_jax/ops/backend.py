@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -23,3 +24,16 @@ def resolve(op: str, impl: str, available: Sequence[str], auto: Mapping[str, str
   if impl not in available:
     raise ValueError(f"{op}: unknown impl {impl!r}; choose from auto, {', '.join(available)}")
   return impl
+
+
+def static_int(op: str, name: str, value: object, *, low: int) -> int:
+  """`value` as a Python int >= low (shapes depend on it, so it must not be traced), or a ValueError naming it."""
+  if isinstance(value, bool):
+    raise ValueError(f"{op}: {name} must be a static int, got {value!r}")
+  try:
+    value = operator.index(value)
+  except TypeError:
+    raise ValueError(f"{op}: {name} must be a static int, got {value!r}") from None
+  if value < low:
+    raise ValueError(f"{op}: {name} must be >= {low}, got {value}")
+  return value

@@ -13,10 +13,10 @@ traced top_p of 1 runs the filter, which may drop tokens whose probability is be
 
 from __future__ import annotations
 
-import operator
-
 import jax
 import jax.numpy as jnp
+
+from ltm_jax.ops import backend
 
 Scalar = float | jax.Array
 
@@ -51,7 +51,7 @@ def filter_logits(
     _check_scalar("top_p", top_p, low=0.0, low_inclusive=False, high=1.0)
 
   if vocab_size is not None:
-    vocab_size = _static_int("vocab_size", vocab_size, low=1)
+    vocab_size = backend.static_int("filter_logits", "vocab_size", vocab_size, low=1)
     if vocab_size > v:
       raise ValueError(f"filter_logits: vocab_size {vocab_size} exceeds the logits' last dim {v}")
     x = jnp.where(jnp.arange(v) < vocab_size, x, -jnp.inf)
@@ -63,7 +63,7 @@ def filter_logits(
   x = x / (jnp.where(greedy, 1.0, temperature) if greedy is not None else temperature)
 
   if top_k is not None:
-    top_k = _static_int("top_k", top_k, low=1)
+    top_k = backend.static_int("filter_logits", "top_k", top_k, low=1)
     if top_k < v:
       kth = jax.lax.top_k(x, top_k)[0][..., -1:]
       x = jnp.where(x >= kth, x, -jnp.inf)
@@ -124,18 +124,6 @@ def _keep_argmax(x: jax.Array) -> jax.Array:
 
 def _is_static(value: object) -> bool:
   return isinstance(value, (int, float))
-
-
-def _static_int(name: str, value: object, *, low: int) -> int:
-  if isinstance(value, bool):
-    raise ValueError(f"filter_logits: {name} must be a static int, got {value!r}")
-  try:
-    value = operator.index(value)
-  except TypeError:
-    raise ValueError(f"filter_logits: {name} must be a static int, got {value!r}") from None
-  if value < low:
-    raise ValueError(f"filter_logits: {name} must be >= {low}, got {value}")
-  return value
 
 
 def _check_scalar(name: str, value: object, *, low: float, low_inclusive: bool, high: float | None = None) -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import micro_config
 from ltm_jax import model as model_lib
-from ltm_jax.train.optimizer import decay_mask, learning_rate, make_optimizer
+from ltm_jax.train.optimizer import decay_mask, learning_rate
 from ltm_jax.train.step import create_train_state, make_train_step
 
 

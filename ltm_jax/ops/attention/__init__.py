@@ -7,7 +7,6 @@ calls `cudnn.unsupported_reason` accepts). `impl="auto"` takes cuDNN on GPU when
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 
 import jax
@@ -118,14 +117,7 @@ def _check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
 def _check_window(window: int | None, causal: bool) -> int | None:
   if window is None:
     return None
-  if isinstance(window, bool):
-    raise ValueError(f"attention: window must be a positive int or None, got {window!r}")
-  try:
-    window = operator.index(window)
-  except TypeError:
-    raise ValueError(f"attention: window must be a static positive int or None, got {window!r}") from None
-  if window < 1:
-    raise ValueError(f"attention: window must be >= 1, got {window}")
+  window = backend.static_int("attention", "window", window, low=1)
   if not causal:
     raise ValueError("attention: window needs causal=True")
   return window
