@@ -320,7 +320,7 @@ def test_rejects_bad_qkv(mutate, match):
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(window=0), ">= 1"),
-    (dict(window=2.5), "static positive int"),
+    (dict(window=2.5), "window must be a static int"),
     (dict(window=2, causal=False), "causal=True"),
     (dict(q_positions=jnp.zeros((2, 6), jnp.int32)), "both"),
     (dict(q_positions=jnp.zeros((2, 6), jnp.int32), kv_positions=jnp.zeros((2, 6), jnp.int32), causal=False),
