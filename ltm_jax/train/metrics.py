@@ -24,7 +24,7 @@ class MetricsWriter:
       tmp.write_text("".join(line + "\n" for line in kept))
       os.replace(tmp, self.path)
     self._file = self.path.open("a")
-    self._tb = SummaryWriter(str(workdir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
+    self._tb = SummaryWriter(str(workdir / "tensorboard"), purge_step=resume_step + 1)
 
   def write(self, step: int, metrics: dict[str, Any]) -> None:
     row = {"step": int(step), **{k: _plain(v) for k, v in metrics.items()}}

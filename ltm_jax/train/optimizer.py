@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from ltm_jax.config import TrainConfig
 
 
 def learning_rate(t: TrainConfig) -> optax.Schedule:
-  """0 -> lr linearly over warmup_steps, then cosine to lr * min_lr_ratio at step `steps` (constant after)."""
-  warmup = optax.linear_schedule(0.0, t.lr, max(t.warmup_steps, 1))
+  """lr * (step + 1) / warmup_steps while warming up (the first update already moves), then cosine from lr to
+  lr * min_lr_ratio at step `steps`, constant after."""
   decay = optax.cosine_decay_schedule(t.lr, max(t.steps - t.warmup_steps, 1), alpha=t.min_lr_ratio)
-  return optax.join_schedules([warmup, decay], [t.warmup_steps])
+
+  def schedule(step):
+    warmup = t.lr * (step + 1) / max(t.warmup_steps, 1)
+    return jnp.where(step < t.warmup_steps, warmup, decay(step - t.warmup_steps))
+
+  return schedule
 
 
 def decay_mask(params, decay_embeddings: bool):

@@ -18,8 +18,9 @@ from ltm_jax.train.step import create_train_state, make_train_step
 def test_schedule_warms_up_then_decays_to_floor():
   t = dataclasses.replace(micro_config().train, steps=100, warmup_steps=10, lr=1e-3, min_lr_ratio=0.1)
   lr = learning_rate(t)
-  assert float(lr(0)) == 0.0
-  assert float(lr(5)) == pytest.approx(5e-4)
+  assert float(lr(0)) == pytest.approx(1e-4)  # The first update already uses a non-zero rate.
+  assert float(lr(4)) == pytest.approx(5e-4)
+  assert float(lr(9)) == pytest.approx(1e-3)
   assert float(lr(10)) == pytest.approx(1e-3)
   assert float(lr(55)) == pytest.approx(1e-4 + 0.5 * (1e-3 - 1e-4), rel=1e-5)
   assert float(lr(100)) == pytest.approx(1e-4)
