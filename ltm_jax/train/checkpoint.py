@@ -3,7 +3,9 @@ asynchronously, keeping the last N. A workdir refuses a config whose model diffe
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import pathlib
 from typing import Any
@@ -15,6 +17,17 @@ from ltm_jax import config as config_lib
 from ltm_jax.errors import CheckpointError
 
 
+@contextlib.contextmanager
+def _absl_errors_only():
+  logger = logging.getLogger("absl")
+  level = logger.level
+  logger.setLevel(logging.ERROR)
+  try:
+    yield
+  finally:
+    logger.setLevel(level)
+
+
 class Checkpointer:
   """Items per step: "state" (TrainState pytree), "data" (loader state, JSON), "config" (Config dict, JSON)."""
 
@@ -24,7 +37,8 @@ class Checkpointer:
       options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0, max_to_keep=None)
     else:
       options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save)
-    self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data", "config"))
+    with _absl_errors_only():  # Opening a read-only manager logs routine notices as warnings.
+      self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data", "config"))
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
