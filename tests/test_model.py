@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -55,8 +56,7 @@ def test_segments_with_carried_state_equal_whole_sequence(variant):
     logits, state = model.apply({"params": params}, tokens[:, start:stop], state)
     pieces.append(logits)
   np.testing.assert_allclose(np.concatenate(pieces, axis=1), whole, atol=FLOAT32_ATOL, rtol=0)
-  for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(whole_state)):  # Final states agree too.
-    np.testing.assert_allclose(a, b, atol=FLOAT32_ATOL, rtol=1e-5)
+  chex.assert_trees_all_close(state, whole_state, atol=FLOAT32_ATOL, rtol=1e-5)  # Final states agree too.
 
 
 def test_window_cache_holds_exactly_window_entries():
