@@ -1,6 +1,7 @@
 """Data: the byte tokenizer, corpora (embedded Python documentation or user files) and batch loaders."""
 
-from ltm_jax.data.corpus import Splits, embedded_corpus, embedded_corpus_stats, embedded_documents, load_splits
+from ltm_jax.data.corpus import Splits, load_splits
+from ltm_jax.data.embedded import embedded_corpus, embedded_corpus_stats, embedded_documents
 from ltm_jax.data.loader import TrainLoader, eval_batches
 from ltm_jax.data.tokenizer import ByteTokenizer, get_tokenizer
 
