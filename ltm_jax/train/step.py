@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import flax
@@ -76,5 +77,5 @@ def evaluate(eval_step, params, batches, bytes_per_token: float | None) -> dict[
   val_loss = nll_sum / count
   metrics = {"val_loss": val_loss, "val_tokens": int(count)}
   if bytes_per_token:
-    metrics["val_bpb"] = val_loss / jnp.log(2.0).item() / bytes_per_token
+    metrics["val_bpb"] = val_loss / math.log(2) / bytes_per_token
   return metrics

@@ -21,15 +21,7 @@ def wkv4(
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
   """WKV by a sequential scan over time; shapes are validated by the caller.
 
-  Args:
-    w: [C] log-decay per channel (negative).
-    u: [C] bonus per channel for the current token.
-    k: [B, T, C] keys, any float dtype.
-    v: [B, T, C] values, any float dtype.
-    state: (num, den, mx), each [B, C] float32: the state before the first token.
-
-  Returns:
-    y: [B, T, C] in v's dtype, and the float32 (num, den, mx) state after the last token.
+  Arguments and results as `ltm_jax.ops.wkv4.wkv4`, with `state` a plain (num, den, mx) tuple of [B, C] float32.
   """
   w = w.astype(jnp.float32)
   u = u.astype(jnp.float32)
