@@ -96,3 +96,40 @@ def write_results(name: str, rows: Sequence[Mapping[str, Any]], **config: Any) -
   payload = {"benchmark": name, **environment(), "config": config, "results": list(rows)}
   path.write_text(json.dumps(payload, indent=2) + "\n")
   return path
+
+
+def measure_ceilings(copy_mib: int = 1024, matmul_n: int = 8192) -> dict[str, float]:
+  """The machine's measured floors' denominators: copy bandwidth (bytes read + written per second) and bf16 matmul rate.
+
+  Kernels report time as a multiple of max(bytes / copy_gbps, flops / matmul_tflops); measured ceilings, not datasheet
+  ones, so the ratio survives the machine. On CPU the sizes shrink to stay quick.
+  """
+  if jax.default_backend() == "cpu":
+    copy_mib, matmul_n = min(copy_mib, 128), min(matmul_n, 1024)
+  x = jax.random.normal(jax.random.key(1), (copy_mib * 2**20 // 4,), jax.numpy.float32)
+  copy = jax.jit(lambda x: x + 1.0)  # One read and one write of every element; a plain copy may be elided.
+  copy_ms = time_fn(copy, x, min_runs=10)["median_ms"]
+  a, b = (jax.random.normal(key, (matmul_n, matmul_n), jax.numpy.bfloat16) for key in jax.random.split(jax.random.key(2)))
+  matmul_ms = time_fn(jax.jit(lambda a, b: a @ b), a, b, min_runs=10)["median_ms"]
+  return {
+      "copy_gbps": 2 * x.nbytes / copy_ms / 1e6,
+      "matmul_tflops": 2 * matmul_n**3 / matmul_ms / 1e9,
+  }
+
+
+def time_torch(fn: Callable[[], Any], *, warmup: int = 5, runs: int = 50) -> dict[str, float]:
+  """Milliseconds of a PyTorch CUDA callable, timed with CUDA events after warm-up (for peers run in the same process)."""
+  import torch  # Peers only: torch is never a dependency of ltm_jax.
+
+  for _ in range(warmup):
+    fn()
+  torch.cuda.synchronize()
+  ms = []
+  for _ in range(runs):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    ms.append(start.elapsed_time(end))
+  return {"median_ms": statistics.median(ms), "min_ms": min(ms), "max_ms": max(ms), "runs": len(ms)}
