@@ -18,21 +18,22 @@ import jax
 import jax.numpy as jnp
 
 from ltm_jax.ops import backend
-from ltm_jax.ops.wkv4 import associative
-from ltm_jax.ops.wkv4 import scan
+from ltm_jax.ops.wkv4 import associative, pallas, scan
 
 # A log-scale far below any real one but finite: e^{EMPTY_MAX - x} is exactly 0 and no inf - inf can make a NaN.
 EMPTY_MAX = -1e38
 
-# The first entry is the reference. A Pallas kernel joins this list (and the gpu entry below) in a later issue.
-AVAILABLE = ("scan", "associative")
-_BACKENDS = {"scan": scan.wkv4, "associative": associative.wkv4}
+# The first entry is the reference.
+AVAILABLE = ("scan", "associative", "pallas")
+_BACKENDS = {"scan": scan.wkv4, "associative": associative.wkv4, "pallas": pallas.wkv4}
 
 # Fastest backend per platform for training-like shapes, forward+backward under jit, as measured by
 # `python benchmarks/wkv.py` (benchmarks/results/wkv4-<device>.json). cpu: scan, 3-4x faster than associative at
 # B=8..32, T=256, C=128..512 on 2 cores (a CPU runs the sequential loop well, and the log-depth scan only adds
-# work). gpu: associative, whose O(log T) depth beats T dependent steps; not yet measured here.
-AUTO = {"cpu": "scan", "gpu": "associative"}
+# work); pallas runs interpreted on a CPU and is only there to be checked. gpu: pallas, the fused kernels (reading
+# k, v once forward and k, v, dy once backward, versus the associative scan's O(log T) passes), chosen by design
+# and not yet measured on a GPU: `python benchmarks/wkv.py` on one is what confirms or overturns it.
+AUTO = {"cpu": "scan", "gpu": "pallas"}
 
 
 class Wkv4State(NamedTuple):
