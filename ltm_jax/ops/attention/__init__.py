@@ -1,8 +1,11 @@
 """Multi-head softmax attention with grouped key/value heads, causal and sliding-window masks, packed segments and
 explicit positions for key/value caches.
 
-Backends: "xla" (reference, any platform, every option) and "cudnn" (fused flash attention on NVIDIA GPUs, for the
-calls `cudnn.unsupported_reason` accepts). `impl="auto"` takes cuDNN on GPU when it accepts the call, else xla.
+Backends: "xla" (reference, any platform, every option), "cudnn" (fused flash attention on NVIDIA GPUs, for the
+calls `cudnn.unsupported_reason` accepts) and "pallas" (the flash-attention kernels of the top-level `pallas`
+package: every option but explicit positions; interpreted, so slow, off GPU). `impl="auto"` is xla off GPU; on GPU it
+picks per shape class from `GPU_AUTO` among the fused backends that accept the call, and xla when neither does
+(explicit positions, which only xla takes; float64).
 """
 
 from __future__ import annotations
@@ -13,12 +16,28 @@ import jax
 import jax.numpy as jnp
 
 from ltm_jax.ops import backend
-from ltm_jax.ops.attention import cudnn, xla
+from ltm_jax.ops.attention import cudnn, pallas, xla
 
-IMPLS = ("xla", "cudnn")
-# Not benchmarked yet: cuDNN's fused kernel is taken on GPU because it never builds the [T, S] logits. Calls it does
-# not accept fall back to xla (see `attention`).
-_AUTO = {"gpu": "cudnn"}
+IMPLS = ("xla", "cudnn", "pallas")
+# On GPU, "auto" resolves per call through `GPU_AUTO` (see `_auto_gpu`); elsewhere it is the xla reference.
+_BY_SHAPE = "by-shape"
+_AUTO = {"gpu": _BY_SHAPE}
+
+# (mask kind, head dim) -> the fused backend `impl="auto"` prefers on GPU, for calls both cudnn and pallas accept.
+# Mask kind: "causal", "window" (causal + a window shorter than S) or "full" (non-causal). Shape classes not listed
+# prefer cudnn. UNMEASURED: written without a GPU, so chosen by reasoning: cuDNN's Hopper kernels are tuned by NVIDIA
+# and the Pallas kernel's tiles are not, so cuDNN is preferred wherever it takes the call; pallas then serves what
+# cuDNN refuses (segment ids, causal T != S, float32, head dims that are not a multiple of 8 or too large).
+# `python benchmarks/attention.py` on a GPU prints this table from its forward+backward timings ("suggested
+# GPU_AUTO"); paste that here together with the results file it names.
+GPU_AUTO = {
+    ("causal", 64): "cudnn",
+    ("causal", 128): "cudnn",
+    ("window", 64): "cudnn",
+    ("window", 128): "cudnn",
+    ("full", 64): "cudnn",
+    ("full", 128): "cudnn",
+}
 
 SegmentIds = jax.Array | tuple[jax.Array, jax.Array]
 
@@ -61,7 +80,8 @@ def attention(
     q_positions: [B, T] int; given together with kv_positions, and only with causal=True.
     kv_positions: [B, S] int.
     scale: a static Python float multiplying the logits; None means D ** -0.5.
-    impl: "auto", "xla" or "cudnn". An explicit "cudnn" that cannot run the call raises ValueError.
+    impl: "auto", "xla", "cudnn" or "pallas". An explicit "cudnn" or "pallas" that cannot run the call raises
+      ValueError (pallas refuses explicit positions, dtypes other than float16/bfloat16/float32 and head dims > 256).
 
   Returns:
     [B, T, Hq, D] in q's dtype.
@@ -75,18 +95,21 @@ def attention(
   scale = d**-0.5 if scale is None else float(scale)
 
   name = backend.resolve("attention", impl, IMPLS, _AUTO)
-  if name == "cudnn":
-    reason, max_head_dim = cudnn.device_unsupported_reason()
-    if reason is None:
-      reason = cudnn.unsupported_reason(
-          q.shape, k.shape, q.dtype, causal=causal, has_positions=has_positions,
-          has_segment_ids=q_segment_ids is not None, max_head_dim=max_head_dim)
+  reasons = {
+      "cudnn": lambda: _cudnn_unsupported_reason(q, k, causal, has_positions, q_segment_ids is not None),
+      "pallas": lambda: pallas.unsupported_reason(d, q.dtype, has_positions=has_positions),
+  }
+  if name == _BY_SHAPE:
+    name = _auto_gpu(mask_kind(causal, window, s), d, reasons)
+  elif name in reasons:
+    reason = reasons[name]()
     if reason is not None:
-      if impl == "cudnn":
-        raise ValueError(f"attention: impl='cudnn' cannot run this call: {reason}")
-      name = "xla"
+      raise ValueError(f"attention: impl={name!r} cannot run this call: {reason}")
   if name == "cudnn":
     return cudnn.attention(q, k, v, causal=causal, window=window, scale=scale)
+  if name == "pallas":
+    return pallas.attention(q, k, v, causal=causal, window=window, q_segment_ids=q_segment_ids,
+                            kv_segment_ids=kv_segment_ids, scale=scale)
 
   if not has_positions:
     # Shaped [1, ...]: the same for every batch row, broadcast by the mask.
@@ -96,6 +119,30 @@ def attention(
       q_positions.astype(jnp.int32), kv_positions.astype(jnp.int32), causal=causal, window=window,
       q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
   return xla.attention(q, k, v, mask=mask, scale=scale)
+
+
+def mask_kind(causal: bool, window: int | None, s: int) -> str:
+  """The mask part of a `GPU_AUTO` shape class: "window", "causal" or "full"."""
+  if causal and window is not None and window < s:
+    return "window"
+  return "causal" if causal else "full"
+
+
+def _auto_gpu(kind: str, head_dim: int, reasons) -> str:
+  """The `GPU_AUTO` choice for the shape class if it accepts the call, else the other fused backend, else xla."""
+  preferred = GPU_AUTO.get((kind, head_dim), "cudnn")
+  for name in (preferred, "pallas" if preferred == "cudnn" else "cudnn"):
+    if reasons[name]() is None:
+      return name
+  return "xla"
+
+
+def _cudnn_unsupported_reason(q, k, causal, has_positions, has_segment_ids) -> str | None:
+  reason, max_head_dim = cudnn.device_unsupported_reason()
+  if reason is None:
+    reason = cudnn.unsupported_reason(q.shape, k.shape, q.dtype, causal=causal, has_positions=has_positions,
+                                      has_segment_ids=has_segment_ids, max_head_dim=max_head_dim)
+  return reason
 
 
 def _check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
