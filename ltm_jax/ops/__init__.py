@@ -4,3 +4,5 @@ from ltm_jax.ops.attention import attention
 from ltm_jax.ops.sampling import filter_logits, sample_logits
 from ltm_jax.ops.wkv4 import Wkv4State, wkv4
 from ltm_jax.ops.wkv4 import empty_state as wkv4_empty_state
+from ltm_jax.ops.wkv7 import wkv7
+from ltm_jax.ops.wkv7 import empty_state as wkv7_empty_state

@@ -1,0 +1,91 @@
+"""The RWKV-7 WKV op: a generalized delta rule with a matrix-valued state per head.
+
+For every batch row and head, with S the [N, N] float32 state (row i = value index, column j = key index):
+
+  sa_i   = sum_j S[i, j] a_j                        (the state before the token)
+  S[i, j] = S[i, j] e^{w_j} + sa_i b_j + v_i k_j
+  y_i    = sum_j S[i, j] r_j                        (the state after it)
+
+RWKV-7 passes a = -kk and b = kk·a_lr with kk a unit key per head and a_lr in (0, 1), which keeps the transition
+diag(e^w) + a b^T contractive; the op itself accepts any a, b. Accumulation is float32 whatever the input dtype.
+
+Backends: "scan" (the sequential reference), "chunked" (exact chunked WY form in pure JAX, autodiff) and "pallas"
+(fused forward and backward kernels, `pallas/wkv7.py`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ltm_jax.ops import backend
+from ltm_jax.ops.wkv7 import chunked
+from ltm_jax.ops.wkv7 import pallas
+from ltm_jax.ops.wkv7 import scan
+
+# The first entry is the reference.
+AVAILABLE = ("scan", "chunked", "pallas")
+_BACKENDS = {"scan": scan.wkv7, "chunked": chunked.wkv7, "pallas": pallas.wkv7}
+
+# Fastest backend per platform for training-like shapes, forward+backward under jit, as measured by
+# `python benchmarks/wkv7.py` (benchmarks/results/wkv7-<device>.json). cpu: scan, 1.2-2.6x faster than chunked
+# forward+backward at (B, T, C, N) = (8, 256, 128, 32) and (4, 512, 256, 64) on 2 shared cores, and ~10x faster
+# forward (the chunked form's pairwise decays cost L·N exponentials per token). gpu: the fused Pallas kernels, the only
+# backend without per-token launches or [L, L, N] intermediates; not yet measured on a GPU.
+AUTO = {"cpu": "scan", "gpu": "pallas"}
+
+_NAMES = ("r", "w", "k", "v", "a", "b")
+
+
+def empty_state(batch: int, heads: int, size: int) -> jax.Array:
+  """The state before any token: zeros [B, H, N, N] float32."""
+  return jnp.zeros((batch, heads, size, size), jnp.float32)
+
+
+def wkv7(
+    r: jax.Array,
+    w: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    a: jax.Array,
+    b: jax.Array,
+    state: jax.Array | None = None,
+    *,
+    impl: str = "auto",
+) -> tuple[jax.Array, jax.Array]:
+  """Runs WKV-7 over a sequence, starting from `state`.
+
+  Args:
+    r: [B, T, H, N] receptance, any float dtype (all six inputs share the shape; dtypes may differ).
+    w: [B, T, H, N] log-decay, <= 0 (the per-step decay factor is e^w; RWKV-7 passes -e^{...}).
+    k: [B, T, H, N] keys.
+    v: [B, T, H, N] values.
+    a: [B, T, H, N] the delta rule's "removal" key (RWKV-7: -kk).
+    b: [B, T, H, N] the delta rule's "replacement" key (RWKV-7: kk·a_lr).
+    state: [B, H, N, N] float32 state before the first token (S[b, h, i, j], i = value index, j = key index), or
+      None for zeros.
+    impl: "auto" (the platform's fastest, see AUTO), or one of AVAILABLE.
+
+  Returns:
+    y: [B, T, H, N] in v's dtype, and the [B, H, N, N] float32 state after the last token: feeding it back continues
+    the sequence, so running two segments one after the other equals running their concatenation.
+
+  Raises:
+    ValueError: on mismatched shapes, non-float inputs, or an unknown impl.
+  """
+  name = backend.resolve("wkv7", impl, AVAILABLE, AUTO)
+  inputs = (r, w, k, v, a, b)
+  if r.ndim != 4 or any(x.shape != r.shape for x in inputs):
+    shapes = ", ".join(f"{n} {x.shape}" for n, x in zip(_NAMES, inputs))
+    raise ValueError(f"wkv7: r, w, k, v, a, b must all be [B, T, H, N]; got {shapes}")
+  if not all(jnp.issubdtype(x.dtype, jnp.floating) for x in inputs):
+    raise ValueError(f"wkv7: inputs must be floating point; got {', '.join(str(x.dtype) for x in inputs)}")
+  batch, length, heads, size = r.shape
+  if state is None:
+    state = empty_state(batch, heads, size)
+  elif state.shape != (batch, heads, size, size):
+    raise ValueError(f"wkv7: state must be [B, H, N, N] = {(batch, heads, size, size)}; got {state.shape}")
+  state = state.astype(jnp.float32)
+  if length == 0:  # Nothing to run; the backends assume a first token.
+    return jnp.zeros(v.shape, v.dtype), state
+  return _BACKENDS[name](r, w, k, v, a, b, state)

@@ -1,0 +1,23 @@
+"""Pallas backend of the RWKV-7 WKV op: the fused kernels of `pallas/wkv7.py` (interpreted off GPU)."""
+
+from __future__ import annotations
+
+import jax
+
+from pallas import wkv7 as kernels
+
+
+def wkv7(
+    r: jax.Array,
+    w: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    a: jax.Array,
+    b: jax.Array,
+    state: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+  """WKV-7 by the fused kernels; shapes are validated by the caller.
+
+  Arguments and results as `ltm_jax.ops.wkv7.wkv7`. The kernels' block sizes are their defaults.
+  """
+  return kernels.wkv7(r, w, k, v, a, b, state)
