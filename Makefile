@@ -7,6 +7,11 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 WORKDIR ?= runs/tiny
 PYTEST_WORKERS ?= 2
+# The converter test runs the official RWKV code, which needs torch: install a CPU build first so the `convert`
+# extra (torch>=2.4) is already satisfied and never pulls the multi-GB CUDA wheels. The pinned CPU wheel comes from a
+# local wheelhouse when pip has one, else from PyTorch's CPU index.
+TORCH_CPU ?= torch==2.13.0+cpu
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: demo test clean
 
@@ -19,7 +24,8 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	touch $@
 
 $(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q '$(TORCH_CPU)' || $(BIN)/python -m pip install -q torch --index-url $(TORCH_CPU_INDEX)
+	$(BIN)/python -m pip install -q -e '.[dev,convert]'
 	touch $@ $(VENV)/.installed
 
 demo: $(VENV)/.installed

@@ -6,6 +6,9 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from ltm_jax.data.ids import checked_ids
+from ltm_jax.data.rwkv_world import RwkvWorldTokenizer
+
 PAD_ID = 256
 BOS_ID = 257
 EOS_ID = 258
@@ -35,25 +38,16 @@ class ByteTokenizer:
     Byte sequences that are not valid UTF-8 (e.g. a sample cut mid-character) become U+FFFD instead of raising, so
     any sequence of in-vocabulary ids decodes. Ids outside [0, vocab_size) raise ValueError.
     """
-    if not hasattr(ids, "__array__") and not isinstance(ids, (list, tuple)):
-      ids = list(ids)  # A generator; arrays (numpy or jax) convert without a Python loop.
-    ids = np.asarray(ids)
-    if ids.size and ids.dtype.kind not in "iu":
-      raise ValueError(f"token ids must be integers, got dtype {ids.dtype}")
-    ids = ids.reshape(-1)
-    bad = (ids < 0) | (ids >= self.vocab_size)
-    if bad.any():
-      first = int(np.argmax(bad))
-      raise ValueError(f"token id {int(ids[first])} at position {first} is outside the byte vocabulary "
-                       f"[0, {self.vocab_size})")
+    ids = checked_ids(ids, self.vocab_size, "byte")
     return ids[ids < 256].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
 
-_TOKENIZERS = {"byte": ByteTokenizer}
+_TOKENIZERS = {"byte": ByteTokenizer, "rwkv_world": RwkvWorldTokenizer}
 
 
-def get_tokenizer(name: str) -> ByteTokenizer:
-  """Returns the tokenizer called `name` ("byte"); ValueError names the known ones otherwise."""
+def get_tokenizer(name: str) -> ByteTokenizer | RwkvWorldTokenizer:
+  """Returns the tokenizer called `name` ("byte" or "rwkv_world"); ValueError names the known ones otherwise."""
   if name not in _TOKENIZERS:
     raise ValueError(f"unknown tokenizer {name!r}; choose from {', '.join(sorted(_TOKENIZERS))}")
   return _TOKENIZERS[name]()
+

@@ -2,7 +2,8 @@
 
 Logical axis names used by every parameter (the sharding issue maps them to mesh axes):
   vocab, embed, heads, kv_heads, head_dim, mlp, wkv (RWKV-4 channels), norm, and embed_out (the output axis of a
-  square d_model x d_model gate, named apart from `embed` so the two axes can map to different mesh axes).
+  square d_model x d_model gate, named apart from `embed` so the two axes can map to different mesh axes), and lora (the
+  narrow inner axis of RWKV-7's low-rank projections, meant to stay replicated).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Sequence
 import flax.linen as nn
 import jax.numpy as jnp
 
-LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "wkv", "norm", "embed_out")
+LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "wkv", "norm", "embed_out", "lora")
 
 
 def init(std: float, axes: Sequence[str]):

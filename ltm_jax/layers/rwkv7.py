@@ -1,0 +1,203 @@
+"""RWKV-7 ("Goose", x070) time-mix and channel-mix, each carrying its state.
+
+The time-mix follows the official x070 definition: a token shift with six per-channel mixes, projections r, k, v, a
+low-rank decay w (tanh), in-context learning rate a (sigmoid), value-residual gate (sigmoid) and output gate g, the
+normalised key kk with the delta rule's a = -kk and b = kk * a, WKV-7, a per-head group norm, the r.k bonus and the
+output gate. Parameter names describe what they do; `ltm_jax/convert/rwkv.py` maps them to the official names
+(x_r.. -> shift_r.., w0/w1/w2 -> decay_base/decay_down/decay_up, a* -> iclr_*, v* -> value_residual_*, g1/g2 ->
+gate_down/gate_up, k_k -> key_norm_scale, k_a -> key_iclr_mix, r_k -> bonus, ln_x -> out_norm).
+
+Value residual: the first RWKV-7 layer of the stack returns its values `v_first` [B, T, C]; every later RWKV-7
+layer mixes them into its own values through a learned gate, so the caller threads v_first from block to block.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ltm_jax.layers.common import token_shift
+from ltm_jax.layers.rwkv4 import ChannelMixState
+from ltm_jax.ops.wkv7 import empty_state as wkv7_empty_state
+from ltm_jax.ops.wkv7 import wkv7
+
+# Official x070 constants. The decay is e^w with w = -e^{-1/2} sigmoid(.), so every step keeps between
+# e^{-0.61} = 0.545 and 1 of the state; the group norm of the WKV output uses eps = 64e-5 (not the usual 1e-5).
+MAX_LOG_DECAY = math.exp(-0.5)
+GROUP_NORM_EPS = 64e-5
+NORMALIZE_EPS = 1e-12  # torch.nn.functional.normalize's floor on the key norm.
+
+
+class TimeMix7State(NamedTuple):
+  """wkv: [B, H, N, N] float32 (S[i, j], i = value index, j = key index); last_x: [B, d_model] float32, the last
+  input token (for the token shift)."""
+  wkv: jax.Array
+  last_x: jax.Array
+
+  @classmethod
+  def empty(cls, batch: int, d_model: int, head_size: int) -> TimeMix7State:
+    return cls(wkv7_empty_state(batch, d_model // head_size, head_size), jnp.zeros((batch, d_model), jnp.float32))
+
+
+def _ratios(layer: int, n_layers: int) -> tuple[float, float]:
+  """(0 -> 1 across depth, 1 -> almost 0 across depth), as in the official initialisation."""
+  return layer / max(n_layers - 1, 1), 1.0 - layer / n_layers
+
+
+def _constant_init(values: np.ndarray, axes: tuple[str, ...]):
+  def init(key, shape, dtype=jnp.float32):
+    del key
+    assert tuple(shape) == values.shape, (shape, values.shape)
+    return jnp.asarray(values, dtype)
+  return nn.with_logical_partitioning(init, axes)
+
+
+def _shift_fraction(d: int, power: float) -> np.ndarray:
+  """1 - (i / C) ** power: how much of the previous token channel i takes (early channels lean on the past)."""
+  return 1.0 - (np.arange(d) / d) ** power
+
+
+def _centered_uniform(bound: float, axes: tuple[str, ...]):
+  """U(-bound, bound) annotated with logical axes (flax's uniform starts at 0)."""
+  def init(key, shape, dtype=jnp.float32):
+    return jax.random.uniform(key, shape, dtype, -bound, bound)
+  return nn.with_logical_partitioning(init, axes)
+
+
+def _projection(features: int, init, dtype, name: str) -> nn.DenseGeneral:
+  """A bias-free projection of the last axis; `init` carries the logical axes (the official inits are uniform or
+  zero, not the normal of common.dense)."""
+  return nn.DenseGeneral(features, use_bias=False, dtype=dtype, param_dtype=jnp.float32, kernel_init=init, name=name)
+
+
+class TimeMix7(nn.Module):
+  """x [B, T, d_model] -> (y [B, T, d_model], new state, v_first [B, T, d_model]); heads of `head_size` channels.
+  The low-rank widths come from ModelConfig.rwkv7_lora_dims() in the model (the official suggestions by default).
+
+  `first`: this is the first RWKV-7 layer of the stack, which produces v_first (the `v_first` argument is ignored);
+  later layers need the first layer's v_first.
+  """
+  layer: int
+  n_layers: int
+  head_size: int = 64
+  decay_lora: int = 32
+  iclr_lora: int = 32
+  value_lora: int = 32
+  gate_lora: int = 32
+  first: bool = True
+  impl: str = "auto"
+  dtype: str = "float32"
+
+  @nn.compact
+  def __call__(self, x, state: TimeMix7State | None = None, v_first=None):
+    batch, length, d = x.shape
+    n = self.head_size
+    if d % n:
+      raise ValueError(f"TimeMix7: d_model={d} is not a multiple of head_size={n}")
+    heads = d // n
+    if state is None:
+      state = TimeMix7State.empty(batch, d, n)
+    if not self.first and v_first is None:
+      raise ValueError("TimeMix7: a layer after the first RWKV-7 layer needs the first layer's v_first")
+    up, down = _ratios(self.layer, self.n_layers)
+    channel = np.arange(d)
+    linear = channel / max(d - 1, 1) - 0.5  # -0.5 .. 0.5 across channels.
+    zigzag = ((channel % n) - (n - 1) / 2) / max((n - 1) / 2, 1)
+    zigzag = zigzag * np.abs(zigzag)  # -1 .. 1 within each head, denser near 0.
+
+    def vector(name, values, axes=("wkv",)):
+      return self.param(name, _constant_init(np.asarray(values, np.float32), axes), (d,))
+
+    def lora(name, rank, x_in, activation, out_axes=("wkv",)):
+      """x_in [B, T, C] -> up(activation(down(x_in))) [B, T, C]; down starts at zero, up orthogonal * 0.1."""
+      down_w = self.param(f"{name}_down", nn.with_logical_partitioning(nn.initializers.zeros, ("embed", "lora")),
+                          (d, rank))
+      up_w = self.param(f"{name}_up", nn.with_logical_partitioning(nn.initializers.orthogonal(0.1),
+                                                                   ("lora", *out_axes)), (rank, d))
+      h = activation(x_in @ down_w.astype(x_in.dtype))
+      return h @ up_w.astype(x_in.dtype)
+
+    # Token shift: x + (previous - x) * shift, a per-channel interpolation toward the previous token.
+    x = x.astype(self.dtype)
+    delta = token_shift(x, state.last_x) - x
+    powers = {"r": 0.2, "w": 0.9, "k": 0.7, "v": 0.7, "a": 0.9, "g": 0.2}
+    mixed = {name: x + delta * vector(f"shift_{name}", _shift_fraction(d, p * down), ("embed",)).astype(x.dtype)
+             for name, p in powers.items()}
+
+    scale = 1 / math.sqrt(d)
+    r = _projection(d, _centered_uniform(0.5 * scale, ("embed", "wkv")), self.dtype, "receptance")(mixed["r"])
+    k = _projection(d, _centered_uniform(0.05 * scale, ("embed", "wkv")), self.dtype, "key")(mixed["k"])
+    v = _projection(d, _centered_uniform(0.5 * scale, ("embed", "wkv")), self.dtype, "value")(mixed["v"])
+
+    decay_base = -6 + 6 * (channel / max(d - 1, 1)) ** (1 + up ** 0.3) + 0.5 + 2.5 * zigzag
+    decay_pre = vector("decay_base", decay_base) + lora("decay", self.decay_lora, mixed["w"], jnp.tanh).astype(
+        jnp.float32)
+    log_decay = -MAX_LOG_DECAY * nn.sigmoid(decay_pre)  # float32, in (-0.61, 0): the decay never flips sign.
+
+    iclr = nn.sigmoid(vector("iclr_base", -0.19 + 0.3 * zigzag + 0.4 * linear).astype(x.dtype)
+                      + lora("iclr", self.iclr_lora, mixed["a"], lambda h: h))  # a in (0, 1)
+    if self.first:
+      v_first = v
+    else:
+      gate_v = nn.sigmoid(vector("value_residual_base", 0.73 - 0.4 * linear).astype(x.dtype)
+                          + lora("value_residual", self.value_lora, mixed["v"], lambda h: h))
+      v = v + (v_first.astype(v.dtype) - v) * gate_v
+    gate = lora("gate", self.gate_lora, mixed["g"], nn.sigmoid)
+
+    key_norm_scale = vector("key_norm_scale", 0.71 - 0.1 * linear).astype(x.dtype)
+    key_iclr_mix = vector("key_iclr_mix", np.full(d, 1.02)).astype(x.dtype)
+    to_heads = lambda t: t.reshape(batch, length, heads, n)
+    kk = to_heads(k * key_norm_scale)
+    kk_f32 = kk.astype(jnp.float32)
+    kk = (kk_f32 / jnp.maximum(jnp.linalg.norm(kk_f32, axis=-1, keepdims=True), NORMALIZE_EPS)).astype(x.dtype)
+    k = k * (1 + (iclr - 1) * key_iclr_mix)
+    y, wkv_state = wkv7(to_heads(r), to_heads(log_decay), to_heads(k), to_heads(v), -kk, kk * to_heads(iclr),
+                        state.wkv, impl=self.impl)
+
+    y = _group_norm(self, y, self.dtype)  # [B, T, H, N] -> normalised per head, scaled per channel.
+    bonus = vector("bonus", np.full(d, -0.04)).astype(x.dtype)  # [C], official r_k [H, N]; a vector: no decay.
+    rk = jnp.sum(to_heads(r * k * bonus), axis=-1, keepdims=True, dtype=jnp.float32)
+    y = y + (rk * to_heads(v).astype(jnp.float32)).astype(y.dtype)
+    out = _projection(d, nn.with_logical_partitioning(nn.initializers.zeros, ("wkv", "embed")), self.dtype,
+                      "output")(y.reshape(batch, length, d) * gate)
+    return out, TimeMix7State(wkv_state, x[:, -1].astype(jnp.float32)), v_first
+
+
+def _group_norm(module: nn.Module, y, dtype):
+  """Per-head LayerNorm of y [B, T, H, N] (eps 64e-5, in float32), then a per-channel affine; out [B, T, H, N]."""
+  _, _, heads, n = y.shape
+  scale = module.param("out_norm_scale", nn.with_logical_partitioning(nn.initializers.ones, ("wkv",)), (heads * n,))
+  bias = module.param("out_norm_bias", nn.with_logical_partitioning(nn.initializers.zeros, ("wkv",)), (heads * n,))
+  y = y.astype(jnp.float32)
+  mean = jnp.mean(y, axis=-1, keepdims=True)
+  var = jnp.mean(jnp.square(y - mean), axis=-1, keepdims=True)
+  y = (y - mean) * jax.lax.rsqrt(var + GROUP_NORM_EPS)
+  return (y * scale.reshape(heads, n) + bias.reshape(heads, n)).astype(dtype)
+
+
+class ChannelMix7(nn.Module):
+  """RWKV-7 FFN: W_v relu(W_k x_k)^2 with a token-shifted input (no receptance gate); x, y: [B, T, d_model]."""
+  layer: int
+  n_layers: int
+  hidden: int
+  dtype: str = "float32"
+
+  @nn.compact
+  def __call__(self, x, state: ChannelMixState | None = None):
+    batch, _, d = x.shape
+    if state is None:
+      state = ChannelMixState.empty(batch, d)
+    _, down = _ratios(self.layer, self.n_layers)
+    x = x.astype(self.dtype)
+    shift = self.param("shift_k", _constant_init(_shift_fraction(d, down ** 4).astype(np.float32), ("embed",)), (d,))
+    xk = x + (token_shift(x, state.last_x) - x) * shift.astype(x.dtype)
+    key = _projection(self.hidden, _centered_uniform(0.5 / math.sqrt(d), ("embed", "mlp")), self.dtype, "key")
+    hidden = jnp.square(nn.relu(key(xk)))
+    value = _projection(d, nn.with_logical_partitioning(nn.initializers.zeros, ("mlp", "embed")), self.dtype,
+                        "value")
+    return value(hidden), ChannelMixState(x[:, -1].astype(jnp.float32))
