@@ -3,9 +3,11 @@
     python benchmarks/train.py                                   # CPU default: the tiny config's mixer variants
     python benchmarks/train.py --config configs/base_125m.py     # one config (GPU), as it is
     python benchmarks/train.py --variant model.dtype=bfloat16 --variant model.layer_pattern=A
+    python benchmarks/train.py --config configs/tiny_ltm.py --name train-latent \
+        --variant latent.enabled=false --variant latent.inner_steps=4 --variant "" --variant latent.inner_steps=16
 
 Times the real jitted train step (AdamW update included) on random tokens, median over steps after warm-up, and
-writes benchmarks/results/train-<device>.json.
+writes benchmarks/results/<name>-<device>.json (name: train by default).
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ CPU_VARIANTS = ("", "model.layer_pattern=A", "model.layer_pattern=R", "model.wkv
 
 def measure(cfg: config_lib.Config, steps: int) -> dict:
   t = cfg.train
-  model, optimizer = model_lib.LM(cfg.model), make_optimizer(t)
-  state = create_train_state(model_lib.init_params(cfg.model, jax.random.key(0)), optimizer, 0)
+  model, optimizer = model_lib.LM(cfg.model, cfg.latent), make_optimizer(t)
+  state = create_train_state(model_lib.init_params(cfg.model, jax.random.key(0), cfg.latent), optimizer, 0)
   tokens = jax.random.randint(jax.random.key(1), (t.batch_size, t.seq_len + 1), 0, cfg.model.vocab_size)
   batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
   step = make_train_step(model, optimizer, learning_rate(t), t.grad_accum)
@@ -69,6 +71,7 @@ def main():
   parser.add_argument("--variant", action="append", default=None,
                       help="comma-separated key=value overrides; repeat for several variants ('' = as is)")
   parser.add_argument("--steps", type=int, default=10)
+  parser.add_argument("--name", default="train", help="results file benchmarks/results/<name>-<device>.json")
   args = parser.parse_args()
   variants = args.variant if args.variant is not None else (
       CPU_VARIANTS if jax.default_backend() == "cpu" else ("",))
@@ -80,7 +83,7 @@ def main():
     print(f"measured {row['config']} {row['variant']}: {row['tokens_per_s']:.0f} tokens/s", flush=True)
   common.print_table(rows, ["config", "variant", "params", "batch", "compile_s", "step_ms", "tokens_per_s",
                             "model_tflops", "temp_mib"])
-  path = common.write_results("train", rows, config_file=args.config, steps=args.steps)
+  path = common.write_results(args.name, rows, config_file=args.config, steps=args.steps)
   print(f"wrote {path}")
 
 

@@ -7,7 +7,7 @@
 """
 
 from ltm_jax.api import LanguageModel, build, load
-from ltm_jax.config import Config, DataConfig, ModelConfig, TrainConfig, load_config
+from ltm_jax.config import Config, DataConfig, LatentConfig, ModelConfig, TrainConfig, load_config
 from ltm_jax.train import train
 
 __version__ = "0.1.0"

@@ -1,5 +1,5 @@
-"""The `ltm` command: train, eval, generate, info. Bad input prints one line `error: ...` and exits with status 2
-(set LTM_DEBUG=1 for the traceback)."""
+"""The `ltm` command: train, eval, generate, info, convert-rwkv. Bad input prints one line `error: ...` and exits
+with status 2 (set LTM_DEBUG=1 for the traceback)."""
 
 from __future__ import annotations
 
@@ -27,29 +27,50 @@ def _train(args) -> int:
 def _eval(args) -> int:
   from ltm_jax import data as data_lib
   from ltm_jax.api import load
-  from ltm_jax.train.step import evaluate, make_eval_step
-  lm = load(args.workdir, args.step)
+  from ltm_jax.train.evaluation import full_evaluation
+  lm = load(args.workdir, args.step, args.overrides)
   t = lm.config.train
   batch_size = args.batch_size or t.batch_size
   splits = data_lib.load_splits(lm.config.data, lm.config.model.vocab_size, t.seq_len)
   batches = data_lib.eval_batches(splits.val, batch_size, t.seq_len, args.batches or 10**9)
   started = time.time()
   bytes_per_token = None if splits.is_token_file else lm.tokenizer.bytes_per_token
-  evaluation = evaluate(make_eval_step(lm.model), lm.params, batches, bytes_per_token)
-  metrics = {"step": lm.trained_steps, **evaluation, "seq_len": t.seq_len, "seconds": round(time.time() - started, 2)}
+  evaluation = full_evaluation(lm.model, lm.params, batches, seed=t.seed, bytes_per_token=bytes_per_token)
+  # val_loss / val_bpb: the names training logs, (NLL + KL) per token (exact NLL for the plain decoder).
+  aliases = {"val_loss": evaluation["elbo"]}
+  if "elbo_bpb" in evaluation:
+    aliases["val_bpb"] = evaluation["elbo_bpb"]
+  metrics = {"step": lm.trained_steps, **evaluation, **aliases, "seq_len": t.seq_len,
+             "seconds": round(time.time() - started, 2)}
   out = pathlib.Path(args.workdir) / "eval.json"
-  out.write_text(json.dumps(metrics, indent=2) + "\n")
+  tmp = out.with_suffix(".json.tmp")
+  tmp.write_text(json.dumps(metrics, indent=2) + "\n")
+  os.replace(tmp, out)
   for k, v in metrics.items():
-    print(f"{k:12s} {v:.4f}" if isinstance(v, float) else f"{k:12s} {v}")
+    label = " (upper bound)" if k == "elbo_ppl" and metrics["elbo_ppl_is_upper_bound"] else ""
+    if isinstance(v, dict):
+      v = " ".join(f"{steps}:{x:.4g}" for steps, x in v.items())
+    print(f"{k:24s} {v:.4f}{label}" if isinstance(v, float) else f"{k:24s} {v}{label}")
   print(f"wrote {out}")
   return 0
 
 
 def _generate(args) -> int:
   from ltm_jax.api import load
-  lm = load(args.workdir, args.step)
+  lm = load(args.workdir, args.step, args.overrides)
+  if args.latents is not None and not lm.has_latents:
+    raise ValueError("--latents needs a model trained with latents (latent.enabled=true)")
   print(args.prompt + lm.generate(args.prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                                  top_p=args.top_p, seed=args.seed))
+                                  top_p=args.top_p, seed=args.seed, latents=args.latents))
+  return 0
+
+
+def _convert_rwkv(args) -> int:
+  from ltm_jax.convert import convert_rwkv
+  cfg = convert_rwkv(args.checkpoint, args.out, step=args.step, tokenizer=args.tokenizer)
+  m = cfg.model
+  print(f"wrote {args.out}: {m.n_layers} x {m.layer_pattern}, d_model {m.d_model}, vocab {m.vocab_size}, "
+        f"tokenizer {cfg.data.tokenizer}, step {args.step}")
   return 0
 
 
@@ -98,6 +119,8 @@ def parser() -> argparse.ArgumentParser:
   ev.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
   ev.add_argument("--batches", type=_positive_int, default=None, help="limit validation batches (default: all)")
   ev.add_argument("--batch-size", type=_positive_int, default=None)
+  ev.add_argument("overrides", nargs="*", metavar="key=value",
+                  help="runtime changes, e.g. latent.inner_steps=32 model.wkv_impl=scan")
   ev.set_defaults(run=_eval)
 
   gen = sub.add_parser("generate", help="sample a continuation of a prompt")
@@ -109,6 +132,10 @@ def parser() -> argparse.ArgumentParser:
   gen.add_argument("--top-p", type=_probability, default=None)
   gen.add_argument("--seed", type=int, default=0)
   gen.add_argument("--step", type=int, default=None)
+  gen.add_argument("--latents", choices=("posterior", "prior"), default=None,
+                   help="latent models: z inferred from the prompt (default for prompts of 2+ tokens) or drawn from "
+                        "the prior")
+  gen.add_argument("overrides", nargs="*", metavar="key=value", help="runtime changes, e.g. latent.inner_steps=8")
   gen.set_defaults(run=_generate)
 
   info = sub.add_parser("info", help="parameter count, FLOPs per token and estimated memory of a config")
@@ -116,6 +143,15 @@ def parser() -> argparse.ArgumentParser:
   info.add_argument("--json", action="store_true", help="print JSON")
   info.add_argument("overrides", nargs="*", metavar="key=value")
   info.set_defaults(run=_info)
+
+  conv = sub.add_parser("convert-rwkv", help="turn an official RWKV-7 (x070) or RWKV-4 .pth checkpoint into a workdir "
+                                             "(needs torch; the CPU build is enough)")
+  conv.add_argument("--checkpoint", required=True, help="the official .pth file")
+  conv.add_argument("--out", required=True, help="a new workdir (refused if it already holds one)")
+  conv.add_argument("--step", type=int, default=0, help="the step number to save the weights at (default 0)")
+  conv.add_argument("--tokenizer", default="auto", choices=("auto", "rwkv_world", "byte"),
+                    help="auto: rwkv_world for 65536-id vocabularies, else byte (use token ids)")
+  conv.set_defaults(run=_convert_rwkv)
   return p
 
 

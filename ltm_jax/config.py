@@ -18,19 +18,21 @@ from typing import Any
 
 from ltm_jax.errors import ConfigError
 
-MIXERS = {"A": "attention", "R": "rwkv4"}
-FFNS = ("auto", "swiglu", "channel_mix")
+MIXERS = {"A": "attention", "R": "rwkv4", "W": "rwkv7"}
+FFNS = ("auto", "swiglu", "channel_mix", "channel_mix7")
 NORMS = ("rmsnorm", "layernorm")
 DTYPES = ("float32", "bfloat16")
-WKV_IMPLS = ("auto", "scan", "associative")
-ATTENTION_IMPLS = ("auto", "xla", "cudnn")
-TOKENIZERS = ("byte",)
+WKV_IMPLS = ("auto", "scan", "associative", "pallas")
+ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas")
+WKV7_IMPLS = ("auto", "scan", "chunked", "pallas")
+TOKENIZERS = ("byte", "rwkv_world")
 VOCAB_MULTIPLE = 128
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """The decoder. `layer_pattern` letters: A = causal attention, R = RWKV-4 time-mix; tiled over `n_layers`."""
+  """The decoder. `layer_pattern` letters: A = causal attention, R = RWKV-4 time-mix, W = RWKV-7 (x070) time-mix;
+  tiled over `n_layers`."""
   vocab_size: int = 259
   d_model: int = 128
   n_layers: int = 4
@@ -38,7 +40,7 @@ class ModelConfig:
   n_kv_heads: int | None = None  # None: n_heads (multi-head); fewer: grouped-query attention.
   mlp_dim: int | None = None  # None: 4*d_model for channel_mix, 8/3*d_model rounded up to 64 for swiglu.
   layer_pattern: str = "A"
-  ffn: str = "auto"  # auto: channel_mix after R layers, swiglu after A layers.
+  ffn: str = "auto"  # auto: channel_mix after R, channel_mix7 (RWKV-7's, no receptance gate) after W, swiglu after A.
   window: int | None = None  # Sliding attention window W: query i sees keys i-W < j <= i.
   rope_theta: float = 10_000.0
   max_seq_len: int = 2048  # Key/value cache capacity of full-attention layers.
@@ -49,6 +51,15 @@ class ModelConfig:
   init_std: float = 0.02
   wkv_impl: str = "auto"
   attention_impl: str = "auto"
+  wkv7_impl: str = "auto"  # Backend of the RWKV-7 (W) layers' WKV-7 op.
+  ln0: bool = False  # Normalise the embeddings (model.norm kind) before the first block, as official RWKV models do.
+  rwkv7_head_size: int = 64  # RWKV-7 heads of N channels, each with an N x N state; d_model must divide by it.
+  # RWKV-7 low-rank widths (decay w, in-context learning rate a, value residual, output gate); None: the official
+  # suggestion max(32, round(f * sqrt(d_model) / 32) * 32), f = 2.5, 2.5, 1.7, 5.
+  rwkv7_decay_lora: int | None = None
+  rwkv7_iclr_lora: int | None = None
+  rwkv7_value_lora: int | None = None
+  rwkv7_gate_lora: int | None = None
 
   @property
   def kv_heads(self) -> int:
@@ -70,14 +81,21 @@ class ModelConfig:
   def ffn_kind(self, mixer: str) -> str:
     if self.ffn != "auto":
       return self.ffn
-    return "channel_mix" if mixer == "rwkv4" else "swiglu"
+    return {"rwkv4": "channel_mix", "rwkv7": "channel_mix7"}.get(mixer, "swiglu")
 
   def ffn_dim(self, kind: str) -> int:
     if self.mlp_dim is not None:
       return self.mlp_dim
-    if kind == "channel_mix":
+    if kind in ("channel_mix", "channel_mix7"):
       return 4 * self.d_model
     return -(-(8 * self.d_model) // (3 * 64)) * 64
+
+  def rwkv7_lora_dims(self) -> dict[str, int]:
+    """The RWKV-7 low-rank widths {decay, iclr, value, gate}: the rwkv7_*_lora fields, or the official suggestion."""
+    suggest = lambda f: max(32, int(round(f * math.sqrt(self.d_model) / 32) * 32))
+    given = (self.rwkv7_decay_lora, self.rwkv7_iclr_lora, self.rwkv7_value_lora, self.rwkv7_gate_lora)
+    return {name: suggest(f) if dim is None else dim
+            for (name, f), dim in zip((("decay", 2.5), ("iclr", 2.5), ("value", 1.7), ("gate", 5.0)), given)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,11 +135,29 @@ class TrainConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LatentConfig:
+  """Latent thought vectors z [B, n_layers, n_per_layer, d_model] read by a cross-attention sub-layer in every block,
+  inferred per sequence by `inner_steps` of Adam on the posterior N(mu, exp(logvar)) (Kong et al., 2025)."""
+  enabled: bool = False  # false: the plain decoder (no cross-attention), the baseline of every comparison.
+  n_per_layer: int = 4
+  rope: bool = False  # RoPE on the cross-attention, z_l's vectors placed evenly over the first rope_span positions.
+  rope_span: int = 256
+  inner_steps: int = 16
+  inner_lr: float = 0.3
+  inner_min_lr_ratio: float = 0.1  # The inner learning rate is cosine-decayed to inner_lr * this within the loop.
+  inner_b1: float = 0.9
+  inner_b2: float = 0.999
+  init_mu_std: float = 0.01
+  init_logvar: float = -5.0
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
   name: str = "unnamed"
   model: ModelConfig = ModelConfig()
   data: DataConfig = DataConfig()
   train: TrainConfig = TrainConfig()
+  latent: LatentConfig = LatentConfig()
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -130,7 +166,7 @@ class Config:
     return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
 
-SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
+SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "latent": LatentConfig}
 
 
 # ----------------------------------------------------------------------------------------------------------- loading
@@ -295,10 +331,15 @@ def validate(config: Config) -> Config:
   need(m.n_layers % len(m.layer_pattern) == 0,
        f"model.n_layers={m.n_layers} is not a multiple of len(model.layer_pattern)={len(m.layer_pattern)}")
   need(m.mlp_dim is None or m.mlp_dim > 0, f"model.mlp_dim must be positive, got {m.mlp_dim}")
+  if "W" in m.layer_pattern:
+    need(m.rwkv7_head_size > 0 and m.d_model % m.rwkv7_head_size == 0,
+         f"model.d_model={m.d_model} is not divisible by model.rwkv7_head_size={m.rwkv7_head_size}")
+    for name, dim in m.rwkv7_lora_dims().items():
+      need(dim > 0, f"model.rwkv7_{name}_lora must be positive or none, got {dim}")
   need(m.window is None or m.window > 0, f"model.window must be positive or none, got {m.window}")
   need(m.rope_theta > 0 and m.norm_eps > 0 and m.init_std > 0, "model.rope_theta, norm_eps, init_std must be > 0")
   for key, choices in (("ffn", FFNS), ("norm", NORMS), ("dtype", DTYPES), ("wkv_impl", WKV_IMPLS),
-                       ("attention_impl", ATTENTION_IMPLS)):
+                       ("attention_impl", ATTENTION_IMPLS), ("wkv7_impl", WKV7_IMPLS)):
     need(getattr(m, key) in choices, f"model.{key}={getattr(m, key)!r} is not one of {', '.join(choices)}")
 
   need(d.tokenizer in TOKENIZERS, f"data.tokenizer={d.tokenizer!r} is not one of {', '.join(TOKENIZERS)}")
@@ -308,6 +349,9 @@ def validate(config: Config) -> Config:
   need(bool(d.source), "data.source is empty")
   if d.tokenizer == "byte":
     need(m.vocab_size >= 259, f"model.vocab_size={m.vocab_size} is smaller than the byte tokenizer's 259 ids")
+  if d.tokenizer == "rwkv_world":
+    need(m.vocab_size >= 65536, f"model.vocab_size={m.vocab_size} is smaller than the rwkv_world tokenizer's "
+                                "65536 ids")
 
   for key in ("steps", "batch_size", "seq_len", "grad_accum", "eval_every", "eval_batches", "checkpoint_every",
               "keep_checkpoints", "log_every"):
@@ -322,4 +366,14 @@ def validate(config: Config) -> Config:
   has_full_attention = "A" in m.layer_pattern and m.window is None
   need(not has_full_attention or t.seq_len <= m.max_seq_len,
        f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+
+  z = config.latent
+  need(z.n_per_layer >= 1, f"latent.n_per_layer must be >= 1, got {z.n_per_layer}")
+  need(z.inner_steps >= 0, f"latent.inner_steps must be >= 0, got {z.inner_steps}")
+  need(z.inner_lr >= 0, f"latent.inner_lr must be >= 0, got {z.inner_lr}")
+  need(0 <= z.inner_min_lr_ratio <= 1, f"latent.inner_min_lr_ratio must be in [0, 1], got {z.inner_min_lr_ratio}")
+  need(0 <= z.inner_b1 < 1 and 0 <= z.inner_b2 < 1, "latent.inner_b1 and latent.inner_b2 must be in [0, 1)")
+  need(z.init_mu_std >= 0, f"latent.init_mu_std must be >= 0, got {z.init_mu_std}")
+  need(not z.rope or m.head_dim % 2 == 0, f"latent.rope needs an even head dimension, got {m.head_dim}")
+  need(z.rope_span >= 1, f"latent.rope_span must be >= 1, got {z.rope_span}")
   return config

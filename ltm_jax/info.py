@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 from ltm_jax import model as model_lib
-from ltm_jax.config import Config
+from ltm_jax.config import MIXERS, Config
 
 
 def _visible_keys(seq_len: int, window: int | None) -> float:
@@ -17,14 +17,20 @@ def _visible_keys(seq_len: int, window: int | None) -> float:
   return float(np.mean(np.minimum(positions + 1, window or seq_len)))
 
 
+def _per_token(path) -> bool:
+  """Whether a matrix multiplies every token (not the embedding lookup, not the latents' own key/value projections)."""
+  name = jax.tree_util.keystr(path)
+  return "['embed']" not in name and not ("['cross_attention']" in name and ("['k']" in name or "['v']" in name))
+
+
 def model_info(cfg: Config) -> dict[str, Any]:
   m, t = cfg.model, cfg.train
-  shapes = jax.eval_shape(lambda: model_lib.init_params(m, jax.random.key(0)))
+  latent = model_lib.uses_latents(cfg.latent)
+  shapes = jax.eval_shape(lambda: model_lib.init_params(m, jax.random.key(0), latent))
   leaves = jax.tree_util.tree_flatten_with_path(shapes)[0]
   n_params = sum(int(np.prod(x.shape)) for _, x in leaves)
   n_embedding = sum(int(np.prod(x.shape)) for path, x in leaves if "['embed']" in jax.tree_util.keystr(path))
-  n_matmul = sum(int(np.prod(x.shape)) for path, x in leaves
-                 if len(x.shape) >= 2 and "['embed']" not in jax.tree_util.keystr(path))
+  n_matmul = sum(int(np.prod(x.shape)) for path, x in leaves if len(x.shape) >= 2 and _per_token(path))
   if m.tie_embeddings:
     n_matmul += m.padded_vocab_size * m.d_model
   n_attention = sum(kind == "attention" for kind in m.mixers)
@@ -32,6 +38,12 @@ def model_info(cfg: Config) -> dict[str, Any]:
   attention_fwd = n_attention * 4 * m.d_model * _visible_keys(t.seq_len, m.window)
   flops_fwd = 2 * n_matmul + attention_fwd
   tokens = t.batch_size * t.seq_len
+  # Training = 3x forward (forward, gradients of activations and of weights). With latents, each inner step is a
+  # forward and a backward to z only (~2x forward; no weight gradients), plus one forward scoring the fitted z.
+  flops_train = 3 * flops_fwd
+  if latent is not None:
+    flops_fwd += m.n_layers * 4 * m.d_model * latent.n_per_layer  # QK^T and AV against the latents.
+    flops_train = 3 * flops_fwd + (2 * latent.inner_steps + 1) * flops_fwd
   compute_bytes = 2 if m.dtype == "bfloat16" else 4
   # Activations kept for the backward pass, per token and layer, in units of d_model-sized vectors (approximate).
   per_layer = 0.0
@@ -46,11 +58,12 @@ def model_info(cfg: Config) -> dict[str, Any]:
       "name": cfg.name,
       "params": n_params,
       "params_non_embedding": n_params - n_embedding,
-      "layers": "".join({"attention": "A", "rwkv4": "R"}[k] for k in m.mixers),
+      "layers": "".join({name: letter for letter, name in MIXERS.items()}[k] for k in m.mixers),
       "padded_vocab_size": m.padded_vocab_size,
       "flops_per_token_forward": flops_fwd,
-      "flops_per_token_train": 3 * flops_fwd,
-      "flops_per_step_train": 3 * flops_fwd * tokens,
+      "flops_per_token_train": flops_train,
+      "flops_per_step_train": flops_train * tokens,
+      "latent_inner_steps": 0 if latent is None else latent.inner_steps,
       "tokens_per_step": tokens,
       "param_bytes": 4 * n_params,
       "train_state_bytes": 16 * n_params,  # float32 params + grads + two Adam moments.

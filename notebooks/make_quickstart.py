@@ -49,12 +49,17 @@ for temperature in (0.0, 0.8):
 ]
 
 
-def main():
+def write(cells, name: str) -> None:
+  """Writes notebooks/<name> (without outputs; execute it with `jupyter nbconvert --execute --inplace`)."""
   nb = nbformat.v4.new_notebook()
   nb.metadata["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
   nb.cells = [nbformat.v4.new_markdown_cell(src) if kind == "markdown" else nbformat.v4.new_code_cell(src)
-              for kind, src in CELLS]
-  nbformat.write(nb, pathlib.Path(__file__).with_name("01_quickstart.ipynb"))
+              for kind, src in cells]
+  nbformat.write(nb, pathlib.Path(__file__).with_name(name))
+
+
+def main():
+  write(CELLS, "01_quickstart.ipynb")
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ def test_eval_writes_eval_json(workdir, capsys):
   assert code == 0
   result = json.loads((workdir / "eval.json").read_text())
   assert result["step"] == load(workdir).trained_steps and 0 < result["val_bpb"] < 9
-  assert result["val_tokens"] == 3 * 4 * 32
+  assert result["tokens"] == 3 * 4 * 32 and result["kl"] == 0 and result["elbo_ppl_is_upper_bound"] is False
   assert "val_bpb" in out
 
 

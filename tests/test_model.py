@@ -116,3 +116,61 @@ def test_init_is_deterministic_and_seed_dependent():
   c = model_lib.init_params(cfg, jax.random.key(1))
   assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
   assert not np.array_equal(a["embed"]["embedding"], c["embed"]["embedding"])
+
+
+# RWKV-7 (W) with the official ln0, in a hybrid where v_first crosses an attention layer. Its official initialisation
+# zeroes the output projections, so these tests move every parameter to random values first.
+RWKV7_MODEL = dict(layer_pattern="WAW", n_layers=3, rwkv7_head_size=16, ln0=True, norm="layernorm")
+
+
+def _rwkv7_setup():
+  cfg = micro_config(**RWKV7_MODEL).model
+  shapes = jax.eval_shape(lambda: model_lib.init_params(cfg, jax.random.key(0)))
+  leaves, tree = jax.tree.flatten(shapes)
+  keys = jax.random.split(jax.random.key(1), len(leaves))
+  params = tree.unflatten([0.3 * jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)])
+  return cfg, model_lib.LM(cfg), params
+
+
+def test_rwkv7_segments_with_carried_state_equal_whole_sequence():
+  cfg, model, params = _rwkv7_setup()
+  apply = jax.jit(model.apply)  # Faster than op-by-op here, even compiling once per segment length.
+  tokens = _tokens(jax.random.key(3), 2, 29, cfg)
+  whole, whole_state = apply({"params": params}, tokens)
+  state, pieces = model_lib.init_state(cfg, 2), []
+  for start, stop in [(0, 7), (7, 8), (8, 29)]:
+    logits, state = apply({"params": params}, tokens[:, start:stop], state)
+    pieces.append(logits)
+  scale = float(np.abs(whole).max())
+  np.testing.assert_allclose(np.concatenate(pieces, axis=1), whole, atol=FLOAT32_ATOL * scale, rtol=0)
+  chex.assert_trees_all_close(state, whole_state, atol=FLOAT32_ATOL * scale, rtol=1e-5)
+
+
+def test_rwkv7_future_tokens_never_change_earlier_logits_and_v_first_reaches_later_layers():
+  cfg, model, params = _rwkv7_setup()
+  apply = jax.jit(model.apply)
+  tokens = _tokens(jax.random.key(1), 2, 23, cfg)
+  changed = tokens.at[:, 11:].set(_tokens(jax.random.key(2), 2, 12, cfg))
+  a, _ = apply({"params": params}, tokens)
+  b, _ = apply({"params": params}, changed)
+  np.testing.assert_array_equal(np.asarray(a[:, :11]), np.asarray(b[:, :11]))
+  assert not np.allclose(a[:, 11:], b[:, 11:])
+  # Only the last layer (W after A) reads v_first: its value-residual gate changes the logits.
+  block = dict(params["block_2"]["mixer"], value_residual_base=params["block_2"]["mixer"]["value_residual_base"] + 3)
+  c, _ = apply({"params": dict(params, block_2=dict(params["block_2"], mixer=block))}, tokens)
+  assert "value_residual_base" not in params["block_0"]["mixer"] and not np.allclose(a, c)
+  ln0 = dict(params, embed_norm=dict(params["embed_norm"], bias=params["embed_norm"]["bias"] + 1))
+  assert not np.allclose(a, apply({"params": ln0}, tokens)[0])  # ln0 is applied.
+
+
+def test_rwkv7_parameters_have_logical_axes_and_state_matches_layout():
+  cfg = micro_config(**RWKV7_MODEL).model
+  variables = jax.eval_shape(lambda: model_lib.LM(cfg).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))
+  leaves = jax.tree_util.tree_flatten_with_path(variables["params"], is_leaf=lambda x: isinstance(x, nn.Partitioned))[0]
+  for path, leaf in leaves:
+    assert isinstance(leaf, nn.Partitioned), f"{jax.tree_util.keystr(path)} has no logical axes"
+    assert len(leaf.names) == leaf.value.ndim and len(set(leaf.names)) == len(leaf.names)
+    assert set(leaf.names) <= set(LOGICAL_AXES), leaf.names
+  state = model_lib.init_state(cfg, 3)
+  assert state[0].mixer.wkv.shape == (3, cfg.d_model // 16, 16, 16) and state[0].ffn.last_x.shape == (3, cfg.d_model)
+  assert state[1].ffn is None and "embed_norm" in variables["params"]

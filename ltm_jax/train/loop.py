@@ -73,9 +73,9 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = N
   tokenizer = data_lib.get_tokenizer(cfg.data.tokenizer)
   splits = data_lib.load_splits(cfg.data, m.vocab_size, t.seq_len)
   bytes_per_token = None if splits.is_token_file else tokenizer.bytes_per_token
-  model = model_lib.LM(m)
+  model = model_lib.LM(m, cfg.latent)
   optimizer = make_optimizer(t)
-  state = create_train_state(model_lib.init_params(m, jax.random.key(t.seed)), optimizer, t.seed)
+  state = create_train_state(model_lib.init_params(m, jax.random.key(t.seed), cfg.latent), optimizer, t.seed)
 
   with contextlib.ExitStack() as cleanup:
     checkpointer = ckpt_lib.Checkpointer(workdir, t.keep_checkpoints, t.async_checkpoint)
@@ -92,7 +92,7 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = N
     start = start or 0
     eval_batches = data_lib.eval_batches(splits.val, t.batch_size, t.seq_len, t.eval_batches)
     train_step = make_train_step(model, optimizer, learning_rate(t), t.grad_accum)
-    eval_step = make_eval_step(model)
+    eval_step = make_eval_step(model, t.seed)
 
     writer = MetricsWriter(workdir, start)
     cleanup.callback(writer.close)
@@ -119,7 +119,8 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = N
                      step_seconds=elapsed / interval_steps, tokens=step * tokens_per_step)
           bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_sec']:.0f}")
           if not show_bar:
-            say(f"step {step}/{t.steps} loss {row['loss']:.4f} lr {row['lr']:.2e} "
+            kl = f" kl {row['kl']:.4f}" if "kl" in row else ""
+            say(f"step {step}/{t.steps} loss {row['loss']:.4f}{kl} lr {row['lr']:.2e} "
                 f"grad_norm {row['grad_norm']:.3f} tokens/s {row['tokens_per_sec']:.0f}")
         if step % t.eval_every == 0 or step == t.steps:
           evaluation = evaluate(eval_step, state.params, eval_batches, bytes_per_token)

@@ -1,0 +1,137 @@
+"""Posterior inference of latent thought vectors: the fast, per-sequence inner loop of Latent Thought Models.
+
+Prior p(z) = N(0, I); posterior q(z|x) = N(mu, diag(exp(logvar))) with its own (mu, logvar) for every sequence
+(local parameters, shaped like z: [B, n_layers, n_per_layer, d_model]). `fit` runs Adam on (mu, logvar) to lower each
+sequence's negative ELBO, sum_t NLL(x_t | z, x_<t) + KL(q || p), with z = mu + exp(logvar / 2) * eps for one noise
+draw eps held fixed across the steps, and a learning rate cosine-decayed within the loop.
+
+Only (mu, logvar) are differentiated here: the decoder's parameters enter `nll_fn` as constants (stop_gradient), so
+no inner-loop gradient reaches them; the training step takes its decoder gradient with z held fixed at `fit`'s output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from ltm_jax import model as model_lib
+from ltm_jax.config import LatentConfig
+
+
+class Posterior(NamedTuple):
+  """q(z|x) = N(mu, diag(exp(logvar))); both [B, n_layers, n_per_layer, d_model] float32."""
+  mu: jax.Array
+  logvar: jax.Array
+
+  def sample(self, eps: jax.Array) -> jax.Array:
+    """The reparameterised z = mu + sigma * eps for standard-normal eps shaped like mu."""
+    return self.mu + jnp.exp(0.5 * self.logvar) * eps
+
+
+def initial_posterior(key: jax.Array, shape: tuple[int, ...], cfg: LatentConfig) -> Posterior:
+  """mu = init_mu_std * N(0, 1) (a small random start breaks the symmetry between latent vectors), logvar const."""
+  mu = cfg.init_mu_std * jax.random.normal(key, shape, jnp.float32)
+  return Posterior(mu, jnp.full(shape, cfg.init_logvar, jnp.float32))
+
+
+def kl_divergence(posterior: Posterior) -> jax.Array:
+  """KL(q || N(0, I)) per sequence, [B]: 0.5 * sum(mu^2 + exp(logvar) - 1 - logvar)."""
+  per_dim = 0.5 * (jnp.square(posterior.mu) + jnp.exp(posterior.logvar) - 1.0 - posterior.logvar)
+  return per_dim.reshape(per_dim.shape[0], -1).sum(-1)
+
+
+def inner_schedule(cfg: LatentConfig, steps: int) -> optax.Schedule:
+  """inner_lr cosine-decayed to inner_lr * inner_min_lr_ratio over `steps` steps."""
+  return optax.cosine_decay_schedule(cfg.inner_lr, max(steps, 1), alpha=cfg.inner_min_lr_ratio)
+
+
+class FitResult(NamedTuple):
+  posterior: Posterior
+  nll: jax.Array  # [steps + 1, B] summed NLL of each sequence before every step and after the last.
+  kl: jax.Array  # [steps + 1, B] KL(q || p) at the same points.
+
+
+def fit(
+    nll_fn: Callable[[jax.Array], jax.Array],
+    posterior: Posterior,
+    eps: jax.Array,
+    cfg: LatentConfig,
+    steps: int | None = None,
+) -> FitResult:
+  """Runs `steps` (default cfg.inner_steps) Adam steps on (mu, logvar) from `posterior`, inside one `lax.scan`.
+
+  Args:
+    nll_fn: z [B, ...] -> [B] summed token NLL of each sequence given z. Closes over the decoder and its batch; its
+      parameters must be constants here (the caller stop_gradients them), as no gradient flows back through `fit`.
+    posterior: the starting point (`initial_posterior`).
+    eps: standard-normal noise shaped like mu, fixed for every step.
+    cfg: the latent config (learning rate, its decay, Adam's betas).
+    steps: a static number of steps; 0 returns `posterior` unchanged.
+
+  Returns:
+    the fitted posterior (gradients stopped) and the per-sequence NLL and KL trace. Sequences are independent: the
+    loss is a sum over sequences and Adam is elementwise, so each (mu, logvar) sees only its own sequence.
+  """
+  steps = cfg.inner_steps if steps is None else steps
+  optimizer = optax.adam(inner_schedule(cfg, steps), b1=cfg.inner_b1, b2=cfg.inner_b2)
+
+  def terms(q: Posterior) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    nll, kl = nll_fn(q.sample(eps)), kl_divergence(q)
+    return (nll + kl).sum(), (nll, kl)
+
+  def step(carry, _):
+    q, opt_state = carry
+    (_, (nll, kl)), grads = jax.value_and_grad(terms, has_aux=True)(q)
+    updates, opt_state = optimizer.update(grads, opt_state, q)
+    return (optax.apply_updates(q, updates), opt_state), (nll, kl)
+
+  posterior = jax.lax.stop_gradient(posterior)
+  (posterior, _), (nll, kl) = jax.lax.scan(step, (posterior, optimizer.init(posterior)), None, length=steps)
+  _, (last_nll, last_kl) = terms(posterior)
+  posterior = jax.lax.stop_gradient(posterior)
+  return FitResult(posterior, jnp.concatenate([nll, last_nll[None]]), jnp.concatenate([kl, last_kl[None]]))
+
+
+def token_nll(model, params, inputs: jax.Array, targets: jax.Array, latents: jax.Array | None = None) -> jax.Array:
+  """Per-token negative log-likelihood [B, T] float32 of `targets` under `model` given `latents` (or none)."""
+  logits, _ = model.apply({"params": params}, inputs, latents=latents)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+
+
+def infer(
+    model: model_lib.LM,
+    params,
+    inputs: jax.Array,
+    targets: jax.Array,
+    key: jax.Array,
+    *,
+    steps: int | None = None,
+    target_mask: jax.Array | None = None,
+) -> tuple[FitResult, jax.Array]:
+  """Fits q(z|x) for each sequence of a batch with the inner loop; returns the fit and its fixed noise eps.
+
+  Args:
+    model: an `LM` with latents enabled.
+    params: its parameters; gradients are stopped (the decoder learns nothing from the inner loop).
+    inputs, targets: [B, T] int token ids.
+    key: PRNG key for the initial mu and the noise.
+    steps: inner steps (default latent.inner_steps).
+    target_mask: [B, T] bool; only these targets count (e.g. the first half of each sequence, for continuation).
+  """
+  cfg = model.latent
+  shape = model_lib.latent_shape(model.cfg, cfg, inputs.shape[0])
+  init_key, eps_key = jax.random.split(key)
+  params = jax.lax.stop_gradient(params)
+
+  def nll_fn(z):
+    nll = token_nll(model, params, inputs, targets, z)
+    if target_mask is not None:
+      nll = jnp.where(target_mask, nll, 0.0)
+    return nll.sum(-1)
+
+  eps = jax.random.normal(eps_key, shape, jnp.float32)
+  return fit(nll_fn, initial_posterior(init_key, shape, cfg), eps, cfg, steps), eps

@@ -1,0 +1,125 @@
+"""The full evaluation behind `ltm eval`: likelihood bounds, continuation perplexity and latent diagnostics.
+
+For a latent model, per token over the validation windows (see README, "Evaluating latent models"):
+  nll               NLL given z drawn (fresh noise) from q(z|x) fitted on the whole sequence
+  kl                KL(q || p) per token
+  elbo_ppl          exp((NLL_sum + KL) / T): an UPPER BOUND on the perplexity (the ELBO bounds -log p(x))
+  continuation_ppl  z fitted on the first half of each sequence only, perplexity of the second half: the number that
+                    compares with an autoregressive LM's perplexity on the same second halves
+  prior_nll         NLL with z drawn from the prior N(0, I)
+  shuffled_nll      NLL with z fitted on another sequence of the batch (the decoder uses z if this is worse than nll)
+  active_units      latent dimensions whose posterior mean varies across sequences (Var > 0.01, Burda et al. 2016)
+  elbo_ppl_by_inner_steps  elbo_ppl when the inner loop runs 0, 4, 8, 16, 32 steps
+The plain decoder gets the same keys where they mean something: kl = 0, elbo_ppl = exp(nll) exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ltm_jax import latent as latent_lib
+from ltm_jax import model as model_lib
+
+CURVE_STEPS = (0, 4, 8, 16, 32)
+ACTIVE_UNIT_THRESHOLD = 0.01
+
+
+@functools.partial(jax.jit, static_argnames=("model", "steps", "full"))
+def _batch_metrics(model, params, inputs, targets, key, *, steps: int, full: bool) -> dict[str, jax.Array]:
+  """Sums over one batch [B, T]. `full` adds everything beyond the ELBO (continuation, prior, shuffled, mu)."""
+  latent = model_lib.uses_latents(model.latent)
+  length = targets.shape[1]
+  second_half = jnp.arange(length) >= length // 2
+  if latent is None:
+    nll = latent_lib.token_nll(model, params, inputs, targets)
+    return {"nll": nll.sum(), "kl": jnp.zeros(()), "continuation_nll": (nll * second_half).sum()}
+
+  def posterior_sample(key, mask=None):
+    fit_key, sample_key = jax.random.split(key)
+    fitted, eps = latent_lib.infer(model, params, inputs, targets, fit_key, steps=steps, target_mask=mask)
+    return fitted.posterior, fitted.posterior.sample(jax.random.normal(sample_key, eps.shape))
+
+  keys = jax.random.split(key, 3)
+  posterior, z = posterior_sample(keys[0])
+  out = {"nll": latent_lib.token_nll(model, params, inputs, targets, z).sum(),
+         "kl": latent_lib.kl_divergence(posterior).sum()}
+  if full:
+    _, z_first_half = posterior_sample(keys[1], jnp.broadcast_to(~second_half, targets.shape))
+    nll = latent_lib.token_nll(model, params, inputs, targets, z_first_half)
+    out["continuation_nll"] = (nll * second_half).sum()
+    out["prior_nll"] = latent_lib.token_nll(model, params, inputs, targets,
+                                            jax.random.normal(keys[2], z.shape)).sum()
+    out["shuffled_nll"] = latent_lib.token_nll(model, params, inputs, targets, jnp.roll(z, 1, axis=0)).sum()
+    out["mu"] = posterior.mu.reshape(posterior.mu.shape[0], -1)
+  return out
+
+
+def full_evaluation(model: model_lib.LM, params, batches: Iterable[dict[str, Any]], *, seed: int = 0,
+                    bytes_per_token: float | None = None, curve_steps: Iterable[int] = CURVE_STEPS) -> dict[str, Any]:
+  """Every metric of the module docstring over `batches` (dicts of [B, T] inputs/targets); z draws from `seed`;
+  the ELBO curve at `curve_steps` inner steps (and at latent.inner_steps)."""
+  latent = model_lib.uses_latents(model.latent)
+  batches = list(batches)
+  if latent is not None and any(b["inputs"].shape[0] < 2 for b in batches):
+    raise ValueError("shuffled_nll needs at least 2 sequences per batch; raise --batch-size")
+  curve = sorted(set(curve_steps) | {latent.inner_steps}) if latent is not None else []
+  main_steps = latent.inner_steps if latent is not None else 0
+  totals: dict[str, float] = {}
+  curve_totals = {steps: 0.0 for steps in curve}
+  mu_sum = mu_sq = None
+  tokens = sequences = 0
+  for index, batch in enumerate(batches):
+    key = jax.random.fold_in(jax.random.key(seed), index)
+    out = jax.device_get(_batch_metrics(model, params, batch["inputs"], batch["targets"], key,
+                                        steps=main_steps, full=True))
+    mu = out.pop("mu", None)
+    for k, v in out.items():
+      totals[k] = totals.get(k, 0.0) + float(v)
+    if mu is not None:
+      mu = mu.astype(np.float64)
+      mu_sum = mu.sum(0) if mu_sum is None else mu_sum + mu.sum(0)
+      mu_sq = (mu**2).sum(0) if mu_sq is None else mu_sq + (mu**2).sum(0)
+    for steps in curve:
+      if steps == main_steps:
+        curve_totals[steps] += float(out["nll"]) + float(out["kl"])
+      else:
+        part = _batch_metrics(model, params, batch["inputs"], batch["targets"], key, steps=steps, full=False)
+        curve_totals[steps] += float(part["nll"]) + float(part["kl"])
+    tokens += batch["targets"].size
+    sequences += batch["targets"].shape[0]
+  if not tokens:
+    raise ValueError("no validation batches to evaluate")
+
+  second_half_tokens = sum(b["targets"].shape[0] * (b["targets"].shape[1] - b["targets"].shape[1] // 2)
+                           for b in batches)
+  nll, kl = totals["nll"] / tokens, totals["kl"] / tokens
+  metrics: dict[str, Any] = {
+      "nll": nll,
+      "kl": kl,
+      "elbo": nll + kl,
+      "elbo_ppl": math.exp(nll + kl),
+      "elbo_ppl_is_upper_bound": latent is not None,
+      "continuation_ppl": math.exp(totals["continuation_nll"] / second_half_tokens),
+      "prior_nll": totals["prior_nll"] / tokens if latent is not None else None,
+      "shuffled_nll": totals["shuffled_nll"] / tokens if latent is not None else None,
+      "active_units": None,
+      "latent_dims": None,
+      "elbo_ppl_by_inner_steps": {str(s): math.exp(v / tokens) for s, v in curve_totals.items()},
+      "inner_steps": main_steps,
+      "tokens": tokens,
+      "sequences": sequences,
+  }
+  if mu_sum is not None:
+    variance = mu_sq / sequences - (mu_sum / sequences) ** 2
+    metrics["active_units"] = int((variance > ACTIVE_UNIT_THRESHOLD).sum())
+    metrics["latent_dims"] = int(variance.size)
+  if bytes_per_token:
+    metrics["elbo_bpb"] = (nll + kl) / math.log(2) / bytes_per_token
+  return metrics
