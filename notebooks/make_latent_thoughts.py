@@ -23,8 +23,8 @@ from ltm_jax import data as data_lib
 STEPS = int(os.environ.get("LTM_NOTEBOOK_STEPS", 150))  # The test suite runs this notebook with fewer steps.
 ROOT = next(p for p in [pathlib.Path.cwd(), *pathlib.Path.cwd().parents] if (p / "configs" / "tiny.py").exists())
 cfg = ltm_jax.load_config(ROOT / "configs" / "tiny_ltm.py", [f"train.steps={STEPS}", "train.batch_size=16",
-                                                             "train.eval_every=100", "train.log_every=25",
-                                                             "train.warmup_steps=20"])
+                                                             "train.eval_every=100", "train.eval_batches=4",
+                                                             "train.log_every=25", "train.warmup_steps=20"])
 print(cfg.latent)"""),
     ("markdown", """## Train (dual rate)
 Each step fits every sequence's posterior with `latent.inner_steps` Adam steps (fast learning), then takes one

@@ -128,7 +128,7 @@ def _unstopped_fit(model, params, batch, key):
   eps = jax.random.normal(eps_key, shape)
   opt = optax.adam(latent_lib.inner_schedule(cfg, cfg.inner_steps), b1=cfg.inner_b1, b2=cfg.inner_b2)
   opt_state = opt.init(q)
-  for _ in range(2):  # Two steps are enough for z to depend on the decoder.
+  for _ in range(1):  # One step is enough for z to depend on the decoder.
     g = jax.grad(lambda q: (latent_lib.token_nll(model, params, batch["inputs"], batch["targets"], q.sample(eps)).sum()
                             + latent_lib.kl_divergence(q).sum()))(q)
     updates, opt_state = opt.update(g, opt_state, q)
