@@ -24,8 +24,9 @@ def _num_windows(num_tokens: int, seq_len: int) -> int:
   return (num_tokens - 1) // seq_len if num_tokens > seq_len else 0
 
 
-def _gather(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
-  """Windows at `starts` [B] -> {"inputs", "targets"}: int32 [B, seq_len], targets shifted one ahead."""
+def _gather(tokens: np.ndarray, starts: np.ndarray, seq_len: int, rows: slice = slice(None)) -> dict[str, np.ndarray]:
+  """Windows at `starts[rows]` -> {"inputs", "targets"}: int32 [rows, seq_len], targets shifted one ahead."""
+  starts = starts[rows]
   # One fancy-indexing read per batch instead of B slices; also works on np.memmap without loading the file.
   windows = np.asarray(tokens[starts[:, None] + np.arange(seq_len + 1)], dtype=np.int32)
   return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
@@ -54,12 +55,21 @@ class TrainLoader:
   `worker_threads` threads assemble up to `prefetch` batches in the background while the caller trains. The stream is
   a pure function of (tokens, batch_size, seq_len, seed) and the batch counter, so `get_state()` is just that counter
   (plus a fingerprint to catch resuming with other data), and `set_state` restarts the pipeline at that batch.
+
+  `shard=(index, count)`: for multi-process training, yield only rows [index, index + 1) * batch_size / count of
+  every global batch (the rows this process's devices hold); the stream and its state are the global ones, so every
+  process agrees on the position and together they read exactly the single-process batches.
   """
 
   def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, worker_threads: int = 2,
-               prefetch: int = 4):
+               prefetch: int = 4, shard: tuple[int, int] = (0, 1)):
     if batch_size <= 0 or seq_len <= 0:
       raise ValueError(f"batch_size and seq_len must be positive, got {batch_size} and {seq_len}")
+    index, count = shard
+    if count < 1 or not 0 <= index < count or batch_size % count:
+      raise ValueError(f"shard {shard} must be (index, count) with 0 <= index < count and count dividing "
+                       f"batch_size={batch_size}")
+    rows = slice(index * batch_size // count, (index + 1) * batch_size // count)
     self._tokens = tokens
     self.batch_size = int(batch_size)
     self.seq_len = int(seq_len)
@@ -78,7 +88,7 @@ class TrainLoader:
         .repeat()  # Infinite; reseeds the shuffle every epoch.
         .map_with_index(_WindowStarts(self.num_windows, seq_len, slack, offset_seed))
         .batch(batch_size)
-        .map(functools.partial(_gather, tokens, seq_len=seq_len)))
+        .map(functools.partial(_gather, tokens, seq_len=seq_len, rows=rows)))
     self._next_batch = 0
     self._iterator = None
     self._restart()

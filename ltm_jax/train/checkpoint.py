@@ -73,7 +73,7 @@ class Checkpointer:
 
 
 # Model keys that change how the model runs, not what its parameters are or compute: free to change on resume/load.
-RUNTIME_MODEL_KEYS = ("dtype", "wkv_impl", "wkv7_impl", "attention_impl", "max_seq_len")
+RUNTIME_MODEL_KEYS = ("dtype", "wkv_impl", "wkv7_impl", "attention_impl", "max_seq_len", "remat")
 
 
 # Latent keys that shape the parameters or what they compute; the inner-loop settings stay free (e.g. more eval steps).
@@ -94,11 +94,16 @@ def check_compatible(saved: config_lib.Config, current: config_lib.Config, where
                           "use another workdir or the same model config")
 
 
-def abstract(tree):
-  """ShapeDtypeStructs of a pytree placed on this process's first device, so a checkpoint written on another device
-  (a GPU run opened in a CPU notebook) restores here instead of onto the device it was saved from."""
-  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), tree)
+def abstract(tree, shardings=None):
+  """ShapeDtypeStructs of a pytree, the target of `Checkpointer.restore`. Without `shardings`, placed on this
+  process's first device, so a checkpoint written on another device (a GPU run opened in a CPU notebook) restores
+  here instead of onto the device it was saved from. With `shardings` (a matching pytree of jax Shardings, e.g. a
+  parallel.Layout's state), every array is read straight into those shards: a checkpoint written under one mesh
+  restores under another (orbax reads each device's slice of the saved global array)."""
+  if shardings is None:
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), tree)
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
 def write_config_json(workdir: str | pathlib.Path, config: config_lib.Config) -> None:

@@ -16,11 +16,13 @@ import jax
 import tqdm
 
 from ltm_jax import data as data_lib
+from ltm_jax import info as info_lib
 from ltm_jax import model as model_lib
+from ltm_jax import parallel
 from ltm_jax.config import Config
 from ltm_jax.errors import TrainingError
 from ltm_jax.train import checkpoint as ckpt_lib
-from ltm_jax.train.metrics import MetricsWriter
+from ltm_jax.train.metrics import MetricsWriter, throughput
 from ltm_jax.train.optimizer import learning_rate, make_optimizer
 from ltm_jax.train.step import create_train_state, evaluate, make_eval_step, make_train_step
 
@@ -64,8 +66,12 @@ class _StopFlag:
 def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = None) -> TrainResult:
   """Trains `cfg` in `workdir`, resuming from its latest checkpoint. `progress=None` shows a bar only on a terminal.
 
-  Everything that can refuse the run (bad data, a checkpoint of another model, a data-iterator state that does not
-  fit) is checked before anything in the workdir is written.
+  Everything that can refuse the run (bad data, a mesh that does not fit the devices or the model, a checkpoint of
+  another model, a data-iterator state that does not fit) is checked before anything in the workdir is written.
+
+  Over several devices the run is sharded by `cfg.mesh` (ltm_jax.parallel); over several processes (after
+  `parallel.initialize`) each loads its rows of every batch, and only process 0 writes metrics and config.json
+  (orbax coordinates the checkpoint writes of all processes).
   """
   started = time.time()
   workdir = pathlib.Path(workdir)
@@ -75,31 +81,48 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = N
   bytes_per_token = None if splits.is_token_file else tokenizer.bytes_per_token
   model = model_lib.LM(m, cfg.latent)
   optimizer = make_optimizer(t)
-  state = create_train_state(model_lib.init_params(m, jax.random.key(t.seed), cfg.latent), optimizer, t.seed)
+  layout = parallel.make_layout(cfg, optimizer)  # ConfigError on a mesh that does not fit, before any compilation.
+  sharded = parallel.sharded_if_multi_device(layout)
+  if sharded is None:
+    state = create_train_state(model_lib.init_params(m, jax.random.key(t.seed), cfg.latent), optimizer, t.seed)
+  else:
+    state = parallel.init_state(cfg, optimizer, sharded)
+  main = parallel.is_main_process()
+  # This process loads only the rows of each batch its devices hold (all of them on one process).
+  start_row, stop_row = parallel.process_rows(layout.batch, t.batch_size, t.seq_len)
+  shard = (start_row // (stop_row - start_row), t.batch_size // (stop_row - start_row))
+  flops_per_step = info_lib.model_info(cfg)["flops_per_step_train"]
 
   with contextlib.ExitStack() as cleanup:
     checkpointer = ckpt_lib.Checkpointer(workdir, t.keep_checkpoints, t.async_checkpoint)
     cleanup.callback(checkpointer.close)
     loader = data_lib.TrainLoader(splits.train, t.batch_size, t.seq_len, seed=t.seed,
-                                  worker_threads=cfg.data.worker_threads, prefetch=cfg.data.prefetch)
+                                  worker_threads=cfg.data.worker_threads, prefetch=cfg.data.prefetch, shard=shard)
     cleanup.callback(loader.close)
     start = checkpointer.latest_step()
     if start is not None:
       ckpt_lib.check_compatible(checkpointer.saved_config(start), cfg, str(workdir))
-      state, data_state = checkpointer.restore(start, ckpt_lib.abstract(state))
+      target = ckpt_lib.abstract(state, None if sharded is None else sharded.state)
+      state, data_state = checkpointer.restore(start, target)
       loader.set_state(data_state)
-    ckpt_lib.write_config_json(workdir, cfg)
+    if main:
+      ckpt_lib.write_config_json(workdir, cfg)
     start = start or 0
     eval_batches = data_lib.eval_batches(splits.val, t.batch_size, t.seq_len, t.eval_batches)
-    train_step = make_train_step(model, optimizer, learning_rate(t), t.grad_accum)
-    eval_step = make_eval_step(model, t.seed)
+    train_step = make_train_step(model, optimizer, learning_rate(t), t.grad_accum, sharded)
+    eval_step = make_eval_step(model, t.seed, sharded)
+    if sharded is not None:
+      eval_batches = [parallel.put_batch(b, parallel.batch_sharding(layout.mesh, layout.rules, len(b["inputs"])))
+                      for b in eval_batches]
 
-    writer = MetricsWriter(workdir, start)
-    cleanup.callback(writer.close)
-    show_bar = sys.stderr.isatty() if progress is None else progress
+    writer = MetricsWriter(workdir, start) if main else None
+    if writer is not None:
+      cleanup.callback(writer.close)
+    show_bar = (sys.stderr.isatty() if progress is None else progress) and main
     bar = tqdm.tqdm(total=t.steps, initial=start, disable=not show_bar, dynamic_ncols=True, unit="step")
     cleanup.callback(bar.close)
-    say = bar.write if show_bar else print
+    say = bar.write if show_bar else print if main else lambda *_: None
+    devices, device_kind = jax.device_count(), jax.devices()[0].device_kind
     if start:
       say(f"resuming from step {start} in {workdir}")
     last: dict[str, Any] = {}
@@ -107,7 +130,10 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = N
     interval_start, interval_steps = time.time(), 0
     with _StopFlag().installed() as stop:
       while step < t.steps and stop.signum is None:
-        state, metrics = train_step(state, next(loader))
+        batch = next(loader)
+        if sharded is not None:
+          batch = parallel.put_batch(batch, sharded.batch, t.batch_size)
+        state, metrics = train_step(state, batch)
         step, interval_steps = step + 1, interval_steps + 1
         log_now, save_now = step % t.log_every == 0 or step == t.steps, step % t.checkpoint_every == 0
         row: dict[str, Any] = {}
@@ -116,7 +142,8 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = N
         if log_now:
           elapsed = time.time() - interval_start
           row.update(metrics, tokens_per_sec=interval_steps * tokens_per_step / elapsed,
-                     step_seconds=elapsed / interval_steps, tokens=step * tokens_per_step)
+                     step_seconds=elapsed / interval_steps, tokens=step * tokens_per_step,
+                     **throughput(flops_per_step, interval_steps, elapsed, devices, device_kind))
           bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_sec']:.0f}")
           if not show_bar:
             kl = f" kl {row['kl']:.4f}" if "kl" in row else ""
@@ -127,7 +154,8 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = N
           row.update(evaluation)
           say(f"step {step}: " + " ".join(f"{k} {v:.4f}" for k, v in evaluation.items() if isinstance(v, float)))
         if row:
-          writer.write(step, row)
+          if writer is not None:
+            writer.write(step, row)
           last.update(row)
           interval_start, interval_steps = time.time(), 0
         if save_now or step == t.steps:

@@ -40,6 +40,39 @@ class MetricsWriter:
     self._tb.close()
 
 
+# Dense (no 2:4 sparsity) bfloat16 tensor-core peak TFLOP/s per device, from NVIDIA's datasheets: A100 (SXM and
+# PCIe) 312; H100 SXM 989 and H100 PCIe 756 (the datasheets' 1979 / 1513 are with sparsity); H200 989 (same GH100
+# compute as H100 SXM). Matched against `jax.Device.device_kind` (e.g. "NVIDIA H100 80GB HBM3"), first match wins.
+PEAK_BF16_TFLOPS = (
+    ("H200", 989.0),
+    ("H100 PCIe", 756.0),
+    ("H100", 989.0),
+    ("A100", 312.0),
+)
+
+
+def peak_tflops(device_kind: str) -> float | None:
+  """The dense bfloat16 peak TFLOP/s of one device of this kind, or None when it is not in the table (CPUs)."""
+  for name, peak in PEAK_BF16_TFLOPS:
+    if name.lower() in device_kind.lower():
+      return peak
+  return None
+
+
+def throughput(flops_per_step: float, steps: int, seconds: float, devices: int, device_kind: str) -> dict[str, float]:
+  """Model TFLOP/s per device and, where the device's peak is known, MFU (model FLOPs utilisation, 0-1).
+
+  `flops_per_step` is the model's FLOPs for one train step (info.model_info's flops_per_step_train: 6 N per token
+  plus attention, and the latent inner loop's forward and backward passes); recomputation by remat is not counted,
+  as MFU conventionally excludes it. MFU is against the bfloat16 peak whatever the compute dtype."""
+  achieved = flops_per_step * steps / seconds / devices / 1e12
+  row = {"model_tflops_per_device": achieved}
+  peak = peak_tflops(device_kind)
+  if peak is not None:
+    row["mfu"] = achieved / peak
+  return row
+
+
 def _plain(value):
   value = float(value) if hasattr(value, "dtype") or isinstance(value, float) else value
   return None if isinstance(value, float) and not math.isfinite(value) else value

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from ltm_jax.ops import backend
+from ltm_jax.ops import backend, sharding
 from ltm_jax.ops.attention import cudnn, pallas, xla
 
 IMPLS = ("xla", "cudnn", "pallas")
@@ -105,13 +105,31 @@ def attention(
     reason = reasons[name]()
     if reason is not None:
       raise ValueError(f"attention: impl={name!r} cannot run this call: {reason}")
+
+  def run(arrays):
+    return _run_backend(name, causal=causal, window=window, scale=scale, **arrays)
+
+  # Rows and (groups of) heads are independent: under a mesh each device runs its block (ltm_jax/ops/sharding.py).
+  # Query and key/value heads share one split, so each block keeps whole query groups with their key/value head.
+  arrays = {"q": q, "k": k, "v": v, "q_segment_ids": q_segment_ids, "kv_segment_ids": kv_segment_ids,
+            "q_positions": q_positions, "kv_positions": kv_positions}
+  arrays = {key: x for key, x in arrays.items() if x is not None}
+  heads, rows = ("batch", None, "heads", None), ("batch", None)
+  in_axes = {key: heads if key in ("q", "k", "v") else rows for key in arrays}
+  return sharding.per_shard(run, (arrays,), in_axes=(in_axes,), out_axes=heads,
+                            sizes={"batch": b, "heads": k.shape[2]})
+
+
+def _run_backend(name: str, q, k, v, *, causal, window, scale, q_segment_ids=None, kv_segment_ids=None,
+                 q_positions=None, kv_positions=None) -> jax.Array:
+  """The chosen backend on (a shard of) checked inputs."""
   if name == "cudnn":
     return cudnn.attention(q, k, v, causal=causal, window=window, scale=scale)
   if name == "pallas":
     return pallas.attention(q, k, v, causal=causal, window=window, q_segment_ids=q_segment_ids,
                             kv_segment_ids=kv_segment_ids, scale=scale)
-
-  if not has_positions:
+  t, s = q.shape[1], k.shape[1]
+  if q_positions is None:
     # Shaped [1, ...]: the same for every batch row, broadcast by the mask.
     q_positions = (jnp.arange(t, dtype=jnp.int32) + (s - t))[None]
     kv_positions = jnp.arange(s, dtype=jnp.int32)[None]

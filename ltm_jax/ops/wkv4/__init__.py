@@ -17,7 +17,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ltm_jax.ops import backend
+from ltm_jax.ops import backend, sharding
 from ltm_jax.ops.wkv4 import associative, pallas, scan
 
 # A log-scale far below any real one but finite: e^{EMPTY_MAX - x} is exactly 0 and no inf - inf can make a NaN.
@@ -91,5 +91,19 @@ def wkv4(
     raise ValueError(f"wkv4: state must be (num, den, max), each [B, C] = {(batch, channels)}; got {shapes}")
   if k.shape[1] == 0:  # Nothing to scan; the backends' slicing assumes a first token.
     return jnp.zeros(k.shape, v.dtype), Wkv4State(*(jnp.asarray(s, jnp.float32) for s in state))
-  y, new_state = _BACKENDS[name](w, u, k, v, tuple(state))
+  y, new_state = sharding.per_shard(
+      _run(_BACKENDS[name]), (w, u, k, v, tuple(state)),
+      in_axes=(("wkv",), ("wkv",), _BTC, _BTC, (_BC,) * 3), out_axes=(_BTC, (_BC,) * 3),
+      sizes={"batch": batch, "wkv": channels})
   return y, Wkv4State(*new_state)
+
+
+# Logical axes for the mesh (ltm_jax/ops/sharding.py): rows and channels are independent, so both can be split.
+_BTC, _BC = ("batch", None, "wkv"), ("batch", "wkv")
+
+
+def _run(backend_fn):
+  def run(w, u, k, v, state):
+    y, new_state = backend_fn(w, u, k, v, state)
+    return y, tuple(new_state)
+  return run

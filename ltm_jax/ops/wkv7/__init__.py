@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ltm_jax.ops import backend
+from ltm_jax.ops import backend, sharding
 from ltm_jax.ops.wkv7 import chunked
 from ltm_jax.ops.wkv7 import pallas
 from ltm_jax.ops.wkv7 import scan
@@ -88,4 +88,8 @@ def wkv7(
   state = state.astype(jnp.float32)
   if length == 0:  # Nothing to run; the backends assume a first token.
     return jnp.zeros(v.shape, v.dtype), state
-  return _BACKENDS[name](r, w, k, v, a, b, state)
+  # Heads are independent (each is a block of N channels), as are rows: both can be split over the mesh. The channel
+  # axis is named "wkv" like the RWKV-7 layer's channel parameters, so the split follows theirs.
+  btc, bc = ("batch", None, "wkv", None), ("batch", "wkv", None, None)
+  return sharding.per_shard(_BACKENDS[name], inputs + (state,), in_axes=(btc,) * 6 + (bc,), out_axes=(btc, bc),
+                            sizes={"batch": batch, "wkv": heads})

@@ -1,0 +1,92 @@
+"""Where everything of a training run lives on the mesh: the `Layout` a sharded train step is compiled for."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import optax
+from jax.sharding import Mesh, NamedSharding
+
+from ltm_jax import model as model_lib
+from ltm_jax.config import Config
+from ltm_jax.parallel import mesh as mesh_lib
+from ltm_jax.parallel import sharding as sharding_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """mesh: the (data, fsdp, tensor) device mesh; rules: flax logical-axis rules; state: a TrainState of
+  NamedShardings; batch: the sharding of [B, T] token arrays."""
+  mesh: Mesh
+  rules: tuple
+  state: Any
+  batch: NamedSharding
+
+  @property
+  def replicated(self) -> NamedSharding:
+    return sharding_lib.replicated(self.mesh)
+
+  def activate(self):
+    """The context in which steps are traced and run (mesh, logical-axis rules for the model and the ops)."""
+    return mesh_lib.activate(self.mesh, self.rules)
+
+  def jit(self, fn: Callable, **jit_kwargs) -> Sharded:
+    return Sharded(jax.jit(fn, **jit_kwargs), self)
+
+
+class Sharded:
+  """A jitted function traced, compiled and called inside its layout's mesh and rules (so the model's logical
+  constraints and the ops' shard_map resolve), with `.lower(...)` for inspecting the compiled step."""
+
+  def __init__(self, jitted, layout: Layout):
+    self._jitted, self.layout = jitted, layout
+
+  def __call__(self, *args):
+    with self.layout.activate():
+      return self._jitted(*args)
+
+  def lower(self, *args):
+    with self.layout.activate():
+      return self._jitted.lower(*args)
+
+
+def make_layout(cfg: Config, optimizer: optax.GradientTransformation, devices=None) -> Layout:
+  """The layout of `cfg` over `devices` (default all): ConfigError on a bad mesh before anything compiles."""
+  mesh = mesh_lib.make_mesh(cfg, devices)
+  rules = mesh_lib.rules(cfg)
+  return Layout(mesh, rules, sharding_lib.state_shardings(cfg, optimizer, mesh, rules),
+                sharding_lib.batch_sharding(mesh, rules))
+
+
+def init_state(cfg: Config, optimizer: optax.GradientTransformation, layout: Layout):
+  """A fresh TrainState created directly in its shards (no device ever holds the whole model), equal to
+  `create_train_state(init_params(...))` on one device."""
+  from ltm_jax.train.step import create_train_state  # Deferred: train imports parallel.
+  t = cfg.train
+
+  def create():
+    params = model_lib.init_params(cfg.model, jax.random.key(t.seed), cfg.latent)
+    return create_train_state(params, optimizer, t.seed)
+
+  # Outside the layout's rules: flax applies a parameter's logical constraint while DenseGeneral's kernel is still
+  # flat (rank mismatch); out_shardings place the result anyway.
+  return jax.jit(create, out_shardings=layout.state)()
+
+
+def abstract_state(cfg: Config, optimizer: optax.GradientTransformation, layout: Layout):
+  """ShapeDtypeStructs of the TrainState carrying the layout's shardings: the target of a checkpoint restore, so a
+  checkpoint written under any mesh is read straight into this one's shards."""
+  from ltm_jax.train.step import create_train_state
+  t = cfg.train
+  shapes = jax.eval_shape(lambda: create_train_state(
+      model_lib.init_params(cfg.model, jax.random.key(t.seed), cfg.latent), optimizer, t.seed))
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, layout.state)
+
+
+def sharded_if_multi_device(layout: Layout) -> Layout | None:
+  """`layout` when its mesh spans several devices, else None: on one device the plain jitted step is the same
+  computation, so single-device runs keep the simplest path."""
+  return layout if layout.mesh.size > 1 else None
