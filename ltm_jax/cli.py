@@ -13,11 +13,16 @@ import time
 
 def _train(args) -> int:
   from ltm_jax import config as config_lib
+  from ltm_jax import parallel
   from ltm_jax.train import train
   cfg = config_lib.load_config(args.config, args.overrides)
+  # Before anything touches a device: a multi-process run must join its process group first.
+  parallel.initialize(args.coordinator_address, args.num_processes, args.process_id)
   result = train(cfg, args.workdir)
   if result.interrupted_by is not None:
     return 128 + result.interrupted_by
+  if not parallel.is_main_process():
+    return 0
   val = {k: v for k, v in result.metrics.items() if k.startswith("val_")}
   print(f"done: step {result.step} in {result.seconds:.0f}s; " + " ".join(f"{k} {v:.4f}" for k, v in val.items()
                                                                         if isinstance(v, float)))
@@ -76,9 +81,11 @@ def _convert_rwkv(args) -> int:
 
 def _info(args) -> int:
   from ltm_jax import config as config_lib
-  from ltm_jax.info import format_info, model_info
+  from ltm_jax.info import compiled_memory, format_info, model_info
   cfg = config_lib.load_config(args.config, args.overrides)
   info = model_info(cfg)
+  if args.compile:
+    info.update(compiled_memory(cfg))
   print(json.dumps(info, indent=2) if args.json else format_info(info))
   return 0
 
@@ -112,6 +119,10 @@ def parser() -> argparse.ArgumentParser:
   train.add_argument("--config", required=True, help="Python config file, e.g. configs/tiny.py")
   train.add_argument("--workdir", required=True, help="checkpoints, metrics.jsonl and TensorBoard files go here")
   train.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. model.d_model=256 train.steps=200")
+  train.add_argument("--coordinator-address", default=None,
+                     help="multi-process: host:port of process 0 (or LTM_COORDINATOR_ADDRESS; SLURM is detected)")
+  train.add_argument("--num-processes", type=_positive_int, default=None, help="multi-process: number of processes")
+  train.add_argument("--process-id", type=int, default=None, help="multi-process: this process's id, 0-based")
   train.set_defaults(run=_train)
 
   ev = sub.add_parser("eval", help="evaluate the latest checkpoint on the validation split; writes eval.json")
@@ -141,6 +152,9 @@ def parser() -> argparse.ArgumentParser:
   info = sub.add_parser("info", help="parameter count, FLOPs per token and estimated memory of a config")
   info.add_argument("--config", required=True)
   info.add_argument("--json", action="store_true", help="print JSON")
+  info.add_argument("--compile", action="store_true",
+                    help="also compile the train step for this machine's backend (no run) and report XLA's memory "
+                         "analysis: compiled_temp_bytes etc.")
   info.add_argument("overrides", nargs="*", metavar="key=value")
   info.set_defaults(run=_info)
 

@@ -21,7 +21,10 @@ from ltm_jax.errors import ConfigError
 MIXERS = {"A": "attention", "R": "rwkv4", "W": "rwkv7"}
 FFNS = ("auto", "swiglu", "channel_mix", "channel_mix7")
 NORMS = ("rmsnorm", "layernorm")
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("float32", "bfloat16", "float16")  # float16 compute needs dynamic loss scaling (ltm_jax/train/loss_scale.py).
+# What a block keeps for the backward pass (ltm_jax/model.py `remat_plan`): none = everything; full = only its input;
+# minimal = matmul outputs; save_<sub-layers> = those sub-layers' residuals, the other sub-layers recomputed.
+REMAT_POLICIES = ("none", "full", "minimal", "save_mixer", "save_ffn", "save_cross_attention", "save_mixer_ffn")
 WKV_IMPLS = ("auto", "scan", "associative", "pallas")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas")
 WKV7_IMPLS = ("auto", "scan", "chunked", "pallas")
@@ -60,6 +63,10 @@ class ModelConfig:
   rwkv7_iclr_lora: int | None = None
   rwkv7_value_lora: int | None = None
   rwkv7_gate_lora: int | None = None
+  remat: str = "none"  # One of REMAT_POLICIES: what each block saves for the backward pass (a runtime choice).
+  # Stack the blocks of each repeat of layer_pattern's smallest repeating unit under nn.scan (compile time flat in
+  # depth); parameters then carry a leading "layers" axis, so this changes the checkpoint layout.
+  scan_layers: bool = False
 
   @property
   def kv_heads(self) -> int:
@@ -151,6 +158,56 @@ class LatentConfig:
   init_logvar: float = -5.0
 
 
+MESH_AXES = ("data", "fsdp", "tensor")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """The device mesh (data, fsdp, tensor) and the rules that map logical axis names to its axes.
+
+  Sizes: -1 fills the devices the other two leave (at most one -1); their product must be the device count. Rules:
+  one field per logical axis, a comma-separated list of mesh axes ("data,fsdp") or none (replicated). Field order is
+  rule priority: when two axes of one array claim the same mesh axis, the earlier rule wins and the later axis stays
+  replicated (so activations [batch, length, embed] keep fsdp for batch, while parameters shard embed over fsdp).
+  Defaults: Megatron-style tensor parallelism (heads, FFN hidden, RWKV channels, vocabulary over `tensor`), FSDP
+  over `embed`, the batch over data x fsdp."""
+  data: int = -1
+  fsdp: int = 1
+  tensor: int = 1
+  batch: str | None = "data,fsdp"
+  length: str | None = None  # Sequence (activations only); none: no sequence parallelism.
+  vocab: str | None = "tensor"
+  heads: str | None = "tensor"
+  kv_heads: str | None = "tensor"
+  mlp: str | None = "tensor"
+  wkv: str | None = "tensor"  # RWKV-4 channels and RWKV-7 channels (whole heads of rwkv7_head_size).
+  embed: str | None = "fsdp"
+  embed_out: str | None = None
+  head_dim: str | None = None
+  norm: str | None = None
+  lora: str | None = None
+  latent: str | None = None
+  layers: str | None = None  # The stacked-layer axis of scanned layers.
+
+  def sizes(self) -> dict[str, int]:
+    return {axis: getattr(self, axis) for axis in MESH_AXES}
+
+  def rules(self) -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:
+    """Flax logical-axis rules ((logical name, mesh axes or None), ...) in priority order."""
+    rules = []
+    for f in dataclasses.fields(self):
+      if f.name in MESH_AXES:
+        continue
+      axes = mesh_axes_of(getattr(self, f.name))
+      rules.append((f.name, None if not axes else axes[0] if len(axes) == 1 else axes))
+    return tuple(rules)
+
+
+def mesh_axes_of(rule: str | None) -> tuple[str, ...]:
+  """"data,fsdp" -> ("data", "fsdp"); none or "" -> ()."""
+  return () if rule is None else tuple(a.strip() for a in rule.split(",") if a.strip())
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
   name: str = "unnamed"
@@ -158,6 +215,7 @@ class Config:
   data: DataConfig = DataConfig()
   train: TrainConfig = TrainConfig()
   latent: LatentConfig = LatentConfig()
+  mesh: MeshConfig = MeshConfig()
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -166,7 +224,8 @@ class Config:
     return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
 
-SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "latent": LatentConfig}
+SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "latent": LatentConfig,
+            "mesh": MeshConfig}
 
 
 # ----------------------------------------------------------------------------------------------------------- loading
@@ -338,8 +397,8 @@ def validate(config: Config) -> Config:
       need(dim > 0, f"model.rwkv7_{name}_lora must be positive or none, got {dim}")
   need(m.window is None or m.window > 0, f"model.window must be positive or none, got {m.window}")
   need(m.rope_theta > 0 and m.norm_eps > 0 and m.init_std > 0, "model.rope_theta, norm_eps, init_std must be > 0")
-  for key, choices in (("ffn", FFNS), ("norm", NORMS), ("dtype", DTYPES), ("wkv_impl", WKV_IMPLS),
-                       ("attention_impl", ATTENTION_IMPLS), ("wkv7_impl", WKV7_IMPLS)):
+  for key, choices in (("ffn", FFNS), ("norm", NORMS), ("dtype", DTYPES), ("remat", REMAT_POLICIES),
+                       ("wkv_impl", WKV_IMPLS), ("attention_impl", ATTENTION_IMPLS), ("wkv7_impl", WKV7_IMPLS)):
     need(getattr(m, key) in choices, f"model.{key}={getattr(m, key)!r} is not one of {', '.join(choices)}")
 
   need(d.tokenizer in TOKENIZERS, f"data.tokenizer={d.tokenizer!r} is not one of {', '.join(TOKENIZERS)}")
@@ -376,4 +435,64 @@ def validate(config: Config) -> Config:
   need(z.init_mu_std >= 0, f"latent.init_mu_std must be >= 0, got {z.init_mu_std}")
   need(not z.rope or m.head_dim % 2 == 0, f"latent.rope needs an even head dimension, got {m.head_dim}")
   need(z.rope_span >= 1, f"latent.rope_span must be >= 1, got {z.rope_span}")
+  _validate_mesh(config)
   return config
+
+
+def _validate_mesh(config: Config) -> None:
+  """The mesh section on its own: sizes, rule syntax, and the divisibility checks whose sizes are already known."""
+  mesh = config.mesh
+  sizes = mesh.sizes()
+  for axis, size in sizes.items():
+    if size != -1 and size < 1:
+      raise ConfigError(f"mesh.{axis} must be >= 1 or -1 (fill the remaining devices), got {size}")
+  if sum(size == -1 for size in sizes.values()) > 1:
+    raise ConfigError(f"at most one mesh size may be -1, got {', '.join(f'mesh.{a}={s}' for a, s in sizes.items())}")
+  for name, _ in mesh.rules():
+    axes = mesh_axes_of(getattr(mesh, name))
+    unknown = [a for a in axes if a not in MESH_AXES]
+    if unknown:
+      raise ConfigError(f"mesh.{name}={getattr(mesh, name)!r} names unknown mesh axis {unknown[0]!r}; "
+                        f"valid: {', '.join(MESH_AXES)} or none")
+    if len(set(axes)) != len(axes):
+      raise ConfigError(f"mesh.{name}={getattr(mesh, name)!r} names a mesh axis twice")
+  check_mesh_fits(config, sizes)
+
+
+def model_dims(config: Config) -> dict[str, list[tuple[str, int]]]:
+  """Logical axis -> [(what, size), ...]: the model and batch dimensions each logical axis shards, for the checks."""
+  m, t = config.model, config.train
+  dims: dict[str, list[tuple[str, int]]] = {
+      "batch": [(f"train.batch_size/train.grad_accum={t.batch_size // t.grad_accum} (the micro-batch)",
+                 t.batch_size // t.grad_accum)],
+      "embed": [(f"model.d_model={m.d_model}", m.d_model)],
+      "vocab": [(f"the padded vocabulary {m.padded_vocab_size}", m.padded_vocab_size)],
+      "heads": [], "kv_heads": [], "mlp": [], "wkv": []}
+  if "A" in m.layer_pattern or config.latent.enabled:
+    dims["heads"].append((f"model.n_heads={m.n_heads}", m.n_heads))
+  if "A" in m.layer_pattern:
+    dims["kv_heads"].append((f"the key/value heads {m.kv_heads}", m.kv_heads))
+  if "R" in m.layer_pattern:
+    dims["wkv"].append((f"model.d_model={m.d_model} (RWKV-4 channels)", m.d_model))
+  if "W" in m.layer_pattern and m.rwkv7_head_size > 0 and m.d_model % m.rwkv7_head_size == 0:
+    heads = m.d_model // m.rwkv7_head_size
+    dims["wkv"].append((f"the RWKV-7 heads d_model/rwkv7_head_size={heads}", heads))
+  for kind in sorted({m.ffn_kind(mixer) for mixer in m.mixers}):
+    dims["mlp"].append((f"the {kind} FFN width {m.ffn_dim(kind)}", m.ffn_dim(kind)))
+  return dims
+
+
+def check_mesh_fits(config: Config, sizes: dict[str, int]) -> None:
+  """Raises ConfigError when a mesh axis size does not divide the dimension it shards (heads, FFN width, channels,
+  vocabulary, d_model, micro-batch). Sizes of -1 (not yet resolved against the device count) are skipped."""
+  mesh = config.mesh
+  for name, what in model_dims(config).items():
+    axes = mesh_axes_of(getattr(mesh, name))
+    if not axes or any(sizes[a] == -1 for a in axes):
+      continue
+    shards = math.prod(sizes[a] for a in axes)
+    for label, size in what:
+      if size % shards:
+        mesh_desc = "*".join(f"{a}={sizes[a]}" for a in axes)
+        raise ConfigError(f"{label} is not divisible by the mesh size {mesh_desc} it is split over "
+                          f"(mesh.{name}={getattr(mesh, name)})")

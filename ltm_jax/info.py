@@ -1,10 +1,14 @@
-"""Static facts about a config: parameter count, training FLOPs per token and a memory estimate (no compilation)."""
+"""Facts about a config: parameter count, training FLOPs per token and a memory estimate (no compilation), and on
+request the memory of the real train step as XLA compiles it for this machine's backend (`compiled_memory`)."""
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ltm_jax import model as model_lib
@@ -30,7 +34,9 @@ def model_info(cfg: Config) -> dict[str, Any]:
   leaves = jax.tree_util.tree_flatten_with_path(shapes)[0]
   n_params = sum(int(np.prod(x.shape)) for _, x in leaves)
   n_embedding = sum(int(np.prod(x.shape)) for path, x in leaves if "['embed']" in jax.tree_util.keystr(path))
-  n_matmul = sum(int(np.prod(x.shape)) for path, x in leaves if len(x.shape) >= 2 and _per_token(path))
+  # A scanned model's stacked parameters lead with the layer axis: a per-layer vector is not a matrix.
+  n_matmul = sum(int(np.prod(x.shape)) for path, x in leaves
+                 if len(x.shape) - model_lib.is_stacked(path) >= 2 and _per_token(path))
   if m.tie_embeddings:
     n_matmul += m.padded_vocab_size * m.d_model
   n_attention = sum(kind == "attention" for kind in m.mixers)
@@ -44,7 +50,7 @@ def model_info(cfg: Config) -> dict[str, Any]:
   if latent is not None:
     flops_fwd += m.n_layers * 4 * m.d_model * latent.n_per_layer  # QK^T and AV against the latents.
     flops_train = 3 * flops_fwd + (2 * latent.inner_steps + 1) * flops_fwd
-  compute_bytes = 2 if m.dtype == "bfloat16" else 4
+  compute_bytes = 2 if m.dtype in ("bfloat16", "float16") else 4
   # Activations kept for the backward pass, per token and layer, in units of d_model-sized vectors (approximate).
   per_layer = 0.0
   for kind in m.mixers:
@@ -72,6 +78,54 @@ def model_info(cfg: Config) -> dict[str, Any]:
   }
 
 
+def compiled_memory(cfg: Config) -> dict[str, Any]:
+  """Compiles the real train step (ltm_jax.train.step, one device, no mesh) for abstract inputs of the config's
+  shapes (train.batch_size x train.seq_len, grad_accum micro-batches, the latent inner loop if enabled) and returns
+  XLA's memory analysis of it; nothing is allocated or run.
+
+  compiled_temp_bytes: scratch the step needs beyond its inputs and outputs (activations kept for the backward pass,
+  gradients, optimizer temporaries): what the remat policies change. argument/output bytes: the train state and batch
+  in, the new state and metrics out; alias bytes: outputs written over donated inputs (the state).
+
+  On CPU, XLA's default (concurrency-optimised) scheduler runs the recomputation of unscanned remat blocks early, so
+  their temp bytes barely move; XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false schedules for
+  memory, as GPU compilers do (benchmarks/memory.py sets it). Scanned layers show the saving under either."""
+  from ltm_jax.train.optimizer import learning_rate, make_optimizer
+  from ltm_jax.train.step import create_train_state, make_train_step
+
+  m, t = cfg.model, cfg.train
+  optimizer = make_optimizer(t)
+  state = jax.eval_shape(lambda: create_train_state(
+      model_lib.init_params(m, jax.random.key(0), cfg.latent), optimizer, t.seed))
+  batch = {k: jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32) for k in ("inputs", "targets")}
+  step = make_train_step(model_lib.LM(m, cfg.latent), optimizer, learning_rate(t), t.grad_accum)
+  jax.devices()  # Starts the backend outside the timing.
+  started = time.perf_counter()
+  lowered = step.lower(state, batch)
+  lowered_at = time.perf_counter()
+  compiled = lowered.compile()
+  finished = time.perf_counter()
+  analysis = compiled.memory_analysis()
+  if analysis is None:
+    raise ValueError(f"the {jax.default_backend()} backend gives no memory analysis of compiled code")
+  out = {
+      "compiled_temp_bytes": int(analysis.temp_size_in_bytes),
+      "compiled_argument_bytes": int(analysis.argument_size_in_bytes),
+      "compiled_output_bytes": int(analysis.output_size_in_bytes),
+      "compiled_alias_bytes": int(analysis.alias_size_in_bytes),
+      "lower_seconds": round(lowered_at - started, 3),
+      "compile_seconds": round(finished - lowered_at, 3),
+      "compiled_for": f"{jax.default_backend()} ({jax.devices()[0].device_kind})",
+      "remat": m.remat,
+      "scan_layers": m.scan_layers,
+      "xla_flags": os.environ.get("XLA_FLAGS", ""),
+  }
+  # Live at the peak at most: inputs, outputs not written over inputs, and the scratch.
+  out["compiled_total_bytes"] = (out["compiled_argument_bytes"] + out["compiled_output_bytes"]
+                                 - out["compiled_alias_bytes"] + out["compiled_temp_bytes"])
+  return out
+
+
 def format_info(info: dict[str, Any]) -> str:
   def human(x: float, unit: str) -> str:
     for prefix in ("", "K", "M", "G", "T", "P"):
@@ -89,4 +143,12 @@ def format_info(info: dict[str, Any]) -> str:
            f"train state memory   {human(info['train_state_bytes'], 'B')} (f32 params, grads, Adam moments)",
            f"activations (est.)   {human(info['activation_bytes_estimate'], 'B')} per micro-batch, no remat",
            f"total (est.)         {human(info['memory_bytes_estimate'], 'B')}"]
+  if "compiled_temp_bytes" in info:
+    lines += [(f"compiled for         {info['compiled_for']}: remat={info['remat']}, "
+               f"scan_layers={info['scan_layers']}; lowered in {info['lower_seconds']:.1f}s, "
+               f"compiled in {info['compile_seconds']:.1f}s"),
+              f"compiled temp        {human(info['compiled_temp_bytes'], 'B')} (activations, gradients, scratch)",
+              (f"compiled args/out    {human(info['compiled_argument_bytes'], 'B')} in, "
+               f"{human(info['compiled_output_bytes'], 'B')} out ({human(info['compiled_alias_bytes'], 'B')} donated)"),
+              f"compiled total       {human(info['compiled_total_bytes'], 'B')}"]
   return "\n".join(lines)

@@ -5,11 +5,18 @@ Every block maps (x, state) -> (y, new_state), so a long sequence can be process
 `logits, state = model.apply(params, tokens_a)` then `model.apply(params, tokens_b, state)` equals one call on both.
 With `latent.enabled`, every block also reads its layer's latent thought vectors z[:, l] through cross-attention, and
 every call takes z [B, n_layers, n_per_layer, d_model] (see ltm_jax/latent.py for how z is inferred).
+
+`model.remat` picks what each block keeps for the backward pass (`remat_plan`). `model.scan_layers` runs the repeats of
+the layer pattern's smallest unit under `nn.scan` (`scan_layout`), so compile time stays flat as depth grows; their
+parameters and states then carry a leading "layers" axis (`scan_params`, `unscan_params`, `unscan_state` map between
+the two layouts).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -21,10 +28,50 @@ from ltm_jax.layers import Attention, ChannelMix, ChannelMixState, CrossAttentio
 from ltm_jax.layers import ChannelMix7, TimeMix7, TimeMix7State
 from ltm_jax.layers.common import init, norm
 
+SCANNED = "blocks"  # The parameter (and module) name of the scanned stack of blocks.
+LAYER_AXIS = "layers"  # The logical name of the stacked parameters' leading axis; sharding leaves it whole.
+
 
 class BlockState(NamedTuple):
   mixer: Any  # KVCache for attention, TimeMixState for RWKV-4, TimeMix7State for RWKV-7.
   ffn: Any  # ChannelMixState for both channel-mixes, None for SwiGLU.
+
+
+# ------------------------------------------------------------------------------------------------------------- remat
+
+
+class RematPlan(NamedTuple):
+  """How a remat policy is applied. `block_policy`: the whole block runs under nn.remat with this jax checkpoint
+  policy (None: the block is not rematerialised as a whole). `recompute`: the sub-layers ("mixer",
+  "cross_attention", "ffn") that run under their own nn.remat, so only their inputs are kept and their insides are
+  recomputed in the backward pass while the other sub-layers keep all their residuals."""
+  block_policy: Callable[..., bool] | None
+  recompute: frozenset[str]
+
+
+SUBLAYERS = frozenset({"mixer", "cross_attention", "ffn"})
+
+
+def remat_plan(policy: str) -> RematPlan:
+  """The plan for a `model.remat` value.
+
+  none: nothing recomputed. full: each block keeps only its input and recomputes everything. minimal: each block keeps
+  the outputs of its weight matmuls (q/k/v/out, r/k/v, FFN up/gate/down...) and recomputes the cheap rest (norms,
+  activations, the attention or WKV core). save_<sub-layers>: those sub-layers keep their residuals and the others are
+  recomputed from their inputs. A sub-layer is saved or recomputed whole because its own backward needs its insides:
+  keeping only its output would still recompute it.
+  """
+  if policy == "none":
+    return RematPlan(None, frozenset())
+  if policy == "full":
+    return RematPlan(jax.checkpoint_policies.nothing_saveable, frozenset())
+  if policy == "minimal":
+    return RematPlan(jax.checkpoint_policies.dots_with_no_batch_dims_saveable, frozenset())
+  saved = {"save_mixer": {"mixer"}, "save_ffn": {"ffn"}, "save_cross_attention": {"cross_attention"},
+           "save_mixer_ffn": {"mixer", "ffn"}}
+  if policy not in saved:
+    raise ValueError(f"unknown remat policy {policy!r}")
+  return RematPlan(None, SUBLAYERS - saved[policy])
 
 
 def _std(cfg: ModelConfig) -> tuple[float, float]:
@@ -45,33 +92,42 @@ class Block(nn.Module):
   cfg: ModelConfig
   layer: int
   latent: LatentConfig | None = None
+  scanned: bool = False  # Inside nn.scan, where remat needs no CSE barrier (the loop body already is one).
+
+  def _sublayer(self, cls: type[nn.Module], role: str) -> type[nn.Module]:
+    """`cls`, under nn.remat when the remat policy recomputes this sub-layer (same parameters either way)."""
+    if role in remat_plan(self.cfg.remat).recompute:
+      return nn.remat(cls, prevent_cse=not self.scanned)
+    return cls
 
   @nn.compact
   def __call__(self, x, state: BlockState | None = None, z=None, positions=None, v_first=None):
     cfg, mixer_kind = self.cfg, self.cfg.mixers[self.layer]
     std, out_std = _std(cfg)
     if mixer_kind == "attention":
-      mixer = Attention(n_heads=cfg.n_heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, window=cfg.window,
-                        capacity=_cache_capacity(cfg), rope_theta=cfg.rope_theta, std=std, out_std=out_std,
-                        impl=cfg.attention_impl, dtype=cfg.dtype, name="mixer")
+      mixer = self._sublayer(Attention, "mixer")(
+          n_heads=cfg.n_heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, window=cfg.window,
+          capacity=_cache_capacity(cfg), rope_theta=cfg.rope_theta, std=std, out_std=out_std,
+          impl=cfg.attention_impl, dtype=cfg.dtype, name="mixer")
     elif mixer_kind == "rwkv7":
       lora = cfg.rwkv7_lora_dims()
-      mixer = TimeMix7(layer=self.layer, n_layers=cfg.n_layers, head_size=cfg.rwkv7_head_size,
-                       decay_lora=lora["decay"], iclr_lora=lora["iclr"], value_lora=lora["value"],
-                       gate_lora=lora["gate"], first=cfg.mixers.index("rwkv7") == self.layer, impl=cfg.wkv7_impl,
-                       dtype=cfg.dtype, name="mixer")
+      mixer = self._sublayer(TimeMix7, "mixer")(
+          layer=self.layer, n_layers=cfg.n_layers, head_size=cfg.rwkv7_head_size, decay_lora=lora["decay"],
+          iclr_lora=lora["iclr"], value_lora=lora["value"], gate_lora=lora["gate"],
+          first=cfg.mixers.index("rwkv7") == self.layer, impl=cfg.wkv7_impl, dtype=cfg.dtype, name="mixer")
     else:
-      mixer = TimeMix(layer=self.layer, n_layers=cfg.n_layers, std=std, out_std=out_std, impl=cfg.wkv_impl,
-                      dtype=cfg.dtype, name="mixer")
+      mixer = self._sublayer(TimeMix, "mixer")(layer=self.layer, n_layers=cfg.n_layers, std=std, out_std=out_std,
+                                               impl=cfg.wkv_impl, dtype=cfg.dtype, name="mixer")
     ffn_kind = cfg.ffn_kind(mixer_kind)
     if ffn_kind == "channel_mix":
-      ffn = ChannelMix(layer=self.layer, n_layers=cfg.n_layers, hidden=cfg.ffn_dim(ffn_kind), std=std,
-                       out_std=out_std, dtype=cfg.dtype, name="ffn")
+      ffn = self._sublayer(ChannelMix, "ffn")(layer=self.layer, n_layers=cfg.n_layers, hidden=cfg.ffn_dim(ffn_kind),
+                                              std=std, out_std=out_std, dtype=cfg.dtype, name="ffn")
     elif ffn_kind == "channel_mix7":
-      ffn = ChannelMix7(layer=self.layer, n_layers=cfg.n_layers, hidden=cfg.ffn_dim(ffn_kind), dtype=cfg.dtype,
-                        name="ffn")
+      ffn = self._sublayer(ChannelMix7, "ffn")(layer=self.layer, n_layers=cfg.n_layers,
+                                               hidden=cfg.ffn_dim(ffn_kind), dtype=cfg.dtype, name="ffn")
     else:
-      ffn = SwiGLU(hidden=cfg.ffn_dim(ffn_kind), std=std, out_std=out_std, dtype=cfg.dtype, name="ffn")
+      ffn = self._sublayer(SwiGLU, "ffn")(hidden=cfg.ffn_dim(ffn_kind), std=std, out_std=out_std, dtype=cfg.dtype,
+                                          name="ffn")
     mixer_state, ffn_state = (None, None) if state is None else state
     h = norm(cfg.norm, cfg.norm_eps, cfg.dtype, "mixer_norm")(x)
     if mixer_kind == "rwkv7":
@@ -80,14 +136,69 @@ class Block(nn.Module):
       h, mixer_state = mixer(h, mixer_state)
     x = x + h.astype(x.dtype)
     if self.latent is not None:
-      cross = CrossAttention(n_heads=cfg.n_heads, head_dim=cfg.head_dim, std=std, out_std=out_std,
-                             rope_span=self.latent.rope_span if self.latent.rope else None,
-                             rope_theta=cfg.rope_theta, impl=cfg.attention_impl, dtype=cfg.dtype,
-                             name="cross_attention")
+      cross = self._sublayer(CrossAttention, "cross_attention")(
+          n_heads=cfg.n_heads, head_dim=cfg.head_dim, std=std, out_std=out_std,
+          rope_span=self.latent.rope_span if self.latent.rope else None, rope_theta=cfg.rope_theta,
+          impl=cfg.attention_impl, dtype=cfg.dtype, name="cross_attention")
       h = cross(norm(cfg.norm, cfg.norm_eps, cfg.dtype, "cross_norm")(x), z, positions)
       x = x + h.astype(x.dtype)
     h, ffn_state = ffn(norm(cfg.norm, cfg.norm_eps, cfg.dtype, "ffn_norm")(x), ffn_state)
     return x + h.astype(x.dtype), BlockState(mixer_state, ffn_state), v_first
+
+
+def _block_class(cfg: ModelConfig, scanned: bool) -> type[Block]:
+  """Block, under nn.remat with the policy's jax checkpoint policy when it rematerialises whole blocks."""
+  policy = remat_plan(cfg.remat).block_policy
+  return Block if policy is None else nn.remat(Block, policy=policy, prevent_cse=not scanned)
+
+
+# ------------------------------------------------------------------------------------------------------ scanned layers
+
+
+class ScanLayout(NamedTuple):
+  """How the layers are laid out. The first `prefix_layers` layers are separate blocks (`block_{i}`); then
+  `scanned_units` repeats of the pattern's smallest unit of `period` layers run under nn.scan, stacked under `blocks`
+  with children `block_{j}` (j < period) whose parameters have a leading [scanned_units] axis. Layer
+  prefix_layers + u * period + j is repeat u's block j."""
+  period: int
+  prefix_layers: int
+  scanned_units: int
+
+
+def _period(pattern: str) -> int:
+  """The length of the smallest unit that `pattern` repeats ("RARA" -> 2, "A" -> 1)."""
+  return next(p for p in range(1, len(pattern) + 1)
+              if len(pattern) % p == 0 and pattern[:p] * (len(pattern) // p) == pattern)
+
+
+def scan_layout(cfg: ModelConfig) -> ScanLayout:
+  """Every layer is a separate block unless `scan_layers`. When scanning, the unit holding the first RWKV-7 layer
+  stays separate: that layer makes v_first and has no value-residual parameters, unlike the RWKV-7 layers after it."""
+  period = _period(cfg.layer_pattern)
+  if not cfg.scan_layers:
+    return ScanLayout(period, cfg.n_layers, 0)
+  prefix_units = 1 if "W" in cfg.layer_pattern else 0
+  return ScanLayout(period, prefix_units * period, cfg.n_layers // period - prefix_units)
+
+
+class _Unit(nn.Module):
+  """One repeat of the layer pattern's unit: the body of the layer scan. carry: (x [B, T, d_model], v_first);
+  per repeat: states (one BlockState per block of the unit, or None) and z [B, period, n_per_layer, d_model] (or
+  None); positions are shared by every repeat."""
+  cfg: ModelConfig
+  first_layer: int  # The layer index of the unit's first block in the first scanned repeat (picks mixers).
+  latent: LatentConfig | None = None
+
+  @nn.compact
+  def __call__(self, carry, states, z, positions):
+    x, v_first = carry
+    block_cls, new_states = _block_class(self.cfg, scanned=True), []
+    for j in range(scan_layout(self.cfg).period):
+      x, block_state, v_first = block_cls(self.cfg, self.first_layer + j, self.latent, scanned=True,
+                                          name=f"block_{j}")(
+          x, None if states is None else states[j], None if z is None else z[:, j], positions, v_first)
+      new_states.append(block_state)
+    return (x, v_first), tuple(new_states)
 
 
 class LM(nn.Module):
@@ -98,7 +209,10 @@ class LM(nn.Module):
 
   `latent`: None (or disabled) for the plain decoder; enabled adds a cross-attention sub-layer to every block, and
   `latents` [B, n_layers, n_per_layer, d_model] must then be given. `positions` [B, T] are the tokens' absolute
-  positions, needed only by latent RoPE when decoding past position 0 (default: 0..T-1)."""
+  positions, needed only by latent RoPE when decoding past position 0 (default: 0..T-1).
+
+  `state`: as `init_state` makes it: one BlockState per layer, or with scan_layers one per separate layer followed by
+  one per unit block with every leaf stacked over the scanned repeats."""
   cfg: ModelConfig
   latent: LatentConfig | None = None
 
@@ -117,12 +231,16 @@ class LM(nn.Module):
     x = embed(tokens)
     if cfg.ln0:  # In float32: it feeds the residual stream.
       x = norm(cfg.norm, cfg.norm_eps, jnp.float32, "embed_norm")(x)
-    new_state, v_first = [], None
-    for i in range(cfg.n_layers):
+    layout = scan_layout(cfg)
+    block_cls, new_state, v_first = _block_class(cfg, scanned=False), [], None
+    for i in range(layout.prefix_layers):
       z = None if latent is None else latents[:, i]
-      x, block_state, v_first = Block(cfg, i, latent, name=f"block_{i}")(
+      x, block_state, v_first = block_cls(cfg, i, latent, name=f"block_{i}")(
           x, None if state is None else state[i], z, positions, v_first)
       new_state.append(block_state)
+    if layout.scanned_units:
+      x, v_first, scanned_state = self._scanned(layout, x, v_first, state, latents, positions)
+      new_state.extend(scanned_state)
     x = norm(cfg.norm, cfg.norm_eps, cfg.dtype, "final_norm")(x)
     if cfg.tie_embeddings:
       logits = x @ embed.embedding.astype(cfg.dtype).T  # In the compute dtype, as the untied head.
@@ -130,6 +248,19 @@ class LM(nn.Module):
       logits = nn.Dense(cfg.padded_vocab_size, use_bias=False, dtype=cfg.dtype, param_dtype=jnp.float32,
                         kernel_init=init(cfg.init_std, ("embed", "vocab")), name="head")(x)
     return logits[..., :cfg.vocab_size].astype(jnp.float32), tuple(new_state)
+
+  def _scanned(self, layout: ScanLayout, x, v_first, state, latents, positions):
+    """Runs the scanned repeats; v_first rides in the carry (made by a separate layer or None without RWKV-7)."""
+    start, units, period = layout.prefix_layers, layout.scanned_units, layout.period
+    states = None if state is None else tuple(state[start:])
+    z = None
+    if latents is not None:  # [B, n_layers, n, d] -> [units, B, period, n, d]: repeat u's blocks are its layers.
+      z = latents[:, start:].reshape(latents.shape[0], units, period, *latents.shape[2:]).swapaxes(0, 1)
+    scan = nn.scan(_Unit, variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=(0, 0, nn.broadcast),
+                   length=units, metadata_params={nn.PARTITION_NAME: LAYER_AXIS})
+    (x, v_first), new_states = scan(self.cfg, start, uses_latents(self.latent), name=SCANNED)(
+        (x, v_first), states, z, positions)
+    return x, v_first, new_states
 
 
 def uses_latents(latent: LatentConfig | None) -> LatentConfig | None:
@@ -142,20 +273,86 @@ def latent_shape(cfg: ModelConfig, latent: LatentConfig, batch: int) -> tuple[in
   return (batch, cfg.n_layers, latent.n_per_layer, cfg.d_model)
 
 
+def _layer_state(cfg: ModelConfig, mixer_kind: str, batch: int) -> BlockState:
+  if mixer_kind == "attention":
+    mixer = KVCache.empty(batch, _cache_capacity(cfg), cfg.kv_heads, cfg.head_dim, jnp.dtype(cfg.dtype))
+  elif mixer_kind == "rwkv7":
+    mixer = TimeMix7State.empty(batch, cfg.d_model, cfg.rwkv7_head_size)
+  else:
+    mixer = TimeMixState.empty(batch, cfg.d_model)
+  has_shift = cfg.ffn_kind(mixer_kind) in ("channel_mix", "channel_mix7")
+  return BlockState(mixer, ChannelMixState.empty(batch, cfg.d_model) if has_shift else None)
+
+
 def init_state(cfg: ModelConfig, batch: int) -> tuple[BlockState, ...]:
-  """The state before any token: empty caches and recurrent states for every layer."""
-  states = []
-  for mixer_kind in cfg.mixers:
-    if mixer_kind == "attention":
-      mixer = KVCache.empty(batch, _cache_capacity(cfg), cfg.kv_heads, cfg.head_dim, jnp.dtype(cfg.dtype))
-    elif mixer_kind == "rwkv7":
-      mixer = TimeMix7State.empty(batch, cfg.d_model, cfg.rwkv7_head_size)
-    else:
-      mixer = TimeMixState.empty(batch, cfg.d_model)
-    has_shift = cfg.ffn_kind(mixer_kind) in ("channel_mix", "channel_mix7")
-    ffn = ChannelMixState.empty(batch, cfg.d_model) if has_shift else None
-    states.append(BlockState(mixer, ffn))
-  return tuple(states)
+  """The state before any token: empty caches and recurrent states for every layer, in the layout `LM` reads (with
+  scan_layers, the scanned layers' states stacked per unit block; `unscan_state` gives one per layer)."""
+  return _scan_tree(cfg, tuple(_layer_state(cfg, kind, batch) for kind in cfg.mixers))
+
+
+# --------------------------------------------------------------------------------------------- layout conversions
+
+
+def _stack(trees):
+  return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
+
+
+def _index(tree, i: int):
+  return jax.tree.map(lambda leaf: leaf[i], tree)
+
+
+def _scan_tree(cfg: ModelConfig, per_layer: tuple) -> tuple:
+  """Per-layer tuple -> the layout `LM` reads: separate layers, then per unit block the scanned layers stacked."""
+  layout = scan_layout(cfg)
+  start, period = layout.prefix_layers, layout.period
+  stacked = tuple(_stack([per_layer[start + u * period + j] for u in range(layout.scanned_units)])
+                  for j in range(period if layout.scanned_units else 0))
+  return tuple(per_layer[:start]) + stacked
+
+
+def unscan_state(cfg: ModelConfig, state: tuple) -> tuple[BlockState, ...]:
+  """A state in `LM`'s layout -> one BlockState per layer (the identity without scan_layers)."""
+  layout = scan_layout(cfg)
+  start, period = layout.prefix_layers, layout.period
+  per_layer = list(state[:start])
+  for u in range(layout.scanned_units):
+    per_layer += [_index(state[start + j], u) for j in range(period)]
+  return tuple(per_layer)
+
+
+def scan_params(cfg: ModelConfig, params: dict) -> dict:
+  """Parameters (or gradients) in the per-layer layout (`block_{i}`) -> the layout of `LM(cfg)`: with scan_layers the
+  scanned layers' blocks stacked under `blocks/block_{j}`, each leaf with a leading [scanned_units] axis."""
+  layout = scan_layout(cfg)
+  if not layout.scanned_units:
+    return dict(params)
+  start, period = layout.prefix_layers, layout.period
+  out = {k: v for k, v in params.items() if not (k.startswith("block_") and int(k[6:]) >= start)}
+  out[SCANNED] = {f"block_{j}": _stack([params[f"block_{start + u * period + j}"]
+                                        for u in range(layout.scanned_units)]) for j in range(period)}
+  return out
+
+
+def unscan_params(cfg: ModelConfig, params: dict) -> dict:
+  """The inverse of `scan_params`: one `block_{i}` per layer."""
+  layout = scan_layout(cfg)
+  if not layout.scanned_units:
+    return dict(params)
+  start, period = layout.prefix_layers, layout.period
+  out = {k: v for k, v in params.items() if k != SCANNED}
+  for u in range(layout.scanned_units):
+    for j in range(period):
+      out[f"block_{start + u * period + j}"] = _index(params[SCANNED][f"block_{j}"], u)
+  return out
+
+
+def is_stacked(path) -> bool:
+  """Whether a parameter (a jax tree path) belongs to the scanned stack, so its leading axis is the layer axis: a
+  per-layer vector then has ndim 2 (weight-decay masks and FLOP counts should look at ndim - 1)."""
+  return any(getattr(entry, "key", None) == SCANNED for entry in path)
+
+
+# ------------------------------------------------------------------------------------------------------- parameters
 
 
 def _init_variables(cfg: ModelConfig, latent: LatentConfig | None, key: jax.Array, seq_len: int = 8):
@@ -168,12 +365,17 @@ def init_params(cfg: ModelConfig, key: jax.Array, latent: LatentConfig | None = 
   """Float32 parameters (unboxed) of `LM(cfg, latent)`; logical axis names stay available via `param_axes`.
 
   The decoder's parameters do not depend on `latent`: the same key gives the same decoder with or without latents,
-  which only add each block's cross-attention (so comparisons start from identical decoders)."""
+  which only add each block's cross-attention (so comparisons start from identical decoders). Nor do they depend on
+  `scan_layers` beyond their layout: a scanned model starts from the per-layer initialisation stacked, so every layer
+  keeps its depth-dependent RWKV initialisation, and the same key gives the same model either way."""
+  if cfg.scan_layers:
+    return scan_params(cfg, init_params(dataclasses.replace(cfg, scan_layers=False), key, latent))
   return nn.meta.unbox(_init_variables(cfg, latent, key)["params"])
 
 
 def param_axes(cfg: ModelConfig, latent: LatentConfig | None = None):
-  """The logical axis names of every parameter, as a pytree of PartitionSpec-like tuples (no computation)."""
+  """The logical axis names of every parameter, as a pytree of PartitionSpec-like tuples (no computation); stacked
+  parameters of scanned layers lead with LAYER_AXIS."""
   variables = jax.eval_shape(lambda: _init_variables(cfg, latent, jax.random.key(0)))
   return nn.get_partition_spec(variables["params"])
 

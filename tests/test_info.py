@@ -1,15 +1,18 @@
-"""`ltm info`'s counts against sums written out from the layer definitions."""
+"""`ltm info`'s counts against sums written out from the layer definitions, and its compiled memory analysis."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
 import pytest
 
-from conftest import micro_config
+from conftest import ROOT, micro_config
+from ltm_jax import cli
 from ltm_jax import model as model_lib
-from ltm_jax.info import model_info
+from ltm_jax.config import load_config
+from ltm_jax.info import compiled_memory, model_info
 
 
 @pytest.mark.parametrize("pattern, window", [("A", None), ("A", 8), ("R", None), ("RA", None)])
@@ -32,3 +35,25 @@ def test_params_and_flops_match_hand_counts(pattern, window):
       matmul += 2 * d * m.ffn_dim("channel_mix") + d * d  # key, value, receptance
   assert info["flops_per_token_forward"] == pytest.approx(2 * matmul + attention_flops)
   assert info["flops_per_token_train"] == pytest.approx(3 * info["flops_per_token_forward"])
+
+
+def test_scanned_model_has_the_same_counts():
+  cfg = micro_config(layer_pattern="RA", n_layers=4)
+  scanned = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, scan_layers=True))
+  a, b = model_info(cfg), model_info(scanned)
+  for key in ("params", "params_non_embedding", "flops_per_token_forward", "flops_per_token_train"):
+    assert a[key] == b[key], key
+
+
+def test_compiled_memory_of_the_train_step_follows_the_remat_policy(capsys):
+  overrides = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "train.batch_size=2", "train.seq_len=128",
+               "model.max_seq_len=128"]
+  assert cli.main(["info", "--config", str(ROOT / "configs" / "tiny.py"), "--json", "--compile", *overrides]) == 0
+  plain = json.loads(capsys.readouterr().out)
+  for key in ("compiled_temp_bytes", "compiled_argument_bytes", "compiled_output_bytes", "compile_seconds"):
+    assert plain[key] > 0, key
+  # The donated train state (float32 params and two Adam moments) is written over in place.
+  assert plain["compiled_alias_bytes"] >= 12 * plain["params"]
+  remat = compiled_memory(load_config(ROOT / "configs" / "tiny.py", [*overrides, "model.remat=full"]))
+  assert remat["compiled_temp_bytes"] < plain["compiled_temp_bytes"]
+  assert remat["compiled_argument_bytes"] == plain["compiled_argument_bytes"]

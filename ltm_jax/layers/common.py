@@ -3,7 +3,8 @@
 Logical axis names used by every parameter (the sharding issue maps them to mesh axes):
   vocab, embed, heads, kv_heads, head_dim, mlp, wkv (RWKV-4 channels), norm, and embed_out (the output axis of a
   square d_model x d_model gate, named apart from `embed` so the two axes can map to different mesh axes), and lora (the
-  narrow inner axis of RWKV-7's low-rank projections, meant to stay replicated).
+  narrow inner axis of RWKV-7's low-rank projections, meant to stay replicated), and layers (the leading axis that
+  model.scan_layers stacks the scanned blocks' parameters along; meant to stay unsharded).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from collections.abc import Sequence
 import flax.linen as nn
 import jax.numpy as jnp
 
-LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "wkv", "norm", "embed_out", "lora")
+LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "wkv", "norm", "embed_out", "lora",
+                "layers")
 
 
 def init(std: float, axes: Sequence[str]):
@@ -24,7 +26,10 @@ def init(std: float, axes: Sequence[str]):
 def dense(features, axes: Sequence[str], std: float, dtype, name: str, in_axis=-1) -> nn.DenseGeneral:
   """A bias-free projection whose kernel carries the logical axes `axes` (input axes first)."""
   return nn.DenseGeneral(features, axis=in_axis, use_bias=False, dtype=dtype, param_dtype=jnp.float32,
-                         kernel_init=init(std, axes), name=name)
+                         # rules=(): flax checks the kernel's shape on its flat 2-D initial value, where a rank-3
+                         # constraint would fail; parameters are placed by ltm_jax.parallel, not by this box.
+                         kernel_init=nn.with_logical_partitioning(nn.initializers.normal(std), tuple(axes), rules=()),
+                         name=name)
 
 
 def norm(kind: str, eps: float, dtype, name: str) -> nn.Module:

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from ltm_jax import model as model_lib
 from ltm_jax.config import TrainConfig
 
 
@@ -27,7 +28,7 @@ def decay_mask(params, decay_embeddings: bool):
     names = [getattr(p, "key", getattr(p, "name", "")) for p in path]
     if "embedding" in names:
       return decay_embeddings
-    return leaf.ndim >= 2
+    return leaf.ndim - model_lib.is_stacked(path) >= 2  # A scanned stack's leading axis is layers, not a matrix.
   return jax.tree_util.tree_map_with_path(decays, params)
 
 
