@@ -1,4 +1,4 @@
-"""The Pallas flash-attention kernels (interpreted on CPU) against a float64 reference written out here.
+"""The Pallas flash-attention kernels (interpreted on CPU) against the float64 reference of attention_reference.py.
 
 Shapes are tiny and the tiles are 16 x 16, so every case still spans several query and key blocks, with padding
 wherever a length is not a multiple of 16.
@@ -12,10 +12,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attention_reference import random_qkv as _inputs
+from attention_reference import reference_mask
+from attention_reference import reference_value_and_grads as _reference_value_and_grads
+from attention_reference import value_and_grads as _value_and_grads
 from jax.experimental import pallas as pl
 
 from ltm_jax.ops.attention import attention
-from pallas.attention import BlockSizes, config, flash, flash_attention, kernels, raw_outputs
+from pallas.attention import (
+  BlockSizes,
+  config,
+  flash,
+  flash_attention,
+  kernels,
+  raw_outputs,
+)
 
 BLOCKS = BlockSizes(fwd_q=16, fwd_k=16, bwd_q=16, bwd_k=16)
 # float32 kernel vs float64 reference, unit-normal inputs, D <= 16, a few dozen keys per row.
@@ -28,55 +39,9 @@ BF16_ATOL, BF16_GRAD_ATOL = 3e-2, 6e-2
 F16_ATOL, F16_GRAD_ATOL = 4e-3, 8e-3
 
 
-def _inputs(rng, b, t, s, hq, hkv, d, dtype=jnp.float32):
-  shapes = ((b, t, hq, d), (b, s, hkv, d), (b, s, hkv, d))
-  return tuple(jnp.asarray(rng.standard_normal(shape), dtype) for shape in shapes)
-
-
-def _mask(t, s, *, causal, window=None, q_seg=None, kv_seg=None, b=1):
-  """[B, T, S] bool, pair by pair: query i at position S - T + i, key j at j."""
-  mask = np.zeros((b, t, s), bool)
-  for bi in range(b):
-    for i in range(t):
-      for j in range(s):
-        q_pos = s - t + i
-        ok = (j <= q_pos) if causal else True
-        if window is not None:
-          ok = ok and q_pos - j < window
-        if q_seg is not None:
-          ok = ok and q_seg[bi, i] == kv_seg[bi, j]
-        mask[bi, i, j] = ok
-  return mask
-
-
-def _reference(q, k, v, mask, scale):
-  """float64 softmax attention with k, v repeated per query head; rows with no visible key are zeros."""
-  group = q.shape[2] // k.shape[2]
-  k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
-  logits = jnp.einsum("bthd,bshd->bhts", q, k) * scale
-  m = jnp.asarray(mask)[:, None]
-  logits = jnp.where(m, logits, -jnp.inf)
-  any_visible = m.any(-1, keepdims=True)
-  peak = jax.lax.stop_gradient(jnp.where(any_visible, logits.max(-1, keepdims=True), 0.0))
-  e = jnp.exp(logits - peak)
-  probs = e / jnp.where(any_visible, e.sum(-1, keepdims=True), 1.0)
-  return jnp.einsum("bhts,bshd->bthd", probs, v)
-
-
-def _value_and_grads(fn, q, k, v, cotangent):
-  @jax.jit
-  def run(q, k, v, cotangent):
-    out, vjp = jax.vjp(fn, q, k, v)
-    return out, vjp(cotangent)
-
-  return run(q, k, v, cotangent)
-
-
-def _reference_value_and_grads(q, k, v, mask, scale, cotangent):
-  with jax.enable_x64(True):
-    args = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, cotangent)]
-    out, grads = _value_and_grads(lambda q, k, v: _reference(q, k, v, mask, scale), *args)
-    return np.asarray(out), [np.asarray(g) for g in grads]
+def _mask(t, s, *, b=1, **masks):
+  """[B, T, S] bool with default positions: query i at S - T + i, key j at j."""
+  return reference_mask(b, t, s, **masks)
 
 
 def _check(rng, q, k, v, mask, *, atol=F32_ATOL, grad_atol=F32_GRAD_ATOL, segment_ids=None, **kwargs):
