@@ -1,4 +1,5 @@
-"""ltm_jax.ops.attention against the float64 reference of attention_reference.py: masks by explicit loops, softmax in float64."""
+"""ltm_jax.ops.attention against the float64 reference of attention_reference.py (masks by explicit loops, softmax
+in float64)."""
 
 from __future__ import annotations
 
