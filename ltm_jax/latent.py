@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from ltm_jax import model as model_lib
+from ltm_jax.layers.attention import token_positions
 from ltm_jax.config import LatentConfig
 
 
@@ -96,9 +97,13 @@ def fit(
   return FitResult(posterior, jnp.concatenate([nll, last_nll[None]]), jnp.concatenate([kl, last_kl[None]]))
 
 
-def token_nll(model, params, inputs: jax.Array, targets: jax.Array, latents: jax.Array | None = None) -> jax.Array:
-  """Per-token negative log-likelihood [B, T] float32 of `targets` under `model` given `latents` (or none)."""
-  logits, _ = model.apply({"params": params}, inputs, latents=latents)
+def token_nll(model, params, inputs: jax.Array, targets: jax.Array, latents: jax.Array | None = None,
+              valid: jax.Array | None = None) -> jax.Array:
+  """Per-token negative log-likelihood [B, T] float32 of `targets` under `model` given `latents` (or none).
+  `valid` [B, T] marks left padding of `inputs` (see `LM`); padded positions' NLL is meaningless."""
+  positions = None if valid is None else token_positions(jnp.zeros(inputs.shape[:1], jnp.int32), valid,
+                                                          inputs.shape[1])
+  logits, _ = model.apply({"params": params}, inputs, None, latents, positions, valid)
   return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
 
 
@@ -111,6 +116,7 @@ def infer(
     *,
     steps: int | None = None,
     target_mask: jax.Array | None = None,
+    valid: jax.Array | None = None,
 ) -> tuple[FitResult, jax.Array]:
   """Fits q(z|x) for each sequence of a batch with the inner loop; returns the fit and its fixed noise eps.
 
@@ -121,14 +127,19 @@ def infer(
     key: PRNG key for the initial mu and the noise.
     steps: inner steps (default latent.inner_steps).
     target_mask: [B, T] bool; only these targets count (e.g. the first half of each sequence, for continuation).
+    valid: [B, T] bool, False on left padding of `inputs` (ragged prompts); targets whose input is padding do not
+      count.
   """
   cfg = model.latent
   shape = model_lib.latent_shape(model.cfg, cfg, inputs.shape[0])
   init_key, eps_key = jax.random.split(key)
   params = jax.lax.stop_gradient(params)
 
+  if valid is not None:
+    target_mask = valid if target_mask is None else target_mask & valid
+
   def nll_fn(z):
-    nll = token_nll(model, params, inputs, targets, z)
+    nll = token_nll(model, params, inputs, targets, z, valid)
     if target_mask is not None:
       nll = jnp.where(target_mask, nll, 0.0)
     return nll.sum(-1)

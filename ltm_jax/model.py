@@ -79,8 +79,10 @@ def _std(cfg: ModelConfig) -> tuple[float, float]:
   return cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
 
 
-def _cache_capacity(cfg: ModelConfig) -> int:
-  return cfg.window if cfg.window is not None else cfg.max_seq_len
+def cache_capacity(cfg: ModelConfig, capacity: int | None = None) -> int:
+  """Ring size of the attention caches: the window for sliding-window layers, else `capacity` (None:
+  model.max_seq_len), which must cover every position the cache will see."""
+  return cfg.window if cfg.window is not None else (cfg.max_seq_len if capacity is None else capacity)
 
 
 class Block(nn.Module):
@@ -93,6 +95,7 @@ class Block(nn.Module):
   layer: int
   latent: LatentConfig | None = None
   scanned: bool = False  # Inside nn.scan, where remat needs no CSE barrier (the loop body already is one).
+  capacity: int | None = None  # Attention cache capacity (see `cache_capacity`).
 
   def _sublayer(self, cls: type[nn.Module], role: str) -> type[nn.Module]:
     """`cls`, under nn.remat when the remat policy recomputes this sub-layer (same parameters either way)."""
@@ -101,13 +104,13 @@ class Block(nn.Module):
     return cls
 
   @nn.compact
-  def __call__(self, x, state: BlockState | None = None, z=None, positions=None, v_first=None):
+  def __call__(self, x, state: BlockState | None = None, z=None, positions=None, v_first=None, valid=None):
     cfg, mixer_kind = self.cfg, self.cfg.mixers[self.layer]
     std, out_std = _std(cfg)
     if mixer_kind == "attention":
       mixer = self._sublayer(Attention, "mixer")(
           n_heads=cfg.n_heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, window=cfg.window,
-          capacity=_cache_capacity(cfg), rope_theta=cfg.rope_theta, std=std, out_std=out_std,
+          capacity=cache_capacity(cfg, self.capacity), rope_theta=cfg.rope_theta, std=std, out_std=out_std,
           impl=cfg.attention_impl, dtype=cfg.dtype, name="mixer")
     elif mixer_kind == "rwkv7":
       lora = cfg.rwkv7_lora_dims()
@@ -131,9 +134,9 @@ class Block(nn.Module):
     mixer_state, ffn_state = (None, None) if state is None else state
     h = norm(cfg.norm, cfg.norm_eps, cfg.dtype, "mixer_norm")(x)
     if mixer_kind == "rwkv7":
-      h, mixer_state, v_first = mixer(h, mixer_state, v_first)
+      h, mixer_state, v_first = mixer(h, mixer_state, v_first, valid)
     else:
-      h, mixer_state = mixer(h, mixer_state)
+      h, mixer_state = mixer(h, mixer_state, valid)
     x = x + h.astype(x.dtype)
     if self.latent is not None:
       cross = self._sublayer(CrossAttention, "cross_attention")(
@@ -142,7 +145,7 @@ class Block(nn.Module):
           impl=cfg.attention_impl, dtype=cfg.dtype, name="cross_attention")
       h = cross(norm(cfg.norm, cfg.norm_eps, cfg.dtype, "cross_norm")(x), z, positions)
       x = x + h.astype(x.dtype)
-    h, ffn_state = ffn(norm(cfg.norm, cfg.norm_eps, cfg.dtype, "ffn_norm")(x), ffn_state)
+    h, ffn_state = ffn(norm(cfg.norm, cfg.norm_eps, cfg.dtype, "ffn_norm")(x), ffn_state, valid)
     return x + h.astype(x.dtype), BlockState(mixer_state, ffn_state), v_first
 
 
@@ -188,15 +191,16 @@ class _Unit(nn.Module):
   cfg: ModelConfig
   first_layer: int  # The layer index of the unit's first block in the first scanned repeat (picks mixers).
   latent: LatentConfig | None = None
+  capacity: int | None = None
 
   @nn.compact
-  def __call__(self, carry, states, z, positions):
+  def __call__(self, carry, states, z, positions, valid):
     x, v_first = carry
     block_cls, new_states = _block_class(self.cfg, scanned=True), []
     for j in range(scan_layout(self.cfg).period):
       x, block_state, v_first = block_cls(self.cfg, self.first_layer + j, self.latent, scanned=True,
-                                          name=f"block_{j}")(
-          x, None if states is None else states[j], None if z is None else z[:, j], positions, v_first)
+                                          capacity=self.capacity, name=f"block_{j}")(
+          x, None if states is None else states[j], None if z is None else z[:, j], positions, v_first, valid)
       new_states.append(block_state)
     return (x, v_first), tuple(new_states)
 
@@ -212,12 +216,19 @@ class LM(nn.Module):
   positions, needed only by latent RoPE when decoding past position 0 (default: 0..T-1).
 
   `state`: as `init_state` makes it: one BlockState per layer, or with scan_layers one per separate layer followed by
-  one per unit block with every leaf stacked over the scanned repeats."""
+  one per unit block with every leaf stacked over the scanned repeats. Without a state every layer starts empty and
+  full-attention layers make caches of `cache_capacity` (None: model.max_seq_len) slots.
+
+  `valid` [B, T] bool marks left padding (False) of ragged prompts: padding changes no state and is seen by no
+  token, so each row's valid tokens get the logits and final state they would get alone. Padding must precede a
+  row's tokens; with latent RoPE, `positions` must then count valid tokens only.
+  """
   cfg: ModelConfig
   latent: LatentConfig | None = None
+  cache_capacity: int | None = None
 
   @nn.compact
-  def __call__(self, tokens, state: tuple[BlockState, ...] | None = None, latents=None, positions=None):
+  def __call__(self, tokens, state: tuple[BlockState, ...] | None = None, latents=None, positions=None, valid=None):
     cfg, latent = self.cfg, uses_latents(self.latent)
     if latent is not None:
       expected = latent_shape(cfg, latent, tokens.shape[0])
@@ -235,11 +246,11 @@ class LM(nn.Module):
     block_cls, new_state, v_first = _block_class(cfg, scanned=False), [], None
     for i in range(layout.prefix_layers):
       z = None if latent is None else latents[:, i]
-      x, block_state, v_first = block_cls(cfg, i, latent, name=f"block_{i}")(
-          x, None if state is None else state[i], z, positions, v_first)
+      x, block_state, v_first = block_cls(cfg, i, latent, capacity=self.cache_capacity, name=f"block_{i}")(
+          x, None if state is None else state[i], z, positions, v_first, valid)
       new_state.append(block_state)
     if layout.scanned_units:
-      x, v_first, scanned_state = self._scanned(layout, x, v_first, state, latents, positions)
+      x, v_first, scanned_state = self._scanned(layout, x, v_first, state, latents, positions, valid)
       new_state.extend(scanned_state)
     x = norm(cfg.norm, cfg.norm_eps, cfg.dtype, "final_norm")(x)
     if cfg.tie_embeddings:
@@ -249,17 +260,17 @@ class LM(nn.Module):
                         kernel_init=init(cfg.init_std, ("embed", "vocab")), name="head")(x)
     return logits[..., :cfg.vocab_size].astype(jnp.float32), tuple(new_state)
 
-  def _scanned(self, layout: ScanLayout, x, v_first, state, latents, positions):
+  def _scanned(self, layout: ScanLayout, x, v_first, state, latents, positions, valid):
     """Runs the scanned repeats; v_first rides in the carry (made by a separate layer or None without RWKV-7)."""
     start, units, period = layout.prefix_layers, layout.scanned_units, layout.period
     states = None if state is None else tuple(state[start:])
     z = None
     if latents is not None:  # [B, n_layers, n, d] -> [units, B, period, n, d]: repeat u's blocks are its layers.
       z = latents[:, start:].reshape(latents.shape[0], units, period, *latents.shape[2:]).swapaxes(0, 1)
-    scan = nn.scan(_Unit, variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=(0, 0, nn.broadcast),
+    scan = nn.scan(_Unit, variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=(0, 0, nn.broadcast, nn.broadcast),
                    length=units, metadata_params={nn.PARTITION_NAME: LAYER_AXIS})
-    (x, v_first), new_states = scan(self.cfg, start, uses_latents(self.latent), name=SCANNED)(
-        (x, v_first), states, z, positions)
+    (x, v_first), new_states = scan(self.cfg, start, uses_latents(self.latent), self.cache_capacity, name=SCANNED)(
+        (x, v_first), states, z, positions, valid)
     return x, v_first, new_states
 
 
@@ -273,9 +284,9 @@ def latent_shape(cfg: ModelConfig, latent: LatentConfig, batch: int) -> tuple[in
   return (batch, cfg.n_layers, latent.n_per_layer, cfg.d_model)
 
 
-def _layer_state(cfg: ModelConfig, mixer_kind: str, batch: int) -> BlockState:
+def _layer_state(cfg: ModelConfig, mixer_kind: str, batch: int, capacity: int | None) -> BlockState:
   if mixer_kind == "attention":
-    mixer = KVCache.empty(batch, _cache_capacity(cfg), cfg.kv_heads, cfg.head_dim, jnp.dtype(cfg.dtype))
+    mixer = KVCache.empty(batch, cache_capacity(cfg, capacity), cfg.kv_heads, cfg.head_dim, jnp.dtype(cfg.dtype))
   elif mixer_kind == "rwkv7":
     mixer = TimeMix7State.empty(batch, cfg.d_model, cfg.rwkv7_head_size)
   else:
@@ -284,10 +295,11 @@ def _layer_state(cfg: ModelConfig, mixer_kind: str, batch: int) -> BlockState:
   return BlockState(mixer, ChannelMixState.empty(batch, cfg.d_model) if has_shift else None)
 
 
-def init_state(cfg: ModelConfig, batch: int) -> tuple[BlockState, ...]:
+def init_state(cfg: ModelConfig, batch: int, capacity: int | None = None) -> tuple[BlockState, ...]:
   """The state before any token: empty caches and recurrent states for every layer, in the layout `LM` reads (with
-  scan_layers, the scanned layers' states stacked per unit block; `unscan_state` gives one per layer)."""
-  return _scan_tree(cfg, tuple(_layer_state(cfg, kind, batch) for kind in cfg.mixers))
+  scan_layers, the scanned layers' states stacked per unit block; `unscan_state` gives one per layer). Full-attention
+  caches hold `capacity` positions (None: model.max_seq_len); sliding-window caches hold the window."""
+  return _scan_tree(cfg, tuple(_layer_state(cfg, kind, batch, capacity) for kind in cfg.mixers))
 
 
 # --------------------------------------------------------------------------------------------- layout conversions

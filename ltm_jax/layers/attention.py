@@ -1,4 +1,4 @@
-"""Causal multi-head self-attention with RoPE, optional sliding window, GQA and a key/value cache as its state."""
+"""Causal multi-head self-attention with RoPE, optional sliding window, GQA and a ring-buffer key/value cache."""
 
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ EMPTY_POSITION = jnp.iinfo(jnp.int32).max  # An empty cache slot: causally invis
 
 
 class KVCache(NamedTuple):
-  """The last `capacity` keys/values in time order (empty slots first), with their absolute positions.
+  """A ring buffer of `capacity` keys/values: the token at position p lives in slot p % capacity.
 
-  Older keys fall out once more than `capacity` tokens have been seen: exactly the sliding window for windowed
-  layers; for full attention `capacity` is model.max_seq_len and callers must stay within it (the API checks).
+  Once more than `capacity` tokens have been seen the oldest are overwritten: exactly the sliding window for windowed
+  layers (capacity = window); for full attention the capacity must cover the whole sequence (the API checks).
 
-  k, v: [B, capacity, Hkv, D] (RoPE already applied to k); positions: [B, capacity] int32 (EMPTY_POSITION when
-  empty); next_position: [B] int32, the position of the next token.
+  k, v: [B, capacity, Hkv, D] (RoPE already applied to k); positions: [B, capacity] int32, each slot's absolute
+  position (EMPTY_POSITION when empty); next_position: [B] int32, the position of the row's next token.
   """
   k: jax.Array
   v: jax.Array
@@ -34,16 +34,41 @@ class KVCache(NamedTuple):
     kv = jnp.zeros((batch, capacity, kv_heads, head_dim), dtype)
     return cls(kv, kv, jnp.full((batch, capacity), EMPTY_POSITION, jnp.int32), jnp.zeros((batch,), jnp.int32))
 
+  @property
+  def capacity(self) -> int:
+    return self.k.shape[1]
+
+  def write(self, k, v, positions, keep) -> KVCache:
+    """Stores the tokens k, v [B, T, Hkv, D] at `positions` [B, T] where `keep` [B, T] holds, in their ring slots.
+    `keep` must select at most `capacity` consecutive positions per row, so no two writes share a slot."""
+    rows = jnp.arange(k.shape[0])[:, None]
+    slots = jnp.where(keep, positions % self.capacity, self.capacity)  # Out of range: dropped.
+    put = lambda buffer, x: buffer.at[rows, slots].set(x.astype(buffer.dtype), mode="drop")
+    return KVCache(put(self.k, k), put(self.v, v), put(self.positions, positions), self.next_position)
+
+
+def token_positions(next_position, valid, length: int):
+  """[B, T] int32 absolute positions of a chunk: valid tokens continue from next_position [B] one by one; padding
+  (valid [B, T] False, or None for none) takes its row's next valid position, harmless for RoPE and never stored."""
+  if valid is None:
+    return next_position[:, None] + jnp.arange(length, dtype=jnp.int32)
+  before = jnp.cumsum(valid, axis=1, dtype=jnp.int32) - valid.astype(jnp.int32)
+  return next_position[:, None] + before
+
 
 class Attention(nn.Module):
-  """x [B, T, d_model] -> y [B, T, d_model]. Without a cache the segment starts at position 0; with one, queries
-  continue from `cache.next_position` and see the cached keys. The returned cache holds the last `capacity` keys
-  (`window` for sliding-window layers, else `max_seq_len`), so segment-wise processing equals a single call."""
+  """x [B, T, d_model] -> (y [B, T, d_model], cache). Queries continue from `cache.next_position` (0 without a
+  cache) and see the cached keys; the returned cache holds the last `capacity` keys (`window` for sliding-window
+  layers, else `capacity`), so segment-wise processing equals a single call.
+
+  `valid` [B, T] bool (None: all valid) marks left padding of ragged prompts: padded tokens are never seen by any
+  query, never cached, and do not advance the row's positions.
+  """
   n_heads: int
   kv_heads: int
   head_dim: int
   window: int | None
-  capacity: int
+  capacity: int  # Ring size of a cache made here (window layers: the window); a given cache keeps its own.
   rope_theta: float
   std: float
   out_std: float
@@ -51,28 +76,40 @@ class Attention(nn.Module):
   dtype: str = "float32"
 
   @nn.compact
-  def __call__(self, x, cache: KVCache | None = None):
+  def __call__(self, x, cache: KVCache | None = None, valid=None):
     batch, length, d_model = x.shape
     q = dense((self.n_heads, self.head_dim), ("embed", "heads", "head_dim"), self.std, self.dtype, "q")(x)
     k = dense((self.kv_heads, self.head_dim), ("embed", "kv_heads", "head_dim"), self.std, self.dtype, "k")(x)
     v = dense((self.kv_heads, self.head_dim), ("embed", "kv_heads", "head_dim"), self.std, self.dtype, "v")(x)
-    if cache is None:
+    fresh = cache is None
+    if fresh:
       cache = KVCache.empty(batch, self.capacity, self.kv_heads, self.head_dim, k.dtype)
-      fresh = True
-    else:
-      fresh = False
-    positions = cache.next_position[:, None] + jnp.arange(length, dtype=jnp.int32)
+    positions = token_positions(cache.next_position, valid, length)
     q = apply_rope(q, positions, self.rope_theta)
     k = apply_rope(k, positions, self.rope_theta)
-    keys = jnp.concatenate([cache.k, k.astype(cache.k.dtype)], axis=1)
-    values = jnp.concatenate([cache.v, v.astype(cache.v.dtype)], axis=1)
-    key_positions = jnp.concatenate([cache.positions, positions], axis=1)
-    if fresh:  # Nothing cached: attend within the segment only (no wasted work on empty slots while training).
-      y = ops.attention(q, k, v, causal=True, window=self.window, impl=self.impl)
+    keep = jnp.ones((batch, length), bool) if valid is None else valid
+    count = jnp.sum(keep, axis=1, dtype=jnp.int32)
+    end = cache.next_position + count
+    decode_step = not fresh and length == 1 and valid is None
+    if fresh:
+      # Nothing cached: attend within the segment with the fast kernels. Left padding shifts every row's positions
+      # uniformly, so index-based causal/window masks hold, and a padding segment keeps it apart.
+      segments = None if valid is None else valid.astype(jnp.int32)
+      y = ops.attention(q, k, v, causal=True, window=self.window, segment_ids=segments, impl=self.impl)
+    elif decode_step:
+      # One decoding step: store first, then attend over the ring alone. The overwritten slot held position
+      # p - capacity, which no query at p may see (window) or which never existed (full attention within capacity).
+      cache = cache.write(k, v, positions, keep)
+      y = ops.attention(q, cache.k, cache.v, causal=True, window=self.window, q_positions=positions,
+                        kv_positions=cache.positions, impl=self.impl)
     else:
-      y = ops.attention(q, keys, values, causal=True, window=self.window, q_positions=positions,
-                        kv_positions=key_positions, impl=self.impl)
+      key_positions = jnp.where(keep, positions, EMPTY_POSITION)
+      y = ops.attention(q, jnp.concatenate([cache.k, k.astype(cache.k.dtype)], axis=1),
+                        jnp.concatenate([cache.v, v.astype(cache.v.dtype)], axis=1), causal=True,
+                        window=self.window, q_positions=positions,
+                        kv_positions=jnp.concatenate([cache.positions, key_positions], axis=1), impl=self.impl)
+    if not decode_step:
+      # Only the last `capacity` valid tokens of each row can still be seen; writing just those keeps slots unique.
+      cache = cache.write(k, v, positions, keep & (positions >= (end - cache.capacity)[:, None]))
     y = dense(d_model, ("heads", "head_dim", "embed"), self.out_std, self.dtype, "out", in_axis=(-2, -1))(y)
-    new_cache = KVCache(keys[:, -self.capacity:], values[:, -self.capacity:], key_positions[:, -self.capacity:],
-                        cache.next_position + length)
-    return y, new_cache
+    return y, cache._replace(next_position=end)

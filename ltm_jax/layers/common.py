@@ -44,3 +44,12 @@ def norm(kind: str, eps: float, dtype, name: str) -> nn.Module:
 def token_shift(x, last):
   """The previous token's input at every position: [B, T, C] from x and `last` [B, C] (the token before x)."""
   return jnp.concatenate([last[:, None].astype(x.dtype), x[:, :-1]], axis=1)
+
+
+def hold_last(x, last, valid):
+  """x [B, T, C] with its padding (valid [B, T] False; None: no padding) replaced by `last` [B, C], the row's input
+  before the chunk. Left padding then repeats the previous input, so the first real token's token shift reads
+  exactly what it would read without the padding."""
+  if valid is None:
+    return x
+  return jnp.where(valid[..., None], x, last[:, None].astype(x.dtype))

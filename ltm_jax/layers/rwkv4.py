@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ltm_jax import ops
-from ltm_jax.layers.common import dense, token_shift
+from ltm_jax.layers.common import dense, hold_last, token_shift
 
 
 class TimeMixState(NamedTuple):
@@ -60,10 +60,12 @@ class TimeMix(nn.Module):
   dtype: str = "float32"
 
   @nn.compact
-  def __call__(self, x, state: TimeMixState | None = None):
-    batch, _, d = x.shape
+  def __call__(self, x, state: TimeMixState | None = None, valid=None):
+    """`valid` [B, T] bool (None: all valid) marks left padding, which leaves the state as it was."""
+    batch, length, d = x.shape
     if state is None:
       state = TimeMixState.empty(batch, d)
+    x = hold_last(x, state.last_x, valid)
     up, down = _depth_ratios(self.layer, self.n_layers)
     shifted = token_shift(x, state.last_x)
     xk = _shift_mix(self, x, shifted, "mix_k", _mix_init(down))
@@ -85,7 +87,17 @@ class TimeMix(nn.Module):
     k = dense(d, ("embed", "wkv"), self.std, self.dtype, "key")(xk)
     v = dense(d, ("embed", "wkv"), self.std, self.dtype, "value")(xv)
     r = dense(d, ("embed", "wkv"), self.std, self.dtype, "receptance")(xr)
-    wkv, wkv_state = ops.wkv4(-jnp.exp(time_decay), time_first, k, v, state.wkv, impl=self.impl)
+    wkv_in = state.wkv
+    if valid is not None:
+      # A padded token adds nothing (weight e^k = 0) but still decays the state by e^w, w = -e^time_decay: start
+      # that many steps' decay higher so the first real token sees the state exactly as it was.
+      k = jnp.where(valid[..., None], k.astype(jnp.float32), jnp.finfo(jnp.float32).min)  # Below EMPTY_MAX.
+      v = v.astype(jnp.float32)
+      padding = (length - jnp.sum(valid, axis=1)).astype(jnp.float32)
+      wkv_in = wkv_in._replace(max=wkv_in.max + padding[:, None] * jnp.exp(time_decay))
+    wkv, wkv_state = ops.wkv4(-jnp.exp(time_decay), time_first, k, v, wkv_in, impl=self.impl)
+    if valid is not None:  # Padding before any real token reads an empty state, 0 / 0: keep NaN out of later layers.
+      wkv = jnp.where(valid[..., None], wkv, 0).astype(r.dtype)
     y = dense(d, ("wkv", "embed"), self.out_std, self.dtype, "output")(nn.sigmoid(r) * wkv)
     return y, TimeMixState(wkv_state, x[:, -1].astype(jnp.float32))
 
@@ -100,10 +112,11 @@ class ChannelMix(nn.Module):
   dtype: str = "float32"
 
   @nn.compact
-  def __call__(self, x, state: ChannelMixState | None = None):
+  def __call__(self, x, state: ChannelMixState | None = None, valid=None):
     batch, _, d = x.shape
     if state is None:
       state = ChannelMixState.empty(batch, d)
+    x = hold_last(x, state.last_x, valid)
     _, down = _depth_ratios(self.layer, self.n_layers)
     shifted = token_shift(x, state.last_x)
     xk = _shift_mix(self, x, shifted, "mix_k", _mix_init(down))

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ltm_jax.layers.common import token_shift
+from ltm_jax.layers.common import hold_last, token_shift
 from ltm_jax.layers.rwkv4 import ChannelMixState
 from ltm_jax.ops.wkv7 import empty_state as wkv7_empty_state
 from ltm_jax.ops.wkv7 import wkv7
@@ -94,7 +94,8 @@ class TimeMix7(nn.Module):
   dtype: str = "float32"
 
   @nn.compact
-  def __call__(self, x, state: TimeMix7State | None = None, v_first=None):
+  def __call__(self, x, state: TimeMix7State | None = None, v_first=None, valid=None):
+    """`valid` [B, T] bool (None: all valid) marks left padding, which leaves the state as it was."""
     batch, length, d = x.shape
     n = self.head_size
     if d % n:
@@ -123,7 +124,7 @@ class TimeMix7(nn.Module):
       return h @ up_w.astype(x_in.dtype)
 
     # Token shift: x + (previous - x) * shift, a per-channel interpolation toward the previous token.
-    x = x.astype(self.dtype)
+    x = hold_last(x.astype(self.dtype), state.last_x, valid)
     delta = token_shift(x, state.last_x) - x
     powers = {"r": 0.2, "w": 0.9, "k": 0.7, "v": 0.7, "a": 0.9, "g": 0.2}
     mixed = {name: x + delta * vector(f"shift_{name}", _shift_fraction(d, p * down), ("embed",)).astype(x.dtype)
@@ -156,6 +157,10 @@ class TimeMix7(nn.Module):
     kk_f32 = kk.astype(jnp.float32)
     kk = (kk_f32 / jnp.maximum(jnp.linalg.norm(kk_f32, axis=-1, keepdims=True), NORMALIZE_EPS)).astype(x.dtype)
     k = k * (1 + (iclr - 1) * key_iclr_mix)
+    if valid is not None:  # Padding: no decay, no delta-rule correction (a = b = 0), no new key.
+      log_decay = jnp.where(valid[..., None], log_decay, 0.0)
+      k = jnp.where(valid[..., None], k, 0)
+      kk = jnp.where(valid[..., None, None], kk, 0)
     y, wkv_state = wkv7(to_heads(r), to_heads(log_decay), to_heads(k), to_heads(v), -kk, kk * to_heads(iclr),
                         state.wkv, impl=self.impl)
 
@@ -188,12 +193,12 @@ class ChannelMix7(nn.Module):
   dtype: str = "float32"
 
   @nn.compact
-  def __call__(self, x, state: ChannelMixState | None = None):
+  def __call__(self, x, state: ChannelMixState | None = None, valid=None):
     batch, _, d = x.shape
     if state is None:
       state = ChannelMixState.empty(batch, d)
     _, down = _ratios(self.layer, self.n_layers)
-    x = x.astype(self.dtype)
+    x = hold_last(x.astype(self.dtype), state.last_x, valid)
     shift = self.param("shift_k", _constant_init(_shift_fraction(d, down ** 4).astype(np.float32), ("embed",)), (d,))
     xk = x + (token_shift(x, state.last_x) - x) * shift.astype(x.dtype)
     key = _projection(self.hidden, _centered_uniform(0.5 / math.sqrt(d), ("embed", "mlp")), self.dtype, "key")

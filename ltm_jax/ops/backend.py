@@ -13,14 +13,17 @@ def platform() -> str:
   return jax.default_backend()
 
 
-def resolve(op: str, impl: str, available: Sequence[str], auto: Mapping[str, str]) -> str:
+def resolve(op: str, impl: str, available: Sequence[str], auto: Mapping[str, str], *,
+            length: int | None = None) -> str:
   """Returns the concrete backend name for `impl`, or raises ValueError naming the valid choices.
 
   `auto` maps a platform to the backend measured fastest there (the benchmark that measured it is named beside each
-  table); a platform missing from the table falls back to the first (reference) backend.
+  table); a platform missing from the table falls back to the first (reference) backend. A recurrence given
+  `length=1` (one decoding step) always gets the reference under "auto": one step is a few elementwise ops that XLA
+  fuses, where a kernel would pad it to a whole chunk and pay a launch.
   """
   if impl == "auto":
-    return auto.get(platform(), available[0])
+    return available[0] if length == 1 else auto.get(platform(), available[0])
   if impl not in available:
     raise ValueError(f"{op}: unknown impl {impl!r}; choose from auto, {', '.join(available)}")
   return impl

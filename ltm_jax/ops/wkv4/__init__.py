@@ -76,7 +76,7 @@ def wkv4(
   Raises:
     ValueError: on mismatched shapes, non-float keys or values, or an unknown impl.
   """
-  name = backend.resolve("wkv4", impl, AVAILABLE, AUTO)
+  name = backend.resolve("wkv4", impl, AVAILABLE, AUTO, length=k.shape[1] if k.ndim > 1 else None)
   if k.ndim != 3 or v.shape != k.shape:
     raise ValueError(f"wkv4: k and v must both be [B, T, C]; got k {k.shape}, v {v.shape}")
   if not (jnp.issubdtype(k.dtype, jnp.floating) and jnp.issubdtype(v.dtype, jnp.floating)):

@@ -73,7 +73,7 @@ def wkv7(
   Raises:
     ValueError: on mismatched shapes, non-float inputs, or an unknown impl.
   """
-  name = backend.resolve("wkv7", impl, AVAILABLE, AUTO)
+  name = backend.resolve("wkv7", impl, AVAILABLE, AUTO, length=k.shape[1] if k.ndim > 1 else None)
   inputs = (r, w, k, v, a, b)
   if r.ndim != 4 or any(x.shape != r.shape for x in inputs):
     shapes = ", ".join(f"{n} {x.shape}" for n, x in zip(_NAMES, inputs))
