@@ -1,0 +1,263 @@
+"""Int8 weight-only quantisation: the rounding bound against a float64 reference, per-channel (and per-layer)
+scales, which leaves of every model kind are quantised, logits drift, memory, jit and the unclassifiable-leaf error."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import micro_config
+from ltm_jax import model as model_lib
+from ltm_jax.config import LatentConfig
+from ltm_jax.inference.quantize import Int8Weight, dequantize_params, param_bytes, quantization_error
+from ltm_jax.inference.quantize import quantization_plan, quantize_params
+
+ROUNDING = 0.5 / 127  # The worst relative (to the channel's max|W|) error of rounding to 255 symmetric levels.
+LATENT = LatentConfig(enabled=True, n_per_layer=2)
+KINDS = {  # name: (model overrides, latent)
+    "rwkv4_attention_untied": ({"layer_pattern": "RA", "tie_embeddings": False}, None),
+    "rwkv7_scanned_tied": ({"layer_pattern": "W", "rwkv7_head_size": 16, "n_layers": 3, "scan_layers": True,
+                            "tie_embeddings": True}, None),
+    "attention_latent_untied": ({"layer_pattern": "A", "tie_embeddings": False}, LATENT),
+}
+
+
+def _name(path) -> str:
+  return "/".join(str(entry.key) for entry in path)
+
+
+@functools.cache
+def _model(kind: str):
+  """(cfg, latent, params, axes) with every weight matrix moved away from its init by N(0, 0.05^2) noise: RWKV-7's
+  zero-initialised LoRA downs and outputs would otherwise make their layers (and their quantisation) trivially
+  exact. (Much more noise makes the tiny RWKV-7 ill-conditioned: any rounding-size change then moves some logits a
+  lot.) Initialised under jit: eager initialisation compiles every op separately and takes several times longer."""
+  overrides, latent = KINDS[kind]
+  cfg = micro_config(**overrides).model
+  params = jax.jit(model_lib.init_params, static_argnums=(0, 2))(cfg, jax.random.key(0), latent)
+  rng = np.random.default_rng(1)
+
+  def perturb(path, leaf):
+    if leaf.ndim - model_lib.is_stacked(path) < 2:
+      return leaf
+    return jnp.asarray(np.asarray(leaf) + 0.05 * rng.normal(size=leaf.shape), jnp.float32)
+
+  return cfg, latent, jax.tree_util.tree_map_with_path(perturb, params), model_lib.param_axes(cfg, latent)
+
+
+def _expected_contraction(name: str, tied: bool):
+  """Independently of the axis rule, by parameter name: which leaves are matmul weights and their contraction
+  axes. Kernels [in..., out...]: `out` has two input axes (heads, head_dim); LoRA matrices are [in, out]; the tied
+  embedding [vocab, embed] is the head, so it is reduced over embed (one scale per vocabulary row)."""
+  shift = 1 if name.startswith(model_lib.SCANNED + "/") else 0
+  last = name.split("/")[-1]
+  if name.endswith("/out/kernel"):
+    axes = (0, 1)
+  elif last == "kernel" or last.endswith(("_down", "_up")):
+    axes = (0,)
+  elif name == "embed/embedding" and tied:
+    axes = (1,)
+  else:
+    return None
+  return tuple(a + shift for a in axes)
+
+
+def _reference(w: np.ndarray, contract: tuple[int, ...]):
+  """Plain float64 symmetric per-channel int8 quantiser: (values, scale)."""
+  w = np.asarray(w, np.float64)
+  absmax = np.max(np.abs(w), axis=contract, keepdims=True)
+  scale = np.where(absmax > 0, absmax / 127, 1.0)
+  return np.clip(np.round(w / scale), -127, 127), scale
+
+
+def _check_against_reference(w, q: Int8Weight, contract: tuple[int, ...]):
+  values, scale = _reference(w, contract)
+  got_values, got_scale = np.asarray(q.values), np.asarray(q.scale, np.float64)
+  assert q.values.dtype == jnp.int8 and q.scale.dtype == jnp.float32
+  assert got_values.shape == np.shape(w) and got_scale.shape == scale.shape
+  np.testing.assert_allclose(got_scale, scale, rtol=1e-6)
+  # The rounding bound, elementwise: |values * scale - W| <= scale / 2 (up to float32 rounding of the product).
+  err = np.abs(got_values * got_scale - np.asarray(w, np.float64))
+  assert np.all(err <= got_scale * (0.5 + 1e-5)), float(np.max(err / got_scale))
+  # The same integers as the reference, except that float32 may round a ratio within 1e-3 of a half either way.
+  ratio = np.asarray(w, np.float64) / scale
+  near_half = np.abs(np.abs(ratio - np.floor(ratio)) - 0.5) < 1e-3
+  differs = got_values != values
+  assert not np.any(differs & ~near_half) and np.all(np.abs(got_values - values) <= 1)
+  # Every non-zero channel uses the full range: its largest weight maps to +-127.
+  peak = np.max(np.abs(got_values), axis=contract, keepdims=True)
+  assert np.all((peak == 127) | (scale == 1.0))
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_every_leaf_is_quantised_or_deliberately_kept(kind):
+  cfg, _, params, axes = _model(kind)
+  tree = quantize_params(params, axes)
+  plan = quantization_plan(params, axes)
+  flat_params = {_name(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+  flat_tree = {_name(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=lambda x: isinstance(x, Int8Weight))[0]}
+  assert flat_tree.keys() == flat_params.keys() == plan.keys()
+  expected = {name: _expected_contraction(name, cfg.tie_embeddings) for name in flat_params}
+  assert plan == expected
+  quantised = {name for name, leaf in flat_tree.items() if isinstance(leaf, Int8Weight)}
+  assert quantised == {name for name, axes_ in expected.items() if axes_ is not None}
+  assert ("embed/embedding" in quantised) == cfg.tie_embeddings
+  assert ("head/kernel" in quantised) == (not cfg.tie_embeddings)
+  for name, leaf in flat_tree.items():
+    if name in quantised:
+      _check_against_reference(flat_params[name], leaf, expected[name])
+      if name.startswith(model_lib.SCANNED + "/"):  # One scale row per stacked layer.
+        assert leaf.scale.shape[0] == flat_params[name].shape[0] == 2
+    else:  # Norms, per-channel vectors and the untied (gathered) embedding stay float32 and untouched.
+      assert leaf.dtype == jnp.float32 and leaf is flat_params[name]
+  errors = quantization_error(params, tree)
+  assert errors.keys() == quantised and max(errors.values()) <= ROUNDING + 1e-6
+
+
+def _per_channel_relative_error(w, q: Int8Weight, contract):
+  w = np.asarray(w, np.float64)
+  err = np.max(np.abs(np.asarray(dequantize_params(q)) - w), axis=contract)
+  return err / np.max(np.abs(w), axis=contract)
+
+
+OUTLIER_CASES = {  # name: (shape, logical axes, contraction axes, the loud output channel)
+    "ffn_up": ((48, 24), ("embed", "mlp"), (0,), (slice(None), 5)),
+    "attention_out": ((4, 8, 24), ("heads", "head_dim", "embed"), (0, 1), (slice(None), slice(None), 5)),
+    "attention_q": ((32, 4, 6), ("embed", "heads", "head_dim"), (0,), (slice(None), 2, 3)),
+}
+
+
+def test_an_outlier_channel_does_not_hurt_the_others():
+  """One output channel 10^4 times larger: a per-tensor scale would round every other channel to 0 (relative error
+  1), and a per-input-channel scale would too; per output channel, every channel keeps the rounding bound."""
+  weights = {}
+  for i, (name, (shape, _, _, channel)) in enumerate(OUTLIER_CASES.items()):
+    weights[name] = np.array(jax.random.normal(jax.random.key(3 + i), shape), np.float32)
+    weights[name][channel] *= 1e4
+  tree = quantize_params({name: {"kernel": jnp.asarray(w)} for name, w in weights.items()},
+                         {name: {"kernel": case[1]} for name, case in OUTLIER_CASES.items()})
+  for name, (_, _, contract, _) in OUTLIER_CASES.items():
+    q = tree[name]["kernel"]
+    _check_against_reference(weights[name], q, contract)
+    rel = _per_channel_relative_error(weights[name], q, contract)
+    assert np.all(rel <= ROUNDING + 1e-6), (name, rel.max())
+    assert np.all(np.max(np.abs(q.values), axis=contract) == 127), name
+
+
+def test_tied_embedding_is_quantised_per_vocabulary_row():
+  """Without a head, the table is the head: a huge row keeps its own scale and the gather reads exact-scale rows."""
+  table = np.array(jax.random.normal(jax.random.key(4), (20, 16)), np.float32)
+  table[7] *= 1e4
+  table[3] = 0.0  # An all-zero row (an unused token): scale 1, values 0, no NaN.
+  tree = quantize_params({"embed": {"embedding": jnp.asarray(table)}}, {"embed": {"embedding": ("vocab", "embed")}})
+  q = tree["embed"]["embedding"]
+  assert q.scale.shape == (20, 1)
+  _check_against_reference(table, q, (1,))
+  deq = np.asarray(dequantize_params(tree)["embed"]["embedding"])
+  assert np.all(np.isfinite(deq)) and np.all(deq[3] == 0) and float(q.scale[3, 0]) == 1.0
+  rows = np.delete(np.arange(20), 3)
+  assert np.all(_per_channel_relative_error(table[rows], Int8Weight(q.values[rows], q.scale[rows]), (1,))
+                <= ROUNDING + 1e-6)
+  # With a head present, the same table is only gathered, so it stays float32.
+  head = jnp.asarray(jax.random.normal(jax.random.key(5), (16, 20)))
+  gathered = jnp.asarray(table)
+  untied = quantize_params({"embed": {"embedding": gathered}, "head": {"kernel": head}},
+                           {"embed": {"embedding": ("vocab", "embed")}, "head": {"kernel": ("embed", "vocab")}})
+  assert untied["embed"]["embedding"] is gathered
+  assert untied["head"]["kernel"].scale.shape == (1, 20)
+
+
+def test_stacked_layers_keep_their_own_scales():
+  w = np.array(jax.random.normal(jax.random.key(6), (3, 32, 16)), np.float32)
+  w[1] *= 1e3  # A loud layer must not coarsen the other layers' grids.
+  tree = quantize_params({"blocks": {"ffn": {"kernel": jnp.asarray(w)}}},
+                         {"blocks": {"ffn": {"kernel": ("layers", "embed", "mlp")}}})
+  q = tree["blocks"]["ffn"]["kernel"]
+  assert q.scale.shape == (3, 1, 16)
+  for layer in range(3):
+    _check_against_reference(w[layer], Int8Weight(q.values[layer], q.scale[layer]), (0,))
+  _check_against_reference(w, q, (1,))
+
+
+def test_new_dense_layers_are_covered_and_unknown_ones_raise():
+  rng = np.random.default_rng(7)
+  params = {"new": {"proj": {"kernel": jnp.asarray(rng.normal(size=(8, 2, 4)), jnp.float32)},
+                    "merge": {"kernel": jnp.asarray(rng.normal(size=(2, 4, 8)), jnp.float32)},
+                    "gain": jnp.asarray(rng.normal(size=(8,)), jnp.float32)},
+            "step": jnp.asarray(3, jnp.int32)}
+  axes = {"new": {"proj": {"kernel": ("embed", "kv_heads", "head_dim")},
+                  "merge": {"kernel": ("heads", "head_dim", "embed_out")}, "gain": ("norm",)}, "step": ()}
+  plan = quantization_plan(params, axes)
+  assert plan == {"new/proj/kernel": (0,), "new/merge/kernel": (0, 1), "new/gain": None, "step": None}
+  bad_axes = [("embed", "mlp", "vocab"),  # Three features: no single input/output split.
+              (),  # No logical axes at all.
+              ("embed", None, "head_dim"),  # An unnamed axis.
+              ("mlp", "layers", "embed")]  # A layer axis that is not leading.
+  for bad in bad_axes:
+    with pytest.raises(ValueError, match="cannot quantise new/odd"):
+      quantize_params({"new": {"odd": jnp.ones((2, 3, 4))}}, {"new": {"odd": bad}})
+
+
+@pytest.mark.parametrize("kind", ["rwkv4_attention_untied", "rwkv7_scanned_tied", "attention_latent_untied"])
+def test_logits_from_dequantised_params_stay_close(kind):
+  """On random tokens, logits from dequantised weights (inside jit) drift by < 4% of the float logits' standard
+  deviation in RMS and < 25% at worst (measured over three token draws: RMS 1.0-2.2%, worst 4.3-18%). A control
+  that moves every weight by independent uniform noise of the rounding size (+-scale/2) drifts as much: int8 costs
+  no more than its step size, so a wrong scale or axis (distorting whole channels) shows up as a multiple of it."""
+  cfg, latent, params, axes = _model(kind)
+  tree = quantize_params(params, axes)
+  lm = model_lib.LM(cfg, latent)
+  tokens = jax.random.randint(jax.random.key(8), (2, 16), 0, cfg.vocab_size)
+  z = None if latent is None else jax.random.normal(jax.random.key(9), model_lib.latent_shape(cfg, latent, 2))
+  forward = jax.jit(lambda p: lm.apply({"params": p}, tokens, latents=z)[0])
+  rng = np.random.default_rng(10)
+  control = jax.tree.map(
+      lambda w, q: jnp.asarray(np.asarray(w) + rng.uniform(-0.5, 0.5, w.shape) * np.asarray(q.scale), jnp.float32)
+      if isinstance(q, Int8Weight) else w, params, tree, is_leaf=lambda x: isinstance(x, Int8Weight))
+  reference = np.asarray(forward(params), np.float64)
+  logits = np.asarray(jax.jit(lambda q: lm.apply({"params": dequantize_params(q)}, tokens, latents=z)[0])(tree),
+                      np.float64)
+  rms = lambda d: float(np.sqrt(np.mean(d ** 2)))
+  spread, drift = reference.std(), logits - reference
+  control_drift = np.asarray(forward(control), np.float64) - reference
+  assert np.all(np.isfinite(logits)) and spread > 0.1
+  assert rms(drift) < 0.04 * spread, (rms(drift), spread)
+  assert 0 < np.max(np.abs(drift)) < 0.25 * spread, (np.max(np.abs(drift)), spread)
+  assert rms(drift) < 2 * rms(control_drift), (rms(drift), rms(control_drift))
+
+
+def test_matmul_weights_take_about_a_quarter_of_the_bytes():
+  _, _, params, axes = _model("rwkv7_scanned_tied")
+  tree = quantize_params(params, axes)
+  plan = quantization_plan(params, axes)
+  leaves = {_name(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+  matmul = {name: leaves[name] for name, axes_ in plan.items() if axes_ is not None}
+  kept = {name: leaves[name] for name, axes_ in plan.items() if axes_ is None}
+  assert param_bytes(params) == 4 * model_lib.count_params(params)
+  saved = param_bytes(params) - param_bytes(tree)
+  float_matmul = 4 * sum(w.size for w in matmul.values())
+  int8_matmul = float_matmul - saved
+  assert param_bytes(tree) == param_bytes(kept) + int8_matmul
+  # 1 byte per weight plus a 4-byte scale per output channel (fan-in weights): 3.56x for fan-in 32, 3.88x for 128.
+  fan_in = {name: np.prod([matmul[name].shape[a] for a in plan[name]]) for name in matmul}
+  assert int8_matmul == sum(w.size + 4 * w.size // fan_in[name] for name, w in matmul.items())
+  assert 3.5 < float_matmul / int8_matmul < 4
+
+
+def test_dequantize_runs_under_jit_on_int8_inputs():
+  _, _, params, axes = _model("rwkv4_attention_untied")
+  tree = quantize_params(params, axes)
+  eager = dequantize_params(tree)
+  fn = jax.jit(dequantize_params, static_argnums=1)
+  jitted = fn(tree, jnp.float32)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), eager, jitted)
+  assert "xi8>" in fn.lower(tree, jnp.float32).as_text()  # The compiled function's inputs are int8 arrays.
+  half = fn(tree, jnp.bfloat16)
+  assert half["head"]["kernel"].dtype == jnp.bfloat16 and half["final_norm"]["scale"].dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(half["head"]["kernel"], np.float32), np.asarray(eager["head"]["kernel"]),
+                             rtol=1e-2, atol=1e-6)
