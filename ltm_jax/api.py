@@ -7,9 +7,10 @@
 
 from __future__ import annotations
 
+import codecs
 import functools
 import pathlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -21,18 +22,21 @@ from ltm_jax import model as model_lib
 from ltm_jax import config as config_lib
 from ltm_jax.config import Config
 from ltm_jax.errors import CheckpointError, LtmError
-from ltm_jax.inference import generate_tokens
+from ltm_jax.inference import generate as generation
+from ltm_jax.inference import quantize as quantize_lib
+from ltm_jax.layers import KVCache
 from ltm_jax.train import checkpoint as ckpt_lib
 from ltm_jax.train.optimizer import make_optimizer
 from ltm_jax.train.step import create_train_state
 
 
 class LanguageModel:
-  """Config + parameters + tokenizer, with `forward`, `step` and `generate`.
+  """Config + parameters + tokenizer, with `forward`, `init_state`/`step`, `generate` and `stream_tokens`.
 
   A latent model (config.latent.enabled) reads latent thought vectors z [B, n_layers, n_per_layer, d_model]:
   `fit_latents` infers them from tokens with the inner loop, `prior_latents` draws them from N(0, I), and `forward`,
-  `step` and `generate` take them explicitly, so decoding and the full forward pass can be compared under one z."""
+  `step` and the generation methods take them explicitly, so decoding and the full forward pass can be compared under
+  one z. `quantize("int8")` gives the same model with int8 matmul weights, dequantised inside every jitted call."""
 
   def __init__(self, config: Config, params, trained_steps: int = 0):
     self.config = config
@@ -40,11 +44,31 @@ class LanguageModel:
     self.trained_steps = trained_steps  # Optimizer steps behind these parameters (0 for a fresh model).
     self.model = model_lib.LM(config.model, config.latent)
     self.tokenizer = data_lib.get_tokenizer(config.data.tokenizer)
-    self._apply = jax.jit(self.model.apply)
+    self._apply = jax.jit(functools.partial(generation.run_model, self.model))
 
   @property
   def has_latents(self) -> bool:
     return self.config.latent.enabled
+
+  @property
+  def quantized(self) -> bool:
+    return any(isinstance(leaf, quantize_lib.Int8Weight)
+               for leaf in jax.tree.leaves(self.params, is_leaf=lambda x: isinstance(x, quantize_lib.Int8Weight)))
+
+  @property
+  def param_bytes(self) -> int:
+    """Bytes the parameters occupy (int8 weights count one byte per value, plus their float32 scales)."""
+    return quantize_lib.param_bytes(self.params)
+
+  def quantize(self, kind: str = "int8") -> LanguageModel:
+    """This model with every matmul weight stored as int8 with a float32 scale per output channel (symmetric);
+    norms, per-channel vectors and the input embedding stay float32."""
+    if kind != "int8":
+      raise ValueError(f"unknown quantization {kind!r}; choose int8")
+    if self.quantized:
+      raise LtmError("this model is already quantized")
+    axes = model_lib.param_axes(self.config.model, self.config.latent)
+    return LanguageModel(self.config, quantize_lib.quantize_params(self.params, axes), self.trained_steps)
 
   def latent_shape(self, batch: int) -> tuple[int, int, int, int]:
     self._need_latents()
@@ -66,11 +90,15 @@ class LanguageModel:
     tokens = jnp.asarray(tokens, jnp.int32)
     if tokens.ndim != 2 or tokens.shape[1] < 2:
       raise ValueError(f"fit_latents needs tokens [B, T] with T >= 2, got shape {tokens.shape}")
+    lengths = jnp.full(tokens.shape[:1], tokens.shape[1], jnp.int32)
+    fitted, _ = _fit(self.model, self.params, tokens, lengths, jax.random.key(seed), self._inner_steps(steps))
+    return fitted
+
+  def _inner_steps(self, steps: int | None) -> int:
     steps = self.config.latent.inner_steps if steps is None else steps
     if steps < 0:
       raise ValueError(f"steps must be >= 0, got {steps}")
-    fitted, _ = _fit(self.model, self.params, tokens, jax.random.key(seed), steps)
-    return fitted
+    return steps
 
   def _latents_for(self, tokens: jax.Array, latents) -> jax.Array | None:
     """The latents to run `tokens` under: None for plain models; for latent models, those given (a required
@@ -106,100 +134,180 @@ class LanguageModel:
                      f"{self.tokenizer.name} tokenizer's ({self.tokenizer.vocab_size}); use token ids "
                      "(forward, step, generate_tokens) instead of text")
 
-  def forward(self, tokens, latents=None) -> jax.Array:
+  def forward(self, tokens, latents=None, *, seed: int = 0) -> jax.Array:
     """tokens [B, T] (or [T]) int -> float32 logits [B, T, vocab_size] (or [T, vocab_size]).
 
-    Latent models need `latents` [B, n_layers, n_per_layer, d_model] (or without B for a single sequence)."""
+    Latent models need `latents`: z [B, n_layers, n_per_layer, d_model] (without B for a single sequence),
+    "posterior" (the posterior mean fitted to these tokens, using `seed`) or "prior" (a draw from N(0, I))."""
     tokens = jnp.asarray(tokens, jnp.int32)
     single = tokens.ndim == 1
     if single:
       tokens = tokens[None]
-      latents = None if latents is None else jnp.asarray(latents)[None]
-    logits, _ = self._apply({"params": self.params}, tokens, latents=self._latents_for(tokens, latents))
+      latents = latents if latents is None or isinstance(latents, str) else jnp.asarray(latents)[None]
+    if isinstance(latents, str):
+      lengths = jnp.full(tokens.shape[:1], tokens.shape[1], jnp.int32)
+      latents = self._resolve_latents(tokens, lengths, latents, jax.random.key(seed))
+    logits, _ = self._apply(self.params, tokens, None, self._latents_for(tokens, latents))
     return logits[0] if single else logits
 
-  def init_state(self, batch: int):
-    """The per-layer state before any token (empty caches, zero recurrent states)."""
-    return model_lib.init_state(self.config.model, batch)
+  def init_state(self, batch: int, capacity: int | None = None):
+    """The per-layer state before any token (empty caches, zero recurrent states). Full-attention caches hold
+    `capacity` positions (default model.max_seq_len); sliding-window caches hold exactly the window."""
+    return model_lib.init_state(self.config.model, batch, capacity)
 
   def step(self, state, tokens, latents=None, positions=None):
-    """Advances `state` by a chunk of tokens [B, T] -> (logits [B, T, vocab_size], new state).
+    """Advances `state` by a chunk of tokens [B, T] (any T, one token when decoding) -> (logits [B, T, vocab_size],
+    new state). Chunked calls equal one call on the whole sequence.
 
-    Latent models need `latents` (the same z for every chunk of a sequence) and, with latent.rope, the chunk's
-    absolute `positions` [B, T].
+    Latent models need `latents` as an array (the same z for every chunk of a sequence: infer it once with
+    `fit_latents`) and, with latent.rope, the chunk's absolute `positions` [B, T].
 
-    Full-attention layers hold at most model.max_seq_len keys; going past that raises instead of silently turning
-    them into sliding-window layers."""
+    A full-attention cache holds `capacity` positions; going past them raises instead of silently turning the layer
+    into a sliding window."""
     tokens = jnp.asarray(tokens, jnp.int32)
-    m = self.config.model
-    for layer_state, kind in zip(state, m.mixers):
-      if kind == "attention" and m.window is None:
-        end = int(jnp.max(layer_state.mixer.next_position)) + tokens.shape[1]
-        if end > m.max_seq_len:
-          raise ValueError(f"step would reach position {end}, beyond model.max_seq_len={m.max_seq_len}, the "
-                           "attention cache capacity")
-        break
-    return self._apply({"params": self.params}, tokens, state, self._latents_for(tokens, latents), positions)
+    if self.config.model.window is None:
+      caches = [leaf for leaf in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, KVCache))
+                if isinstance(leaf, KVCache)]
+      if caches:
+        capacity = caches[0].k.shape[-3]
+        end = int(jnp.max(caches[0].next_position)) + tokens.shape[1]
+        if end > capacity:
+          raise ValueError(f"step would reach position {end}, beyond the attention cache's capacity of {capacity} "
+                           "positions (init_state(batch, capacity=...) makes a larger one)")
+    if isinstance(latents, str):
+      raise ValueError("step needs latents as an array (one z for every chunk of a sequence): use "
+                       "fit_latents(tokens).posterior.mu or prior_latents(batch)")
+    return self._apply(self.params, tokens, state, self._latents_for(tokens, latents), positions)
 
   def generate(self, prompt: str | Sequence[str], max_new_tokens: int = 200, *, temperature: float = 1.0,
                top_k: int | None = None, top_p: float | None = None, seed: int = 0,
                stop_at_eos: bool = True, latents: str | None = None) -> str | list[str]:
-    """Samples a continuation of each prompt (text in, text out; the prompt itself is not repeated).
+    """Samples a continuation of each prompt (text in, text out; the prompt itself is not repeated). A list of
+    prompts runs as one batch, however different their lengths.
 
-    Latent models condition on `latents`: "posterior" (z inferred from the prompt by the inner loop; the default for
-    prompts of 2+ tokens) or "prior" (z ~ N(0, I): unconditional; the default for shorter prompts)."""
+    Latent models condition on `latents`: "posterior" (z inferred from each prompt by the inner loop; the default
+    when every prompt has 2+ tokens) or "prior" (z ~ N(0, I): unconditional)."""
     prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-    key = jax.random.key(seed)
-    outputs = []
-    for i, text in enumerate(prompts):  # Ragged batches arrive with the fast-generation issue; one prompt at a time.
-      ids = self.encode(text)
-      if len(ids) == 0:
-        ids = np.array([self.tokenizer.bos_id], np.int32)
-      tokens = self.generate_tokens(ids[None], max_new_tokens, key=jax.random.fold_in(key, i),
-                                    temperature=temperature, top_k=top_k, top_p=top_p, stop_at_eos=stop_at_eos,
-                                    latents=latents)
-      outputs.append(self.decode(_cut_at(tokens[0], self.tokenizer.eos_id if stop_at_eos else None)))
+    ids = [self._prompt_ids(text) for text in prompts]
+    tokens = self.generate_tokens(ids, max_new_tokens, key=jax.random.key(seed), temperature=temperature,
+                                  top_k=top_k, top_p=top_p, stop_at_eos=stop_at_eos, latents=latents)
+    stop = self.tokenizer.eos_id if stop_at_eos else None
+    outputs = [self.decode(_cut_at(row, stop)) for row in tokens]
     return outputs[0] if isinstance(prompt, str) else outputs
 
+  def stream(self, prompt: str, max_new_tokens: int = 200, *, chunk: int = 16, temperature: float = 1.0,
+             top_k: int | None = None, top_p: float | None = None, seed: int = 0, stop_at_eos: bool = True,
+             latents: str | None = None) -> Iterator[str]:
+    """`generate` for one prompt, yielding the continuation as text pieces as soon as each on-device loop of
+    `chunk` tokens finishes; the pieces join to exactly what `generate` returns for the same seed. Characters split
+    across chunks are held back until complete."""
+    text = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    stop = self.tokenizer.eos_id if stop_at_eos else None
+    for tokens in self.stream_tokens([self._prompt_ids(prompt)], max_new_tokens, key=jax.random.key(seed),
+                                     chunk=chunk, temperature=temperature, top_k=top_k, top_p=top_p,
+                                     stop_at_eos=stop_at_eos, latents=latents):
+      kept = _cut_at(tokens[0], stop)
+      piece = text.decode(self.tokenizer.decode_bytes(kept))
+      if piece:
+        yield piece
+      if len(kept) < tokens.shape[1]:
+        break
+    tail = text.decode(b"", final=True)
+    if tail:
+      yield tail
+
+  def _prompt_ids(self, text: str) -> np.ndarray:
+    ids = self.encode(text)
+    return ids if len(ids) else np.array([self.tokenizer.bos_id], np.int32)
+
   def generate_tokens(self, prompt, max_new_tokens: int, *, key, temperature: float = 1.0, top_k: int | None = None,
-                      top_p: float | None = None, stop_at_eos: bool = True, latents=None) -> np.ndarray:
-    """prompt [B, T] int -> [B, max_new_tokens] int32 (rows continue with eos after an eos when stop_at_eos).
+                      top_p: float | None = None, stop_at_eos: bool = True, stop_tokens: Sequence[int] = (),
+                      latents=None) -> np.ndarray:
+    """prompt [B, T] int, or a list of B prompts of any lengths -> [B, max_new_tokens] int32, decoded in one
+    on-device loop. A row ends at its first stop token (eos when stop_at_eos, and any of `stop_tokens`) and repeats
+    it after; the loop ends once every row has ended.
 
     `latents` (latent models only): an array z [B, n_layers, n_per_layer, d_model], "posterior" (the posterior mean
-    fitted to each prompt) or "prior" (a draw from N(0, I)); None picks "posterior" for prompts of 2+ tokens."""
-    prompt = jnp.asarray(prompt, jnp.int32)
-    latents = self._resolve_latents(prompt, latents, key)
-    m = self.config.model
-    if "attention" in m.mixers and m.window is None and prompt.shape[1] + max_new_tokens > m.max_seq_len:
-      raise ValueError(f"prompt ({prompt.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
-                       f"model.max_seq_len={m.max_seq_len}, the attention cache capacity")
+    fitted to each prompt) or "prior" (a draw from N(0, I)); None picks "posterior" when every prompt has 2+
+    tokens."""
+    chunks = list(self.stream_tokens(prompt, max_new_tokens, key=key, chunk=max_new_tokens, temperature=temperature,
+                                     top_k=top_k, top_p=top_p, stop_at_eos=stop_at_eos, stop_tokens=stop_tokens,
+                                     latents=latents))
+    return np.concatenate(chunks, axis=1)
+
+  def stream_tokens(self, prompt, max_new_tokens: int, *, key, chunk: int = 16, temperature: float = 1.0,
+                    top_k: int | None = None, top_p: float | None = None, stop_at_eos: bool = True,
+                    stop_tokens: Sequence[int] = (), latents=None) -> Iterator[np.ndarray]:
+    """As `generate_tokens`, yielding [B, n] int32 arrays of up to `chunk` new tokens as soon as each on-device loop
+    of `chunk` steps finishes (all chunks together are exactly what `generate_tokens` returns). Stops early once
+    every row has ended; the last chunk then carries the rows' stop tokens repeated to its full length."""
     if max_new_tokens < 1:
       raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    return np.asarray(generate_tokens(self.model, self.params, prompt, key, max_new_tokens=max_new_tokens,
-                                      temperature=temperature, top_k=top_k, top_p=top_p,
-                                      stop_token=self.tokenizer.eos_id if stop_at_eos else None,
-                                      latents=latents))
+    if chunk < 1:
+      raise ValueError(f"chunk must be >= 1, got {chunk}")
+    tokens, lengths = _as_prompts(prompt, self.tokenizer.pad_id)
+    m = self.config.model
+    if "attention" in m.mixers and m.window is None and tokens.shape[1] + max_new_tokens > m.max_seq_len:
+      raise ValueError(f"prompt ({tokens.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+                       f"model.max_seq_len={m.max_seq_len}, the attention cache capacity")
+    if int(np.max(tokens)) >= m.vocab_size or int(np.min(tokens)) < 0:
+      raise ValueError(f"prompt token ids must be in [0, {m.vocab_size})")
+    sample_key, latent_key = jax.random.split(key)
+    tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
+    latents = self._resolve_latents(tokens, lengths, latents, latent_key)
+    # Full-attention caches sized to this call (rounded to share compilations), not to model.max_seq_len.
+    model = model_lib.LM(m, self.config.latent, cache_capacity=_round_up(tokens.shape[1] + max_new_tokens, 64))
+    stops = tuple(sorted({*stop_tokens, *([self.tokenizer.eos_id] if stop_at_eos else [])}))
+    decoding = generation.prefill(model, self.params, tokens, lengths, latents)
+    produced = 0
+    while produced < max_new_tokens and (produced == 0 or not bool(jnp.all(decoding.done))):
+      steps = min(chunk, max_new_tokens - produced)
+      new, decoding = generation.decode(model, self.params, decoding, sample_key, steps=steps,
+                                        temperature=temperature, top_k=top_k, top_p=top_p, stop_tokens=stops,
+                                        latents=latents)
+      produced += steps
+      yield np.asarray(new)
+    if produced < max_new_tokens:  # Every row ended early: pad with their stop tokens, as one loop would.
+      yield np.repeat(np.asarray(decoding.last_token)[:, None], max_new_tokens - produced, axis=1)
 
-  def _resolve_latents(self, prompt: jax.Array, latents, key: jax.Array) -> jax.Array | None:
+  def _resolve_latents(self, tokens: jax.Array, lengths: jax.Array, latents, key: jax.Array) -> jax.Array | None:
+    """The z for left-padded prompts tokens [B, T] of `lengths` [B]: given, "prior" or "posterior"."""
     if not self.has_latents or not isinstance(latents, str) and latents is not None:
-      return self._latents_for(prompt, latents)
+      return self._latents_for(tokens, latents)
+    shortest = int(jnp.min(lengths))
     if latents is None:
-      latents = "posterior" if prompt.shape[1] >= 2 else "prior"
-    key = jax.random.fold_in(key, 1)  # Apart from the sampling keys.
+      latents = "posterior" if shortest >= 2 else "prior"
     if latents == "prior":
-      return jax.random.normal(key, self.latent_shape(prompt.shape[0]), jnp.float32)
+      return jax.random.normal(key, self.latent_shape(tokens.shape[0]), jnp.float32)
     if latents == "posterior":
-      if prompt.shape[1] < 2:
-        raise ValueError("latents='posterior' needs a prompt of at least 2 tokens to infer from; use 'prior'")
-      fitted, _ = _fit(self.model, self.params, prompt, key, self.config.latent.inner_steps)
+      if shortest < 2:
+        raise ValueError("latents='posterior' needs prompts of at least 2 tokens to infer from; use 'prior'")
+      fitted, _ = _fit(self.model, self.params, tokens, lengths, key, self._inner_steps(None))
       return fitted.posterior.mu
     raise ValueError(f"latents must be 'posterior', 'prior', an array or None; got {latents!r}")
 
 
+def _as_prompts(prompt, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+  """A [B, T] array (all rows T tokens) or a list of B token sequences -> left-padded (tokens, lengths)."""
+  if isinstance(prompt, (list, tuple)) and prompt and np.ndim(prompt[0]) == 1:
+    return generation.left_pad(prompt, pad_id)
+  prompt = np.asarray(prompt, np.int32)
+  if prompt.ndim != 2 or prompt.shape[1] < 1:
+    raise ValueError(f"prompt must be token ids [B, T] with T >= 1 or a list of token sequences, got shape "
+                     f"{prompt.shape}")
+  return prompt, np.full(prompt.shape[:1], prompt.shape[1], np.int32)
+
+
+def _round_up(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
+
+
 @functools.partial(jax.jit, static_argnames=("model", "steps"))
-def _fit(model, params, tokens, key, steps):
-  """The inner loop on every next-token target of tokens [B, T]."""
-  return latent_lib.infer(model, params, tokens[:, :-1], tokens[:, 1:], key, steps=steps)
+def _fit(model, params, tokens, lengths, key, steps):
+  """The inner loop on every next-token target of left-padded prompts tokens [B, T] of `lengths` [B]."""
+  valid, _ = generation.prompt_mask(lengths, tokens.shape[1])
+  params = quantize_lib.dequantize_params(params, jnp.dtype(model.cfg.dtype))
+  return latent_lib.infer(model, params, tokens[:, :-1], tokens[:, 1:], key, steps=steps, valid=valid[:, :-1])
 
 
 def _cut_at(tokens: np.ndarray, stop: int | None) -> np.ndarray:
@@ -214,11 +322,14 @@ def build(config: Config, seed: int = 0) -> LanguageModel:
   return LanguageModel(config, model_lib.init_params(config.model, jax.random.key(seed), config.latent))
 
 
-def load(workdir: str | pathlib.Path, step: int | None = None, overrides: Sequence[str] = ()) -> LanguageModel:
+def load(workdir: str | pathlib.Path, step: int | None = None, overrides: Sequence[str] = (),
+         quantize: str | None = None) -> LanguageModel:
   """The model saved in `workdir` at `step` (default: the latest checkpoint).
 
   `overrides` change how the model runs, e.g. ["model.wkv_impl=scan", "model.dtype=bfloat16"]; keys that would
-  change the parameters are refused."""
+  change the parameters are refused. `quantize="int8"` stores the matmul weights as int8 (`LanguageModel.quantize`)."""
+  if quantize not in (None, "int8"):
+    raise ValueError(f"unknown quantization {quantize!r}; choose int8")
   ckpt_lib.read_config_json(workdir)  # A clear error for a folder that is not a workdir.
   checkpointer = ckpt_lib.Checkpointer(workdir, read_only=True)
   available = checkpointer.all_steps()
@@ -234,4 +345,5 @@ def load(workdir: str | pathlib.Path, step: int | None = None, overrides: Sequen
       model_lib.init_params(config.model, jax.random.key(0), config.latent), make_optimizer(config.train), 0))
   state, _ = checkpointer.restore(step, template)
   checkpointer.close()
-  return LanguageModel(config, state.params, step)
+  lm = LanguageModel(config, state.params, step)
+  return lm if quantize is None else lm.quantize(quantize)

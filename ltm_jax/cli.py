@@ -63,10 +63,23 @@ def _eval(args) -> int:
 def _generate(args) -> int:
   from ltm_jax.api import load
   lm = load(args.workdir, args.step, args.overrides)
+  if args.quantize:
+    before, lm = lm.param_bytes, lm.quantize(args.quantize)
+    print(f"{args.quantize} weights: parameters {before / 2**20:.2f} MiB -> {lm.param_bytes / 2**20:.2f} MiB",
+          file=sys.stderr)
   if args.latents is not None and not lm.has_latents:
     raise ValueError("--latents needs a model trained with latents (latent.enabled=true)")
-  print(args.prompt + lm.generate(args.prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                                  top_p=args.top_p, seed=args.seed, latents=args.latents))
+  prompts = args.prompt or [""]
+  options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                 latents=args.latents)
+  if len(prompts) == 1:  # Streamed: each on-device chunk of tokens is printed as soon as it is decoded.
+    print(prompts[0], end="", flush=True)
+    for piece in lm.stream(prompts[0], args.max_new_tokens, chunk=args.chunk, **options):
+      print(piece, end="", flush=True)
+    print()
+    return 0
+  for i, (prompt, text) in enumerate(zip(prompts, lm.generate(prompts, args.max_new_tokens, **options))):
+    print(("\n" if i else "") + f"--- {i}\n{prompt}{text}")  # One batch: ragged prompts decode together.
   return 0
 
 
@@ -136,13 +149,19 @@ def parser() -> argparse.ArgumentParser:
 
   gen = sub.add_parser("generate", help="sample a continuation of a prompt")
   gen.add_argument("--workdir", required=True)
-  gen.add_argument("--prompt", default="", help="text to continue (empty: start from the beginning-of-text token)")
+  gen.add_argument("--prompt", action="append", default=None,
+                   help="text to continue (empty: start from the beginning-of-text token); repeat it to decode several "
+                        "prompts of any lengths as one batch")
   gen.add_argument("--max-new-tokens", type=_positive_int, default=200)
   gen.add_argument("--temperature", type=_non_negative, default=1.0, help="0 = greedy")
   gen.add_argument("--top-k", type=_positive_int, default=None)
   gen.add_argument("--top-p", type=_probability, default=None)
   gen.add_argument("--seed", type=int, default=0)
   gen.add_argument("--step", type=int, default=None)
+  gen.add_argument("--quantize", choices=("int8",), default=None,
+                   help="int8: matmul weights stored as int8 with per-output-channel scales, dequantised on the fly")
+  gen.add_argument("--chunk", type=_positive_int, default=16,
+                   help="tokens per on-device decode loop between streamed prints (one prompt)")
   gen.add_argument("--latents", choices=("posterior", "prior"), default=None,
                    help="latent models: z inferred from the prompt (default for prompts of 2+ tokens) or drawn from "
                         "the prior")

@@ -55,6 +55,16 @@ def test_generate_prints_prompt_and_continuation(workdir, capsys):
   code, out, _ = _run(capsys, "generate", "--workdir", workdir, "--prompt", "The ", "--max-new-tokens", 20,
                       "--temperature", 0.8, "--top-k", 40, "--top-p", 0.95, "--seed", 3)
   assert code == 0 and out.startswith("The ")
+  # The streamed pieces make up exactly the API's text for the same seed.
+  text = load(workdir).generate("The ", 20, temperature=0.8, top_k=40, top_p=0.95, seed=3)
+  assert out == "The " + text + "\n"
+
+
+def test_generate_batches_prompts_and_quantizes(workdir, capsys):
+  code, out, err = _run(capsys, "generate", "--workdir", workdir, "--prompt", "The list", "--prompt", "a",
+                        "--max-new-tokens", 8, "--quantize", "int8", "--temperature", 0)
+  assert code == 0 and "--- 0\nThe list" in out and "--- 1\na" in out
+  assert "int8 weights: parameters" in err
 
 
 def test_info_reports_size_flops_memory(capsys):

@@ -58,7 +58,7 @@ def test_step_refuses_to_overflow_the_attention_cache():
   m = lm.config.model
   state = lm.init_state(1)
   _, state = lm.step(state, np.full((1, m.max_seq_len - 2), 65, np.int32))
-  with pytest.raises(ValueError, match="beyond model.max_seq_len"):
+  with pytest.raises(ValueError, match="beyond the attention cache's capacity of 128"):
     lm.step(state, np.full((1, 3), 65, np.int32))
 
 
@@ -68,3 +68,15 @@ def test_step_api_continues_forward(lm):
   first, state = lm.step(state, tokens[:, :6])
   second, _ = lm.step(state, tokens[:, 6:])
   np.testing.assert_allclose(np.concatenate([first, second], 1), lm.forward(tokens), atol=2e-4, rtol=1e-5)
+
+
+def test_ragged_text_prompts_batch_like_each_alone(lm):
+  prompts = ["def f(x):", "a", "The list type"]
+  batch = lm.generate(prompts, max_new_tokens=6, temperature=0.0, stop_at_eos=False)
+  assert batch == [lm.generate(p, max_new_tokens=6, temperature=0.0, stop_at_eos=False) for p in prompts]
+
+
+def test_streamed_text_joins_to_the_generated_text(lm):
+  pieces = list(lm.stream("Hello", 11, chunk=4, temperature=1.0, top_p=0.9, seed=2))
+  assert len(pieces) >= 2  # Really streamed: more than one piece came out.
+  assert "".join(pieces) == lm.generate("Hello", 11, temperature=1.0, top_p=0.9, seed=2)

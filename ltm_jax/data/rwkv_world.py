@@ -123,6 +123,10 @@ class RwkvWorldTokenizer:
     """The text of `ids` (any shape, flattened). Id 0 and the unused ids above 65529 have no bytes and vanish;
     byte sequences that are not valid UTF-8 (a sample cut mid-character) become U+FFFD. Ids outside
     [0, vocab_size) raise ValueError."""
+    return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+  def decode_bytes(self, ids: Iterable[int] | np.ndarray) -> bytes:
+    """The raw bytes of `ids` (for streaming through an incremental UTF-8 decoder)."""
     ids = checked_ids(ids, self.vocab_size, "RWKV World")
     table, known = self._id_to_bytes, len(self._id_to_bytes)
-    return b"".join(table[i] for i in ids.tolist() if i < known).decode("utf-8", errors="replace")
+    return b"".join(table[i] for i in ids.tolist() if i < known)

@@ -38,8 +38,13 @@ class ByteTokenizer:
     Byte sequences that are not valid UTF-8 (e.g. a sample cut mid-character) become U+FFFD instead of raising, so
     any sequence of in-vocabulary ids decodes. Ids outside [0, vocab_size) raise ValueError.
     """
+    return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+  def decode_bytes(self, ids: Iterable[int] | np.ndarray) -> bytes:
+    """The raw bytes of `ids` (special ids dropped); streaming callers decode them with an incremental UTF-8
+    decoder, so a character split across chunks is not mangled."""
     ids = checked_ids(ids, self.vocab_size, "byte")
-    return ids[ids < 256].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+    return ids[ids < 256].astype(np.uint8).tobytes()
 
 
 _TOKENIZERS = {"byte": ByteTokenizer, "rwkv_world": RwkvWorldTokenizer}

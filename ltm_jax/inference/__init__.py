@@ -1,3 +1,5 @@
-"""Decoding: prefill a prompt through the model's state API, then sample token by token on device."""
+"""Inference: prefill ragged prompts and decode on device (`generate`), int8 weight-only quantisation
+(`quantize`)."""
 
-from ltm_jax.inference.generate import generate_tokens
+from ltm_jax.inference.generate import Decoding, decode, left_pad, prefill, prompt_mask, run_model
+from ltm_jax.inference.quantize import Int8Weight, dequantize_params, param_bytes, quantize_params

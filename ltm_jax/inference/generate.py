@@ -1,43 +1,115 @@
-"""Sampling from the LM: one jitted prefill + `lax.scan` decode over the model's per-layer state."""
+"""Generation: one jitted prefill of a batch of ragged prompts, then a decode loop that runs on device.
+
+  decoding = prefill(model, params, tokens, lengths)        # prompts left-padded to [B, T]; every layer's state
+  tokens, decoding = decode(model, params, decoding, key, steps=N, ...)   # [B, N] new tokens, one lax.while_loop
+
+`decode` can be called again on the Decoding it returns, which is how tokens are streamed: the i-th token of a call
+sequence is always drawn with `fold_in(key, i)`, so decoding in chunks gives exactly the tokens of one call. The
+loop stops early once every row has produced a stop token; a finished row repeats its stop token.
+
+`params` may hold int8 weights (`ltm_jax.inference.quantize`); they are dequantised inside the jitted computation,
+so the int8 values are what lives in device memory between calls.
+"""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from ltm_jax import model as model_lib
+from ltm_jax.inference.quantize import dequantize_params
+from ltm_jax.layers.attention import token_positions
 from ltm_jax.ops import sample_logits
 
 
-@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "top_k", "stop_token"))
-def generate_tokens(model: nn.Module, params, prompt, key, *, max_new_tokens: int, temperature=1.0,
-                    top_k: int | None = None, top_p=None, stop_token: int | None = None, latents=None):
-  """Continues prompt [B, T] int32 by max_new_tokens tokens -> [B, max_new_tokens] int32.
+class Decoding(NamedTuple):
+  """Where a batch of generations stands between `decode` calls.
 
-  temperature 0 is greedy. After `stop_token` is produced a row keeps emitting `stop_token`, so everything from the
-  first stop token on can be cut by the caller. Full-attention layers need T + max_new_tokens <= model.max_seq_len.
-  `latents` [B, n_layers, n_per_layer, d_model] condition every token (required by latent models, else None).
+  state: the model's per-layer state (caches, recurrent states) after every token fed so far.
+  logits: [B, V] float32, the logits of each row's next token.
+  positions: [B] int32, the position of each row's next token.
+  last_token: [B] int32, each row's latest token (a finished row keeps repeating its stop token).
+  done: [B] bool, rows that have produced a stop token.
+  generated: [] int32, tokens sampled so far per row (the index of the next sampling key).
   """
-  batch, length = prompt.shape
-  state = model_lib.init_state(model.cfg, batch)
-  positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), prompt.shape)
-  logits, state = model.apply({"params": params}, prompt, state, latents, positions)
+  state: Any
+  logits: jax.Array
+  positions: jax.Array
+  last_token: jax.Array
+  done: jax.Array
+  generated: jax.Array
 
-  def decode(carry, xs):
-    last_logits, state, done = carry
-    step_key, position = xs
-    token = sample_logits(step_key, last_logits, temperature=temperature, top_k=top_k, top_p=top_p)
-    if stop_token is not None:
-      token = jnp.where(done, stop_token, token)
-      done = done | (token == stop_token)
-    positions = jnp.full((batch, 1), position, jnp.int32)
-    logits, state = model.apply({"params": params}, token[:, None], state, latents, positions)
-    return (logits[:, -1], state, done), token
 
-  done = jnp.zeros((batch,), bool)
-  xs = (jax.random.split(key, max_new_tokens), length + jnp.arange(max_new_tokens, dtype=jnp.int32))
-  _, tokens = jax.lax.scan(decode, (logits[:, -1], state, done), xs)
-  return tokens.T
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+  """Ragged prompts -> (tokens [B, T] int32 right-aligned, lengths [B] int32), T the longest prompt. Padding goes
+  first so that every row's last prompt token, and so its next-token logits and final state, sit at T - 1."""
+  lengths = np.array([len(p) for p in prompts], np.int32)
+  if lengths.size == 0 or lengths.min() < 1:
+    raise ValueError("every prompt needs at least one token (start an empty prompt with the bos token)")
+  tokens = np.full((len(prompts), int(lengths.max())), pad_id, np.int32)
+  for row, (prompt, n) in enumerate(zip(prompts, lengths)):
+    tokens[row, tokens.shape[1] - n:] = np.asarray(prompt, np.int32)
+  return tokens, lengths
+
+
+def prompt_mask(lengths: jax.Array, length: int) -> tuple[jax.Array, jax.Array]:
+  """(valid [B, T] bool, positions [B, T] int32) of left-padded prompts of `lengths` [B]: a row's tokens sit at
+  positions 0..n-1; padding is invalid and at position 0."""
+  valid = jnp.arange(length, dtype=jnp.int32)[None] >= (length - lengths)[:, None]
+  return valid, token_positions(jnp.zeros(lengths.shape, jnp.int32), valid, length)
+
+
+def run_model(model: nn.Module, params, *args):
+  """`model.apply` on params that may hold int8 weights, dequantised here to the compute dtype (inside jit)."""
+  return model.apply({"params": dequantize_params(params, jnp.dtype(model.cfg.dtype))}, *args)
+
+
+@functools.partial(jax.jit, static_argnames=("model",))
+def prefill(model: nn.Module, params, tokens: jax.Array, lengths: jax.Array, latents=None) -> Decoding:
+  """Runs left-padded prompts tokens [B, T] (row b's last lengths[b] tokens are its prompt) through the model's
+  parallel path, from empty states. `model.cache_capacity` sizes full-attention caches, which must cover prompt and
+  generation. `latents` [B, n_layers, n_per_layer, d_model] for latent models, else None."""
+  batch, length = tokens.shape
+  valid, positions = prompt_mask(lengths, length)
+  logits, state = run_model(model, params, tokens, None, latents, positions, valid)
+  return Decoding(state, logits[:, -1], lengths.astype(jnp.int32), tokens[:, -1], jnp.zeros((batch,), bool),
+                  jnp.zeros((), jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnames=("model", "steps", "top_k", "stop_tokens"), donate_argnames=("decoding",))
+def decode(model: nn.Module, params, decoding: Decoding, key: jax.Array, *, steps: int, temperature=1.0,
+           top_k: int | None = None, top_p=None, stop_tokens: tuple[int, ...] = (), latents=None
+           ) -> tuple[jax.Array, Decoding]:
+  """Samples up to `steps` tokens per row -> (tokens [B, steps] int32, the Decoding after them).
+
+  Each step samples from `decoding.logits` (temperature 0 is greedy; top_k, top_p as in `ops.sample_logits`) and
+  feeds the token back through the recurrent states and caches. `decoding` is donated: its buffers are reused.
+  """
+  stops = jnp.asarray(stop_tokens, jnp.int32)
+
+  def unfinished(carry):
+    i, d, _ = carry
+    return (i < steps) & ~jnp.all(d.done)
+
+  def step(carry):
+    i, d, tokens = carry
+    token = sample_logits(jax.random.fold_in(key, d.generated), d.logits, temperature=temperature, top_k=top_k,
+                          top_p=top_p)
+    token = jnp.where(d.done, d.last_token, token)
+    done = d.done | jnp.isin(token, stops) if stop_tokens else d.done
+    logits, state = run_model(model, params, token[:, None], d.state, latents, d.positions[:, None])
+    d = Decoding(state, logits[:, -1], d.positions + 1, token, done, d.generated + 1)
+    return i + 1, d, tokens.at[:, i].set(token)
+
+  batch = decoding.logits.shape[0]
+  count, decoding, tokens = jax.lax.while_loop(unfinished, step,
+                                               (jnp.zeros((), jnp.int32), decoding, jnp.zeros((batch, steps),
+                                                                                           jnp.int32)))
+  # Stopped early: every row is finished, so the rest is its stop token repeated.
+  tokens = jnp.where(jnp.arange(steps) < count, tokens, decoding.last_token[:, None])
+  return tokens, decoding
