@@ -16,6 +16,8 @@ import sys
 import numpy as np
 import pytest
 
+from ltm_jax.convert.synthetic import rwkv4_weights, save, x070_weights
+
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("torch") is None or importlib.util.find_spec("rwkv") is None,
     reason="needs the convert extra: torch (CPU build) and rwkv")
@@ -62,74 +64,6 @@ def _official_logits(path, version, tmp_path):
   return result["whole"], result["segments"]
 
 
-def _layernorm(rng, weights, prefix, d):
-  weights[prefix + ".weight"] = 1 + rng.normal(0, 0.2, d)
-  weights[prefix + ".bias"] = rng.normal(0, 0.2, d)
-
-
-def _matrix(rng, out, inp):
-  return rng.normal(0, 1 / np.sqrt(inp), (out, inp))
-
-
-def x070_weights(rng, vocab=300, d=128, head_size=64, n_layers=3, hidden=352, lora=(16, 8, 12, 24)):
-  """Random weights with the official x070 names and shapes (LoRA widths and FFN width off the defaults, so the
-  converter must read them from the shapes). Values at natural scales; nothing is zero."""
-  w = {"emb.weight": rng.normal(0, 1, (vocab, d)), "head.weight": _matrix(rng, vocab, d)}
-  _layernorm(rng, w, "blocks.0.ln0", d)
-  _layernorm(rng, w, "ln_out", d)
-  vec = lambda low, high: rng.uniform(low, high, (1, 1, d))
-  for i in range(n_layers):
-    p = f"blocks.{i}."
-    _layernorm(rng, w, p + "ln1", d)
-    _layernorm(rng, w, p + "ln2", d)
-    for c in "rwkvag":
-      w[f"{p}att.x_{c}"] = vec(0, 1)
-    for (name, base), rank in zip((("w", vec(-3, 1)), ("a", vec(-1, 1)), ("v", vec(-1, 1)), ("g", None)), lora):
-      if base is not None:
-        w[f"{p}att.{name}0"] = base
-      w[f"{p}att.{name}1"] = _matrix(rng, rank, d).T
-      w[f"{p}att.{name}2"] = _matrix(rng, d, rank).T
-    w[p + "att.k_k"] = vec(0.5, 1.2)
-    w[p + "att.k_a"] = vec(0.5, 1.5)
-    w[p + "att.r_k"] = rng.normal(0, 0.3, (d // head_size, head_size))
-    for name in ("receptance", "key", "value", "output"):
-      w[f"{p}att.{name}.weight"] = _matrix(rng, d, d)
-    _layernorm(rng, w, p + "att.ln_x", d)
-    w[p + "ffn.x_k"] = vec(0, 1)
-    w[p + "ffn.key.weight"] = _matrix(rng, hidden, d)
-    w[p + "ffn.value.weight"] = _matrix(rng, d, hidden)
-  return w
-
-
-def rwkv4_weights(rng, vocab=300, d=64, n_layers=3, hidden=256):
-  """Random weights with the official RWKV-4 (v4neo) names and shapes."""
-  w = {"emb.weight": rng.normal(0, 1, (vocab, d)), "head.weight": _matrix(rng, vocab, d)}
-  _layernorm(rng, w, "blocks.0.ln0", d)
-  _layernorm(rng, w, "ln_out", d)
-  for i in range(n_layers):
-    p = f"blocks.{i}."
-    _layernorm(rng, w, p + "ln1", d)
-    _layernorm(rng, w, p + "ln2", d)
-    for c in "kvr":
-      w[f"{p}att.time_mix_{c}"] = rng.uniform(0, 1, (1, 1, d))
-    w[p + "att.time_decay"] = rng.uniform(-3, 1, d)
-    w[p + "att.time_first"] = rng.normal(0, 0.5, d)
-    for name in ("key", "value", "receptance", "output"):
-      w[f"{p}att.{name}.weight"] = _matrix(rng, d, d)
-    for c in "kr":
-      w[f"{p}ffn.time_mix_{c}"] = rng.uniform(0, 1, (1, 1, d))
-    w[p + "ffn.key.weight"] = _matrix(rng, hidden, d)
-    w[p + "ffn.value.weight"] = _matrix(rng, d, hidden)
-    w[p + "ffn.receptance.weight"] = _matrix(rng, d, d)
-  return w
-
-
-def _save(weights, path):
-  import torch
-  torch.save({k: torch.tensor(np.asarray(v), dtype=torch.float32) for k, v in weights.items()}, path)
-  return path
-
-
 def _ours(workdir):
   import ltm_jax
   lm = ltm_jax.load(workdir)
@@ -147,7 +81,7 @@ def test_converted_logits_match_the_official_implementation(version, tmp_path):
   from ltm_jax.convert import convert_rwkv
   rng = np.random.default_rng(0 if version == "x070" else 1)
   weights = x070_weights(rng) if version == "x070" else rwkv4_weights(rng)
-  path = _save(weights, tmp_path / f"{version}.pth")
+  path = save(weights, tmp_path / f"{version}.pth")
   cfg = convert_rwkv(path, tmp_path / "work")
   m = cfg.model
   assert m.layer_pattern == ("W" if version == "x070" else "R") and m.ln0 and m.norm == "layernorm"
@@ -167,7 +101,7 @@ def test_converted_logits_match_the_official_implementation(version, tmp_path):
 
 def test_cli_converts_a_world_model_that_eval_and_generate_accept_and_never_overwrites(tmp_path, capsys):
   from ltm_jax import cli
-  path = _save(x070_weights(np.random.default_rng(2), vocab=65536, d=64, head_size=32, n_layers=2, hidden=128,
+  path = save(x070_weights(np.random.default_rng(2), vocab=65536, d=64, head_size=32, n_layers=2, hidden=128,
                             lora=(32, 32, 32, 32)), tmp_path / "world.pth")
   out = tmp_path / "world"
   assert cli.main(["convert-rwkv", "--checkpoint", str(path), "--out", str(out), "--step", "7"]) == 0
@@ -198,12 +132,12 @@ def test_unsupported_layouts_are_named(tmp_path):
                          lora=(8, 8, 8, 8))
   del weights["blocks.0.att.k_a"]
   with pytest.raises(ConversionError, match="blocks.0.att.k_a"):
-    convert_rwkv(_save(weights, tmp_path / "broken.pth"), tmp_path / "out")
+    convert_rwkv(save(weights, tmp_path / "broken.pth"), tmp_path / "out")
   assert not (tmp_path / "out").exists()
   weights["blocks.0.att.k_a"] = np.ones((1, 1, 32))
   weights["blocks.0.ffn.s_emb.weight"] = np.ones((260, 1024))  # A DeepEmbed x070 variant: refused, not dropped.
   with pytest.raises(ConversionError, match="s_emb"):
-    convert_rwkv(_save(weights, tmp_path / "deepembed.pth"), tmp_path / "out")
+    convert_rwkv(save(weights, tmp_path / "deepembed.pth"), tmp_path / "out")
   (tmp_path / "junk.pth").write_bytes(b"not a checkpoint")
   with pytest.raises(ConversionError, match="could not read"):
     convert_rwkv(tmp_path / "junk.pth", tmp_path / "out")
