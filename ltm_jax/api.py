@@ -52,8 +52,7 @@ class LanguageModel:
 
   @property
   def quantized(self) -> bool:
-    return any(isinstance(leaf, quantize_lib.Int8Weight)
-               for leaf in jax.tree.leaves(self.params, is_leaf=lambda x: isinstance(x, quantize_lib.Int8Weight)))
+    return quantize_lib.has_int8_weights(self.params)
 
   @property
   def param_bytes(self) -> int:

@@ -221,14 +221,16 @@ class LM(nn.Module):
 
   `valid` [B, T] bool marks left padding (False) of ragged prompts: padding changes no state and is seen by no
   token, so each row's valid tokens get the logits and final state they would get alone. Padding must precede a
-  row's tokens; with latent RoPE, `positions` must then count valid tokens only.
+  row's tokens; with latent RoPE, `positions` must then count valid tokens only. `last_only` returns the logits of
+  the last position only ([B, 1, vocab_size]), as a prefill needs.
   """
   cfg: ModelConfig
   latent: LatentConfig | None = None
   cache_capacity: int | None = None
 
   @nn.compact
-  def __call__(self, tokens, state: tuple[BlockState, ...] | None = None, latents=None, positions=None, valid=None):
+  def __call__(self, tokens, state: tuple[BlockState, ...] | None = None, latents=None, positions=None, valid=None,
+               last_only: bool = False):
     cfg, latent = self.cfg, uses_latents(self.latent)
     if latent is not None:
       expected = latent_shape(cfg, latent, tokens.shape[0])
@@ -252,6 +254,8 @@ class LM(nn.Module):
     if layout.scanned_units:
       x, v_first, scanned_state = self._scanned(layout, x, v_first, state, latents, positions, valid)
       new_state.extend(scanned_state)
+    if last_only:  # A prefill needs the next token's logits only: skip the [B, T, vocab] head product.
+      x = x[:, -1:]
     x = norm(cfg.norm, cfg.norm_eps, cfg.dtype, "final_norm")(x)
     if cfg.tie_embeddings:
       logits = x @ embed.embedding.astype(cfg.dtype).T  # In the compute dtype, as the untied head.

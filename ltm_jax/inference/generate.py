@@ -8,7 +8,9 @@ sequence is always drawn with `fold_in(key, i)`, so decoding in chunks gives exa
 loop stops early once every row has produced a stop token; a finished row repeats its stop token.
 
 `params` may hold int8 weights (`ltm_jax.inference.quantize`); they are dequantised inside the jitted computation,
-so the int8 values are what lives in device memory between calls.
+so the int8 values are what lives in device memory between calls. Within a `decode` call XLA dequantises once, ahead
+of the loop (the weights are loop-invariant), so the loop runs at the float model's speed with a transient float
+copy: measured on CPU, forcing the dequantisation into every step was 2.3x slower and its temporaries no smaller.
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ def prefill(model: nn.Module, params, tokens: jax.Array, lengths: jax.Array, lat
   generation. `latents` [B, n_layers, n_per_layer, d_model] for latent models, else None."""
   batch, length = tokens.shape
   valid, positions = prompt_mask(lengths, length)
-  logits, state = run_model(model, params, tokens, None, latents, positions, valid)
+  logits, state = run_model(model, params, tokens, None, latents, positions, valid, True)
   return Decoding(state, logits[:, -1], lengths.astype(jnp.int32), tokens[:, -1], jnp.zeros((batch,), bool),
                   jnp.zeros((), jnp.int32))
 

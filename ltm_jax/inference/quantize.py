@@ -159,6 +159,11 @@ def _is_quantized(x) -> bool:
   return isinstance(x, Int8Weight)
 
 
+def has_int8_weights(tree) -> bool:
+  """Whether any leaf of `tree` is an Int8Weight."""
+  return any(_is_quantized(leaf) for leaf in jax.tree.leaves(tree, is_leaf=_is_quantized))
+
+
 def dequantize_params(tree, dtype=jnp.float32):
   """The inverse of `quantize_params`: every Int8Weight -> values * scale in `dtype` ([same shape as the weight]),
   other leaves unchanged. Call it inside jit, so only the int8 values and scales are device-resident inputs and

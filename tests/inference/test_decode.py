@@ -31,13 +31,13 @@ VARIANTS = {
     "rwkv4": dict(layer_pattern="R"),
     "rwkv7": dict(layer_pattern="W", rwkv7_head_size=16),
     "hybrid": dict(layer_pattern="RWA", n_layers=3, rwkv7_head_size=16, window=4),
-    "latent": dict(layer_pattern="RA"),
+    "latent_scanned": dict(layer_pattern="RA", n_layers=4, scan_layers=True),  # States stacked per unit block.
 }
 
 
 def _model(variant: str) -> api.LanguageModel:
   cfg = micro_config(**VARIANTS[variant])
-  if variant == "latent":
+  if variant == "latent_scanned":
     cfg = dataclasses.replace(cfg, latent=LatentConfig(enabled=True, n_per_layer=2, rope=True, rope_span=16))
   lm = api.build(cfg, seed=1)
   # Random init gives near-uniform logits; spread them so greedy choices are not decided by rounding.

@@ -119,10 +119,11 @@ def test_last_queries_match_full_call():
   np.testing.assert_allclose(_jitted(fn, q[:, -3:], k, v), _jitted(fn, q, k, v)[:, -3:], atol=F32_ATOL)
 
 
+@pytest.mark.parametrize("t", [3, 1])  # 1: a decoding step.
 @pytest.mark.parametrize("window", [None, 4])
-def test_cache_positions_with_empty_slots(window):
+def test_cache_positions_with_empty_slots(window, t):
   rng = np.random.default_rng(8)
-  b, t, s = 3, 3, 12
+  b, s = 3, 12
   q, k, v = _inputs(rng, b, t, s, 4, 2, 8)
   filled = [9, 0, 5]  # Row 1 has an empty cache: its queries see nothing.
   kv_pos = np.full((b, s), EMPTY, np.int32)
