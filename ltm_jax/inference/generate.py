@@ -103,15 +103,13 @@ def decode(model: nn.Module, params, decoding: Decoding, key: jax.Array, *, step
     token = sample_logits(jax.random.fold_in(key, d.generated), d.logits, temperature=temperature, top_k=top_k,
                           top_p=top_p)
     token = jnp.where(d.done, d.last_token, token)
-    done = d.done | jnp.isin(token, stops) if stop_tokens else d.done
+    done = (d.done | jnp.isin(token, stops)) if stop_tokens else d.done
     logits, state = run_model(model, params, token[:, None], d.state, latents, d.positions[:, None])
     d = Decoding(state, logits[:, -1], d.positions + 1, token, done, d.generated + 1)
     return i + 1, d, tokens.at[:, i].set(token)
 
-  batch = decoding.logits.shape[0]
-  count, decoding, tokens = jax.lax.while_loop(unfinished, step,
-                                               (jnp.zeros((), jnp.int32), decoding, jnp.zeros((batch, steps),
-                                                                                           jnp.int32)))
+  init = (jnp.zeros((), jnp.int32), decoding, jnp.zeros((decoding.logits.shape[0], steps), jnp.int32))
+  count, decoding, tokens = jax.lax.while_loop(unfinished, step, init)
   # Stopped early: every row is finished, so the rest is its stop token repeated.
   tokens = jnp.where(jnp.arange(steps) < count, tokens, decoding.last_token[:, None])
   return tokens, decoding
