@@ -48,6 +48,15 @@ def info(overrides: list[str], memory_scheduler: bool = True) -> dict:
   return json.loads(result.stdout)
 
 
+def _memory_row(out: dict, baseline: int, **labels) -> dict:
+  """One printed table row from `ltm info --compile` output; vs_none is temp bytes over the group's first row."""
+  row = {**labels, "temp_MiB": out["compiled_temp_bytes"] / MIB, "vs_none": out["compiled_temp_bytes"] / baseline,
+         "args_MiB": out["compiled_argument_bytes"] / MIB, "total_MiB": out["compiled_total_bytes"] / MIB,
+         "compile_s": out["lower_seconds"] + out["compile_seconds"]}
+  print(row, flush=True)
+  return row
+
+
 def remat_rows() -> list[dict]:
   rows = []
   for latents in (False, True):
@@ -58,20 +67,12 @@ def remat_rows() -> list[dict]:
           continue  # Without cross-attention these equal full-minus-norms and none.
         out = info([*SHAPE, *(LATENTS if latents else []), f"model.remat={policy}", f"model.scan_layers={scan}"])
         baseline = baseline or out["compiled_temp_bytes"]
-        rows.append({"latents": latents, "scan_layers": scan, "remat": policy, "scheduler": "memory",
-                     "temp_MiB": out["compiled_temp_bytes"] / MIB, "vs_none": out["compiled_temp_bytes"] / baseline,
-                     "args_MiB": out["compiled_argument_bytes"] / MIB, "total_MiB": out["compiled_total_bytes"] / MIB,
-                     "compile_s": out["lower_seconds"] + out["compile_seconds"]})
-        print(rows[-1], flush=True)
+        rows.append(_memory_row(out, baseline, latents=latents, scan_layers=scan, remat=policy, scheduler="memory"))
   baseline = None
   for policy in ("none", "full"):  # CPU's default scheduler, for comparison.
     out = info([*SHAPE, f"model.remat={policy}"], memory_scheduler=False)
     baseline = baseline or out["compiled_temp_bytes"]
-    rows.append({"latents": False, "scan_layers": False, "remat": policy, "scheduler": "cpu-default",
-                 "temp_MiB": out["compiled_temp_bytes"] / MIB, "vs_none": out["compiled_temp_bytes"] / baseline,
-                 "args_MiB": out["compiled_argument_bytes"] / MIB, "total_MiB": out["compiled_total_bytes"] / MIB,
-                 "compile_s": out["lower_seconds"] + out["compile_seconds"]})
-    print(rows[-1], flush=True)
+    rows.append(_memory_row(out, baseline, latents=False, scan_layers=False, remat=policy, scheduler="cpu-default"))
   return rows
 
 
