@@ -12,7 +12,7 @@ from attention_reference import reference_mask
 from attention_reference import reference_value_and_grads as _reference_value_and_grads
 from attention_reference import value_and_grads as _value_and_grads
 
-from ltm_jax.ops.attention import attention, cudnn
+from ltm_jax.ops.attention import attention, cudnn, uses_local_blocks
 
 # float32 implementation vs float64 reference on unit-normal inputs with D <= 16.
 F32_ATOL = 2e-5
@@ -52,6 +52,24 @@ def test_sliding_window(window):
   rng = np.random.default_rng(window)
   q, k, v = _inputs(rng, 2, 16, 16, 2, 2, 8)
   _check(rng, q, k, v, reference_mask(2, 16, 16, causal=True, window=window), window=window)
+
+
+@pytest.mark.parametrize("t,window,hq,hkv", [(70, 1, 2, 2), (70, 5, 4, 2), (83, 16, 2, 1), (71, 17, 2, 2)])
+def test_sliding_window_in_local_blocks(t, window, hq, hkv):
+  # Windows far shorter than the sequence run blockwise (two key blocks per query block); odd lengths leave a
+  # partial last block.
+  assert uses_local_blocks(True, window, t, t, has_positions=False)
+  rng = np.random.default_rng(t + window)
+  q, k, v = _inputs(rng, 2, t, t, hq, hkv, 8)
+  _check(rng, q, k, v, reference_mask(2, t, t, causal=True, window=window), window=window)
+
+
+def test_sliding_window_in_local_blocks_with_segments():
+  rng = np.random.default_rng(12)
+  q, k, v = _inputs(rng, 2, 75, 75, 4, 2, 8)
+  seg = np.sort(rng.integers(0, 5, size=(2, 75)), axis=1).astype(np.int32)
+  mask = reference_mask(2, 75, 75, causal=True, window=9, q_seg=seg, kv_seg=seg)
+  _check(rng, q, k, v, mask, window=9, segment_ids=jnp.asarray(seg))
 
 
 def test_window_one_is_identity_on_values():

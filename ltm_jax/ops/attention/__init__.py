@@ -1,7 +1,8 @@
 """Multi-head softmax attention with grouped key/value heads, causal and sliding-window masks, packed segments and
 explicit positions for key/value caches.
 
-Backends: "xla" (reference, any platform, every option), "cudnn" (fused flash attention on NVIDIA GPUs, for the
+Backends: "xla" (reference, any platform, every option; sliding windows much shorter than the sequence run
+blockwise in O(T * window), `xla.local_attention`), "cudnn" (fused flash attention on NVIDIA GPUs, for the
 calls `cudnn.unsupported_reason` accepts) and "pallas" (the flash-attention kernels of the top-level `pallas`
 package: every option but explicit positions; interpreted, so slow, off GPU). `impl="auto"` is xla off GPU; on GPU it
 picks per shape class from `GPU_AUTO` among the fused backends that accept the call, and xla when neither does
@@ -129,6 +130,9 @@ def _run_backend(name: str, q, k, v, *, causal, window, scale, q_segment_ids=Non
     return pallas.attention(q, k, v, causal=causal, window=window, q_segment_ids=q_segment_ids,
                             kv_segment_ids=kv_segment_ids, scale=scale)
   t, s = q.shape[1], k.shape[1]
+  if uses_local_blocks(causal, window, t, s, has_positions=q_positions is not None):
+    return xla.local_attention(q, k, v, window=window, scale=scale, q_segment_ids=q_segment_ids,
+                               kv_segment_ids=kv_segment_ids)
   if q_positions is None:
     # Shaped [1, ...]: the same for every batch row, broadcast by the mask.
     q_positions = (jnp.arange(t, dtype=jnp.int32) + (s - t))[None]
@@ -137,6 +141,14 @@ def _run_backend(name: str, q, k, v, *, causal, window, scale, q_segment_ids=Non
       q_positions.astype(jnp.int32), kv_positions.astype(jnp.int32), causal=causal, window=window,
       q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
   return xla.attention(q, k, v, mask=mask, scale=scale)
+
+
+def uses_local_blocks(causal: bool, window: int | None, t: int, s: int, *, has_positions: bool) -> bool:
+  """Whether the xla backend runs a call as blocked sliding-window attention (`xla.local_attention`): causal
+  self-attention with default positions whose window is short enough that two key blocks per query block are
+  fewer keys than the whole sequence."""
+  return (causal and window is not None and not has_positions and t == s
+          and 2 * xla.local_block_size(window) < s)
 
 
 def mask_kind(causal: bool, window: int | None, s: int) -> str:

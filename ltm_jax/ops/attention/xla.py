@@ -83,3 +83,59 @@ def attention(
   # Probabilities are rounded to v's dtype for the second matmul, as fused kernels do; a no-op for float32.
   out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
   return out.reshape(b, t, hq, d).astype(q.dtype)
+
+
+def local_block_size(window: int) -> int:
+  """The query block of `local_attention`: the window rounded up to a multiple of 16 (so tiny windows still give
+  matmuls of a useful size)."""
+  return -(-window // 16) * 16
+
+
+def local_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    window: int,
+    scale: float,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+) -> jax.Array:
+  """Causal sliding-window self-attention (query i sees keys i - window < j <= i) in O(T * window), not O(T^2).
+
+  The queries are cut into blocks of c = `local_block_size(window)` >= window positions; since no key is further
+  back than the window, block i reads only key blocks i - 1 and i, so each query scores 2c keys instead of T. The
+  same masked softmax as `attention` runs on those [c, 2c] tiles, so the results agree to rounding.
+
+  Args:
+    q, k, v: [B, T, Hq, D] and [B, T, Hkv, D]: self-attention with default positions (T == S).
+    window: W >= 1.
+    scale: multiplies the logits.
+    q_segment_ids, kv_segment_ids: [B, T] int or None (packed segments / padding).
+
+  Returns:
+    [B, T, Hq, D] in q's dtype.
+  """
+  b, t, hq, d = q.shape
+  c = local_block_size(window)
+  n = -(-t // c)
+
+  def blocks(x):  # [B, T, ...] -> [B, n, c, ...], zero-padded at the end (padded keys lie in every query's future).
+    x = jnp.pad(x, [(0, 0), (0, n * c - t)] + [(0, 0)] * (x.ndim - 2))
+    return x.reshape(b, n, c, *x.shape[2:])
+
+  def with_previous(x):  # [B, n, c, ...] -> [B, n, 2c, ...]: block i - 1 then block i (zeros before block 0).
+    previous = jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], axis=1)
+    return jnp.concatenate([previous, x], axis=2)
+
+  q_pos = jnp.arange(n)[:, None] * c + jnp.arange(c)[None, :]  # [n, c]
+  kv_pos = q_pos[:, :1] - c + jnp.arange(2 * c)[None, :]  # [n, 2c]; negative before the sequence.
+  diff = q_pos[:, :, None] - kv_pos[:, None, :]
+  mask = jnp.broadcast_to((kv_pos[:, None, :] >= 0) & (diff >= 0) & (diff < window), (b, n, c, 2 * c))
+  if q_segment_ids is not None:
+    q_seg, kv_seg = blocks(q_segment_ids), with_previous(blocks(kv_segment_ids))
+    mask = mask & (q_seg[..., :, None] == kv_seg[..., None, :])
+  flat = lambda x: x.reshape(b * n, *x.shape[2:])
+  out = attention(flat(blocks(q)), flat(with_previous(blocks(k))), flat(with_previous(blocks(v))),
+                  mask=flat(mask), scale=scale)
+  return out.reshape(b, n * c, hq, d)[:, :t]
