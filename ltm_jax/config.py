@@ -20,6 +20,7 @@ from ltm_jax.errors import ConfigError
 
 MIXERS = {"A": "attention", "R": "rwkv4", "W": "rwkv7"}
 FFNS = ("auto", "swiglu", "channel_mix", "channel_mix7")
+DECODER_OBJECTIVES = ("final", "iterates")
 NORMS = ("rmsnorm", "layernorm")
 DTYPES = ("float32", "bfloat16", "float16")  # float16 compute needs dynamic loss scaling (ltm_jax/train/loss_scale.py).
 # What a block keeps for the backward pass (ltm_jax/model.py `remat_plan`): none = everything; full = only its input;
@@ -79,6 +80,15 @@ class ModelConfig:
   @property
   def padded_vocab_size(self) -> int:
     return -(-self.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+  @property
+  def receptive_field(self) -> int | None:
+    """How many tokens a logit can depend on (its own included): n_layers * (window - 1) + 1 for a decoder of
+    sliding-window attention only (each layer reaches window - 1 further back); None, unbounded, with full
+    attention or RWKV layers (whose state carries the whole past)."""
+    if self.window is None or set(self.layer_pattern) != {"A"}:
+      return None
+    return self.n_layers * (self.window - 1) + 1
 
   @property
   def mixers(self) -> tuple[str, ...]:
@@ -156,6 +166,15 @@ class LatentConfig:
   inner_b2: float = 0.999
   init_mu_std: float = 0.01
   init_logvar: float = -5.0
+  # What the decoder's gradient is taken on. final: the NLL given z drawn (fresh noise) from the fitted posterior.
+  # iterates: the mean NLL over the inner loop's inner_steps + 1 iterates q_0..q_K, each at z_k = mu_k + sigma_k * eps
+  # with the loop's noise, held constant (the released LTM code's effective objective: its inner backward passes
+  # also fill the decoder's gradients).
+  decoder_objective: str = "final"
+  # The fraction of each training batch trained on continuation: z fitted on a prefix of the sequence (a random
+  # split in [T/4, 3T/4)), the decoder scored on the rest, so z is read as a memory of text it has not seen. The
+  # other sequences are trained as usual (z fitted on, and the decoder scored on, the whole sequence).
+  continuation_fraction: float = 0.0
 
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -396,6 +415,9 @@ def validate(config: Config) -> Config:
     for name, dim in m.rwkv7_lora_dims().items():
       need(dim > 0, f"model.rwkv7_{name}_lora must be positive or none, got {dim}")
   need(m.window is None or m.window > 0, f"model.window must be positive or none, got {m.window}")
+  need(m.window is None or "A" not in m.layer_pattern or m.window <= config.train.seq_len,
+       f"model.window={m.window} is longer than train.seq_len={config.train.seq_len}, so it limits nothing; "
+       "use model.window=none for full attention")
   need(m.rope_theta > 0 and m.norm_eps > 0 and m.init_std > 0, "model.rope_theta, norm_eps, init_std must be > 0")
   for key, choices in (("ffn", FFNS), ("norm", NORMS), ("dtype", DTYPES), ("remat", REMAT_POLICIES),
                        ("wkv_impl", WKV_IMPLS), ("attention_impl", ATTENTION_IMPLS), ("wkv7_impl", WKV7_IMPLS)):
@@ -435,6 +457,13 @@ def validate(config: Config) -> Config:
   need(z.init_mu_std >= 0, f"latent.init_mu_std must be >= 0, got {z.init_mu_std}")
   need(not z.rope or m.head_dim % 2 == 0, f"latent.rope needs an even head dimension, got {m.head_dim}")
   need(z.rope_span >= 1, f"latent.rope_span must be >= 1, got {z.rope_span}")
+  need(z.decoder_objective in DECODER_OBJECTIVES,
+       f"latent.decoder_objective={z.decoder_objective!r} is not one of {', '.join(DECODER_OBJECTIVES)}")
+  need(0 <= z.continuation_fraction <= 1,
+       f"latent.continuation_fraction must be in [0, 1], got {z.continuation_fraction}")
+  need(z.decoder_objective == "final" or z.continuation_fraction == 0,
+       "latent.decoder_objective=iterates scores the tokens z is fitted on; it cannot be combined with "
+       "latent.continuation_fraction > 0")
   _validate_mesh(config)
   return config
 

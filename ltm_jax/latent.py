@@ -5,14 +5,16 @@ Prior p(z) = N(0, I); posterior q(z|x) = N(mu, diag(exp(logvar))) with its own (
 sequence's negative ELBO, sum_t NLL(x_t | z, x_<t) + KL(q || p), with z = mu + exp(logvar / 2) * eps for one noise
 draw eps held fixed across the steps, and a learning rate cosine-decayed within the loop.
 
-Only (mu, logvar) are differentiated here: the decoder's parameters enter `nll_fn` as constants (stop_gradient), so
-no inner-loop gradient reaches them; the training step takes its decoder gradient with z held fixed at `fit`'s output.
+No gradient flows through the inner loop to the decoder: the decoder's parameters enter `nll_fn` as constants
+(stop_gradient), and the training step takes its decoder gradient with z held fixed, either at a sample of the
+fitted posterior or (latent.decoder_objective=iterates) at every iterate of the loop, whose decoder gradients the
+loop's own backward passes yield (`fit(..., params=)`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -54,47 +56,76 @@ class FitResult(NamedTuple):
   posterior: Posterior
   nll: jax.Array  # [steps + 1, B] summed NLL of each sequence before every step and after the last.
   kl: jax.Array  # [steps + 1, B] KL(q || p) at the same points.
+  path: Posterior  # The steps + 1 posteriors the loop visited (start, after each step): leaves [steps + 1, *z].
+  # With `params`: the sum over those steps + 1 iterates of d/dparams of sum_b nll_b at z = q_k.sample(eps); else None.
+  params_grad: Any = None
 
 
 def fit(
-    nll_fn: Callable[[jax.Array], jax.Array],
+    nll_fn: Callable[..., jax.Array],
     posterior: Posterior,
     eps: jax.Array,
     cfg: LatentConfig,
     steps: int | None = None,
+    *,
+    params: Any = None,
 ) -> FitResult:
   """Runs `steps` (default cfg.inner_steps) Adam steps on (mu, logvar) from `posterior`, inside one `lax.scan`.
 
   Args:
     nll_fn: z [B, ...] -> [B] summed token NLL of each sequence given z. Closes over the decoder and its batch; its
       parameters must be constants here (the caller stop_gradients them), as no gradient flows back through `fit`.
+      With `params`, it is called as nll_fn(z, params) instead.
     posterior: the starting point (`initial_posterior`).
     eps: standard-normal noise shaped like mu, fixed for every step.
     cfg: the latent config (learning rate, its decay, Adam's betas).
     steps: a static number of steps; 0 returns `posterior` unchanged.
+    params: optional decoder parameters to differentiate as well. Each inner step's backward pass through the
+      decoder then also yields the decoder's gradient at that iterate (the cost of the weight-gradient products
+      only), summed into `params_grad`; the iterates themselves still do not depend on `params` (no gradient flows
+      through the updates of (mu, logvar)).
 
   Returns:
-    the fitted posterior (gradients stopped) and the per-sequence NLL and KL trace. Sequences are independent: the
-    loss is a sum over sequences and Adam is elementwise, so each (mu, logvar) sees only its own sequence.
+    the fitted posterior (gradients stopped), the per-sequence NLL and KL trace and the path of iterates. Sequences
+    are independent: the loss is a sum over sequences and Adam is elementwise, so each (mu, logvar) sees only its
+    own sequence.
   """
   steps = cfg.inner_steps if steps is None else steps
   optimizer = optax.adam(inner_schedule(cfg, steps), b1=cfg.inner_b1, b2=cfg.inner_b2)
+  with_params = params is not None
 
-  def terms(q: Posterior) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    nll, kl = nll_fn(q.sample(eps)), kl_divergence(q)
+  def terms(q: Posterior, p) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    z = q.sample(eps)
+    nll, kl = (nll_fn(z, p) if with_params else nll_fn(z)), kl_divergence(q)
     return (nll + kl).sum(), (nll, kl)
 
+  grad_fn = jax.value_and_grad(terms, argnums=(0, 1) if with_params else 0, has_aux=True)
+
+  def gradients(q):
+    (_, aux), grads = grad_fn(q, params)
+    return aux, (grads if with_params else (grads, None))
+
   def step(carry, _):
-    q, opt_state = carry
-    (_, (nll, kl)), grads = jax.value_and_grad(terms, has_aux=True)(q)
-    updates, opt_state = optimizer.update(grads, opt_state, q)
-    return (optax.apply_updates(q, updates), opt_state), (nll, kl)
+    q, opt_state, params_grad = carry
+    (nll, kl), (q_grad, p_grad) = gradients(q)
+    updates, opt_state = optimizer.update(q_grad, opt_state, q)
+    if with_params:
+      params_grad = jax.tree.map(jnp.add, params_grad, p_grad)
+    return (optax.apply_updates(q, updates), opt_state, params_grad), (nll, kl, q)
 
   posterior = jax.lax.stop_gradient(posterior)
-  (posterior, _), (nll, kl) = jax.lax.scan(step, (posterior, optimizer.init(posterior)), None, length=steps)
-  _, (last_nll, last_kl) = terms(posterior)
+  zeros = jax.tree.map(jnp.zeros_like, params) if with_params else None
+  (posterior, _, params_grad), (nll, kl, path) = jax.lax.scan(
+      step, (posterior, optimizer.init(posterior), zeros), None, length=steps)
   posterior = jax.lax.stop_gradient(posterior)
-  return FitResult(posterior, jnp.concatenate([nll, last_nll[None]]), jnp.concatenate([kl, last_kl[None]]))
+  if with_params:
+    (last_nll, last_kl), (_, p_grad) = gradients(posterior)
+    params_grad = jax.tree.map(jnp.add, params_grad, p_grad)
+  else:
+    _, (last_nll, last_kl) = terms(posterior, None)
+  append = lambda trace, last: jnp.concatenate([trace, last[None]])
+  path = jax.lax.stop_gradient(jax.tree.map(append, path, posterior))
+  return FitResult(posterior, append(nll, last_nll), append(kl, last_kl), path, params_grad)
 
 
 def token_nll(model, params, inputs: jax.Array, targets: jax.Array, latents: jax.Array | None = None,
@@ -117,6 +148,7 @@ def infer(
     steps: int | None = None,
     target_mask: jax.Array | None = None,
     valid: jax.Array | None = None,
+    decoder_grad: bool = False,
 ) -> tuple[FitResult, jax.Array]:
   """Fits q(z|x) for each sequence of a batch with the inner loop; returns the fit and its fixed noise eps.
 
@@ -129,6 +161,8 @@ def infer(
     target_mask: [B, T] bool; only these targets count (e.g. the first half of each sequence, for continuation).
     valid: [B, T] bool, False on left padding of `inputs` (ragged prompts); targets whose input is padding do not
       count.
+    decoder_grad: also return, as `params_grad`, the decoder's gradient of the counted targets' summed NLL at every
+      iterate, summed over the iterates (see `fit`).
   """
   cfg = model.latent
   shape = model_lib.latent_shape(model.cfg, cfg, inputs.shape[0])
@@ -138,11 +172,12 @@ def infer(
   if valid is not None:
     target_mask = valid if target_mask is None else target_mask & valid
 
-  def nll_fn(z):
-    nll = token_nll(model, params, inputs, targets, z, valid)
+  def nll_fn(z, p=params):
+    nll = token_nll(model, p, inputs, targets, z, valid)
     if target_mask is not None:
       nll = jnp.where(target_mask, nll, 0.0)
     return nll.sum(-1)
 
   eps = jax.random.normal(eps_key, shape, jnp.float32)
-  return fit(nll_fn, initial_posterior(init_key, shape, cfg), eps, cfg, steps), eps
+  start = initial_posterior(init_key, shape, cfg)
+  return fit(nll_fn, start, eps, cfg, steps, params=params if decoder_grad else None), eps

@@ -98,7 +98,14 @@ def test_bad_input_gives_one_line_errors(capsys, tmp_path):
   tokens.tofile(tmp_path / "tokens.bin")
   _fails(capsys, "train", "--config", TINY, "--workdir", tmp_path / "w", "data.source=" + str(tmp_path / "tokens.bin"),
          match="4,321")
-  assert not (tmp_path / "w").exists()  # Bad data fails before the workdir is created.
+  ltm_window = ROOT / "configs" / "ltm_window.py"
+  _fails(capsys, "train", "--config", ltm_window, "--workdir", tmp_path / "w", "model.window=0",
+         match="model.window must be positive")
+  _fails(capsys, "train", "--config", ltm_window, "--workdir", tmp_path / "w", "model.window=600",
+         match="model.window=600 is longer than train.seq_len=512")
+  _fails(capsys, "train", "--config", ltm_window, "--workdir", tmp_path / "w", "latent.decoder_objective=mean",
+         match="latent.decoder_objective='mean' is not one of final, iterates")
+  assert not (tmp_path / "w").exists()  # Bad data and configs fail before the workdir is created.
   _fails(capsys, "eval", "--workdir", tmp_path, match="not an ltm_jax workdir")
   _fails(capsys, "generate", "--workdir", tmp_path, match="not an ltm_jax workdir")
 

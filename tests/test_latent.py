@@ -18,7 +18,7 @@ from ltm_jax import latent as latent_lib
 from ltm_jax import model as model_lib
 from ltm_jax.config import ConfigError, LatentConfig, apply_overrides, validate
 from ltm_jax.train.evaluation import CURVE_STEPS, full_evaluation
-from ltm_jax.train.step import _posterior_sample, create_train_state, make_train_step
+from ltm_jax.train.step import create_train_state, latent_decoder_terms, make_train_step
 
 # Every test fits with STEPS inner steps on [3, 16] batches where it can, so jitted inner loops are compiled once.
 STEPS = 4
@@ -93,7 +93,7 @@ def test_decoder_gradient_equals_gradient_with_z_frozen():
   grads = jax.tree.map(jnp.subtract, params, new_state.params)
 
   key = jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(state.rng), 0), 0)
-  z, _ = _posterior_sample(model, params, batch, key)
+  z, _, _, _ = latent_decoder_terms(model, params, batch, key)
   frozen = jax.lax.stop_gradient(z)
   loss = lambda p: latent_lib.token_nll(model, p, batch["inputs"], batch["targets"], frozen).mean()
   expected = jax.grad(loss)(params)
@@ -121,7 +121,7 @@ def _jitted_infer(model, params, inputs, targets, key, steps):
 def _unstopped_fit(model, params, batch, key):
   """The inner loop written without stop_gradient (what the original PyTorch code effectively does)."""
   cfg = model.latent
-  fit_key, sample_key = jax.random.split(key)
+  fit_key, sample_key, _ = jax.random.split(key, 3)  # As latent_decoder_terms splits its key.
   init_key, eps_key = jax.random.split(fit_key)
   shape = model_lib.latent_shape(model.cfg, cfg, batch["inputs"].shape[0])
   q = latent_lib.initial_posterior(init_key, shape, cfg)
@@ -201,7 +201,7 @@ def test_generation_conditions_on_posterior_or_prior():
 def test_full_evaluation_of_latent_and_plain_models():
   cfg, model, params, batch = _setup()
   batches = [batch, {k: v[::-1] for k, v in batch.items()}]
-  assert CURVE_STEPS == (0, 4, 8, 16, 32)
+  assert CURVE_STEPS == (0, 4, 8, 16, 32, 64)
   metrics = full_evaluation(model, params, batches, seed=0, curve_steps=(0, 12))
   assert set(metrics["elbo_ppl_by_inner_steps"]) == {"0", str(STEPS), "12"}
   assert metrics["elbo_ppl_is_upper_bound"] is True
@@ -226,10 +226,13 @@ def test_full_evaluation_of_latent_and_plain_models():
     ("latent.n_per_layer=0", "n_per_layer must be >= 1"),
     ("latent.inner_steps=-1", "inner_steps must be >= 0"),
     ("latent.inner_lr=-0.1", "inner_lr must be >= 0"),
+    ("latent.decoder_objective=all", "decoder_objective='all' is not one of final, iterates"),
+    ("latent.continuation_fraction=1.5", r"continuation_fraction must be in \[0, 1\]"),
+    ("latent.decoder_objective=iterates latent.continuation_fraction=0.5", "cannot be combined"),
 ])
 def test_bad_latent_settings_are_refused(override, message):
   with pytest.raises(ConfigError, match=message):
-    validate(apply_overrides(_config(), [override]))
+    validate(apply_overrides(_config(), override.split()))
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,12 @@ For a latent model, per token over the validation windows (see README, "Evaluati
   prior_nll         NLL with z drawn from the prior N(0, I)
   shuffled_nll      NLL with z fitted on another sequence of the batch (the decoder uses z if this is worse than nll)
   active_units      latent dimensions whose posterior mean varies across sequences (Var > 0.01, Burda et al. 2016)
-  elbo_ppl_by_inner_steps  elbo_ppl when the inner loop runs 0, 4, 8, 16, 32 steps
+  mu_abs            mean |mu| of the posterior means (prior units: 0 is the prior's mean, 1 its standard deviation)
+  elbo_ppl_by_inner_steps  elbo_ppl when the inner loop runs 0, 4, 8, 16, 32, 64 steps
 The plain decoder gets the same keys where they mean something: kl = 0, elbo_ppl = exp(nll) exactly.
+
+Training runs the same computation at every evaluation (without the inner-steps curve, `validation_metrics`), so
+the diagnostics in metrics.jsonl are the numbers `ltm eval` gives for the same batches and seed.
 """
 
 from __future__ import annotations
@@ -27,12 +31,11 @@ import numpy as np
 from ltm_jax import latent as latent_lib
 from ltm_jax import model as model_lib
 
-CURVE_STEPS = (0, 4, 8, 16, 32)
+CURVE_STEPS = (0, 4, 8, 16, 32, 64)
 ACTIVE_UNIT_THRESHOLD = 0.01
 
 
-@functools.partial(jax.jit, static_argnames=("model", "steps", "full"))
-def _batch_metrics(model, params, inputs, targets, key, *, steps: int, full: bool) -> dict[str, jax.Array]:
+def batch_metrics(model, params, inputs, targets, key, steps: int, full: bool) -> dict[str, jax.Array]:
   """Sums over one batch [B, T]. `full` adds everything beyond the ELBO (continuation, prior, shuffled, mu)."""
   latent = model_lib.uses_latents(model.latent)
   length = targets.shape[1]
@@ -61,10 +64,26 @@ def _batch_metrics(model, params, inputs, targets, key, *, steps: int, full: boo
   return out
 
 
+def make_batch_metrics(model, layout=None):
+  """`batch_metrics` for `model`, jitted as fn(params, inputs, targets, key, steps, full) (steps and full static);
+  with a `layout` (ltm_jax.parallel) compiled for its mesh, params and batch as placed, results replicated."""
+  fn = functools.partial(batch_metrics, model)
+  if layout is None:
+    return jax.jit(fn, static_argnums=(4, 5))
+  return layout.jit(fn, static_argnums=(4, 5), out_shardings=layout.replicated)
+
+
+# The default for one device: jitted with the model static, so each model compiles once per (steps, full).
+_jitted_batch_metrics = jax.jit(batch_metrics, static_argnums=(0, 5, 6))
+
+
 def full_evaluation(model: model_lib.LM, params, batches: Iterable[dict[str, Any]], *, seed: int = 0,
-                    bytes_per_token: float | None = None, curve_steps: Iterable[int] = CURVE_STEPS) -> dict[str, Any]:
+                    bytes_per_token: float | None = None, curve_steps: Iterable[int] = CURVE_STEPS,
+                    metrics_fn=None) -> dict[str, Any]:
   """Every metric of the module docstring over `batches` (dicts of [B, T] inputs/targets); z draws from `seed`;
-  the ELBO curve at `curve_steps` inner steps (and at latent.inner_steps)."""
+  the ELBO curve at `curve_steps` inner steps (and at latent.inner_steps). `metrics_fn`: `make_batch_metrics`'s
+  function to run (default: one jitted for the model on the default device)."""
+  metrics_fn = metrics_fn or functools.partial(_jitted_batch_metrics, model)
   latent = model_lib.uses_latents(model.latent)
   batches = list(batches)
   if latent is not None and any(b["inputs"].shape[0] < 2 for b in batches):
@@ -74,11 +93,11 @@ def full_evaluation(model: model_lib.LM, params, batches: Iterable[dict[str, Any
   totals: dict[str, float] = {}
   curve_totals = {steps: 0.0 for steps in curve}
   mu_sum = mu_sq = None
+  mu_abs = 0.0
   tokens = sequences = 0
   for index, batch in enumerate(batches):
     key = jax.random.fold_in(jax.random.key(seed), index)
-    out = jax.device_get(_batch_metrics(model, params, batch["inputs"], batch["targets"], key,
-                                        steps=main_steps, full=True))
+    out = jax.device_get(metrics_fn(params, batch["inputs"], batch["targets"], key, main_steps, True))
     mu = out.pop("mu", None)
     for k, v in out.items():
       totals[k] = totals.get(k, 0.0) + float(v)
@@ -86,11 +105,12 @@ def full_evaluation(model: model_lib.LM, params, batches: Iterable[dict[str, Any
       mu = mu.astype(np.float64)
       mu_sum = mu.sum(0) if mu_sum is None else mu_sum + mu.sum(0)
       mu_sq = (mu**2).sum(0) if mu_sq is None else mu_sq + (mu**2).sum(0)
+      mu_abs += float(np.abs(mu).sum())
     for steps in curve:
       if steps == main_steps:
         curve_totals[steps] += float(out["nll"]) + float(out["kl"])
       else:
-        part = _batch_metrics(model, params, batch["inputs"], batch["targets"], key, steps=steps, full=False)
+        part = metrics_fn(params, batch["inputs"], batch["targets"], key, steps, False)
         curve_totals[steps] += float(part["nll"]) + float(part["kl"])
     tokens += batch["targets"].size
     sequences += batch["targets"].shape[0]
@@ -111,6 +131,7 @@ def full_evaluation(model: model_lib.LM, params, batches: Iterable[dict[str, Any
       "shuffled_nll": totals["shuffled_nll"] / tokens if latent is not None else None,
       "active_units": None,
       "latent_dims": None,
+      "mu_abs": None,
       "elbo_ppl_by_inner_steps": {str(s): math.exp(v / tokens) for s, v in curve_totals.items()},
       "inner_steps": main_steps,
       "tokens": tokens,
@@ -120,6 +141,25 @@ def full_evaluation(model: model_lib.LM, params, batches: Iterable[dict[str, Any
     variance = mu_sq / sequences - (mu_sum / sequences) ** 2
     metrics["active_units"] = int((variance > ACTIVE_UNIT_THRESHOLD).sum())
     metrics["latent_dims"] = int(variance.size)
+    metrics["mu_abs"] = float(mu_abs / (sequences * variance.size))
   if bytes_per_token:
     metrics["elbo_bpb"] = (nll + kl) / math.log(2) / bytes_per_token
+  return metrics
+
+
+# The full evaluation's keys that training logs at every evaluation, as val_<key>.
+VALIDATION_KEYS = ("nll", "kl", "continuation_ppl", "prior_nll", "shuffled_nll", "active_units", "mu_abs")
+
+
+def validation_metrics(model: model_lib.LM, params, batches, *, seed: int, bytes_per_token: float | None,
+                       metrics_fn=None) -> dict[str, Any]:
+  """What training logs at each evaluation: `full_evaluation` without the inner-steps curve, as val_loss (NLL + KL
+  per token: the exact NLL of a plain decoder, the ELBO bound of a latent model), val_bpb and val_<key> for
+  VALIDATION_KEYS (None-valued keys, the latent diagnostics of a plain decoder, are left out)."""
+  evaluation = full_evaluation(model, params, batches, seed=seed, bytes_per_token=bytes_per_token, curve_steps=(),
+                               metrics_fn=metrics_fn)
+  metrics = {"val_loss": evaluation["elbo"], "val_tokens": evaluation["tokens"]}
+  if "elbo_bpb" in evaluation:
+    metrics["val_bpb"] = evaluation["elbo_bpb"]
+  metrics.update({f"val_{k}": evaluation[k] for k in VALIDATION_KEYS if evaluation[k] is not None})
   return metrics

@@ -24,7 +24,8 @@ from ltm_jax.errors import TrainingError
 from ltm_jax.train import checkpoint as ckpt_lib
 from ltm_jax.train.metrics import MetricsWriter, throughput
 from ltm_jax.train.optimizer import learning_rate, make_optimizer
-from ltm_jax.train.step import create_train_state, evaluate, make_eval_step, make_train_step
+from ltm_jax.train.evaluation import make_batch_metrics, validation_metrics
+from ltm_jax.train.step import create_train_state, make_train_step
 
 
 @dataclasses.dataclass
@@ -110,7 +111,7 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = N
     start = start or 0
     eval_batches = data_lib.eval_batches(splits.val, t.batch_size, t.seq_len, t.eval_batches)
     train_step = make_train_step(model, optimizer, learning_rate(t), t.grad_accum, sharded)
-    eval_step = make_eval_step(model, t.seed, sharded)
+    eval_fn = make_batch_metrics(model, sharded)
     if sharded is not None:
       eval_batches = [parallel.put_batch(b, parallel.batch_sharding(layout.mesh, layout.rules, len(b["inputs"])))
                       for b in eval_batches]
@@ -150,9 +151,11 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = N
             say(f"step {step}/{t.steps} loss {row['loss']:.4f}{kl} lr {row['lr']:.2e} "
                 f"grad_norm {row['grad_norm']:.3f} tokens/s {row['tokens_per_sec']:.0f}")
         if step % t.eval_every == 0 or step == t.steps:
-          evaluation = evaluate(eval_step, state.params, eval_batches, bytes_per_token)
-          row.update(evaluation)
-          say(f"step {step}: " + " ".join(f"{k} {v:.4f}" for k, v in evaluation.items() if isinstance(v, float)))
+          evaluation = validation_metrics(model, state.params, eval_batches, seed=t.seed,
+                                          bytes_per_token=bytes_per_token, metrics_fn=eval_fn)
+          row.update(evaluation, tokens=step * tokens_per_step)
+          say(f"step {step}: " + " ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+                                          for k, v in evaluation.items() if k != "val_tokens"))
         if row:
           if writer is not None:
             writer.write(step, row)

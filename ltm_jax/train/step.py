@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any
 
 import flax
@@ -41,20 +40,47 @@ def token_nll(model: nn.Module, params, batch, latents=None) -> tuple[jax.Array,
   return nll, jnp.asarray(nll.size, jnp.float32)
 
 
-def _posterior_sample(model: nn.Module, params, batch, key: jax.Array):
-  """Fits q(z|x) on the batch (the fast, inner loop) and draws z from it with fresh noise.
+def continuation_masks(key: jax.Array, shape: tuple[int, int], fraction: float) -> tuple[jax.Array, jax.Array]:
+  """(fit [B, T], score [B, T]) bool masks over the targets of a batch. The first round(fraction * B) rows are
+  continuation rows: z is fitted on their targets before a split drawn uniformly from [T/4, 3T/4) and the decoder
+  scores the targets from the split on. Every other row is fitted and scored whole."""
+  batch, length = shape
+  rows = round(fraction * batch)
+  split = jax.random.randint(key, (batch, 1), length // 4, max(3 * length // 4, length // 4 + 1))
+  split = jnp.where(jnp.arange(batch)[:, None] < rows, split, length)
+  before = jnp.arange(length)[None, :] < split
+  return before | (split == length), ~before | (split == length)
 
-  Returns z (a constant for the caller's gradient: `infer` stops gradients) and per-token metrics of the fit."""
-  fit_key, sample_key = jax.random.split(key)
-  fitted, eps = latent_lib.infer(model, params, batch["inputs"], batch["targets"], fit_key)
-  tokens = batch["targets"].size
-  z = fitted.posterior.sample(jax.random.normal(sample_key, eps.shape, eps.dtype))
+
+def latent_decoder_terms(model: nn.Module, params, batch, key: jax.Array):
+  """What a latent model's training step needs from one micro-batch: the inner loop's fit, and the decoder objective.
+
+  Returns (z, score_mask, iterates_grad, metrics). With latent.decoder_objective=final, z [B, ...] is drawn (fresh
+  noise) from the posterior fitted on each row's fit mask (`continuation_masks`; whole rows when
+  latent.continuation_fraction is 0, and score_mask is then None) and held constant: the decoder's loss is its NLL on
+  the score mask, and iterates_grad is None. With iterates, z is None and iterates_grad is the
+  decoder's gradient of the mean over the K + 1 iterates of the NLL per token (taken by the inner loop's own
+  backward passes). metrics: kl (per fitted token) and the inner loop's ELBO per fitted token at its start and end."""
+  latent = model.latent
+  fit_key, sample_key, split_key = jax.random.split(key, 3)
+  fit_mask = score_mask = None
+  if latent.continuation_fraction > 0:
+    fit_mask, score_mask = continuation_masks(split_key, batch["targets"].shape, latent.continuation_fraction)
+  iterates = latent.decoder_objective == "iterates"
+  fitted, eps = latent_lib.infer(model, params, batch["inputs"], batch["targets"], fit_key, target_mask=fit_mask,
+                                 decoder_grad=iterates)
+  tokens = batch["targets"].size if fit_mask is None else fit_mask.sum()
   metrics = {
       "kl": fitted.kl[-1].sum() / tokens,
       "inner_elbo_start": (fitted.nll[0] + fitted.kl[0]).sum() / tokens,
       "inner_elbo_end": (fitted.nll[-1] + fitted.kl[-1]).sum() / tokens,
   }
-  return z, metrics
+  if iterates:
+    count = fitted.nll.shape[0] * tokens  # (K + 1) iterates of every fitted token.
+    metrics["loss"] = fitted.nll.sum() / count
+    return None, score_mask, jax.tree.map(lambda g: g / count, fitted.params_grad), metrics
+  z = fitted.posterior.sample(jax.random.normal(sample_key, eps.shape, eps.dtype))
+  return z, score_mask, None, metrics
 
 
 def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
@@ -73,9 +99,9 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, s
   # update (halving the scale) when a gradient overflows.
   scaled = model.cfg.dtype == "float16"
 
-  def loss(params, micro, z, scale):
+  def loss(params, micro, z, scale, score_mask=None):
     nll, _ = token_nll(model, params, micro, z)
-    value = nll.mean()
+    value = nll.mean() if score_mask is None else (nll * score_mask).sum() / score_mask.sum()
     return (loss_scale_lib.scale_loss(scale, value) if scaled else value), value
 
   def step(state: TrainState, batch):
@@ -86,11 +112,15 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, s
 
     def accumulate(grads_sum, xs):
       mb, index = xs
-      z, extra = None, {}
+      z, score_mask, grads, extra = None, None, None, {}
       if latent is not None:
-        z, extra = _posterior_sample(model, state.params, mb, jax.random.fold_in(step_key, index))
-      (_, value), grads = jax.value_and_grad(loss, has_aux=True)(state.params, mb, z, state.loss_scale)
-      return jax.tree.map(jnp.add, grads_sum, grads), {"loss": value, **extra}
+        z, score_mask, grads, extra = latent_decoder_terms(model, state.params, mb, jax.random.fold_in(step_key, index))
+      if grads is None:
+        (_, value), grads = jax.value_and_grad(loss, has_aux=True)(state.params, mb, z, state.loss_scale, score_mask)
+        extra["loss"] = value
+      elif scaled:  # The iterates' gradient comes unscaled from the inner loop: scale it like the loss gradient.
+        grads = jax.tree.map(lambda g: loss_scale_lib.scale_loss(state.loss_scale, g), grads)
+      return jax.tree.map(jnp.add, grads_sum, grads), extra
 
     zeros = jax.tree.map(jnp.zeros_like, state.params)
     grads, micro_metrics = jax.lax.scan(accumulate, zeros, (micro, jnp.arange(grad_accum)))
@@ -117,42 +147,3 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, s
     return jax.jit(step, donate_argnums=0)
   return layout.jit(step, in_shardings=(layout.state, layout.batch),
                     out_shardings=(layout.state, layout.replicated), donate_argnums=0)
-
-
-def make_eval_step(model: nn.Module, seed: int = 0, layout: Layout | None = None):
-  """Returns jitted `eval_step(params, batch, index) -> {"nll": sum, "kl": sum, "tokens": count}` (with a `layout`:
-  compiled for its mesh, params and batch as placed, sums replicated).
-
-  With latents, z is fitted on each sequence by the inner loop and sampled from the posterior, so nll + kl is a
-  (single-sample) ELBO: an upper bound on the sequence's negative log-likelihood. Without, kl is 0 and nll exact."""
-  latent = model_lib.uses_latents(getattr(model, "latent", None))
-
-  def eval_step(params, batch, index):
-    z, kl = None, jnp.zeros((), jnp.float32)
-    if latent is not None:
-      z, extra = _posterior_sample(model, params, batch, jax.random.fold_in(jax.random.key(seed), index))
-      kl = extra["kl"] * batch["targets"].size
-    nll, count = token_nll(model, params, batch, z)
-    return {"nll": nll.sum(), "kl": kl, "tokens": count}
-
-  if layout is None:
-    return jax.jit(eval_step)
-  return layout.jit(eval_step, out_shardings=layout.replicated)
-
-
-def evaluate(eval_step, params, batches, bytes_per_token: float | None) -> dict[str, float]:
-  """Validation loss (nats/token) and bits per byte over fixed batches.
-
-  val_loss = (NLL + KL) / tokens: exact for the plain decoder (KL = 0), the ELBO bound for a latent model, so the two
-  are compared on the same footing. val_nll and val_kl give its parts."""
-  totals = {"nll": 0.0, "kl": 0.0, "tokens": 0.0}
-  for index, batch in enumerate(batches):
-    for k, v in eval_step(params, batch, index).items():
-      totals[k] += float(v)
-  count = totals["tokens"]
-  val_loss = (totals["nll"] + totals["kl"]) / count
-  metrics = {"val_loss": val_loss, "val_nll": totals["nll"] / count, "val_kl": totals["kl"] / count,
-             "val_tokens": int(count)}
-  if bytes_per_token:
-    metrics["val_bpb"] = val_loss / math.log(2) / bytes_per_token
-  return metrics
