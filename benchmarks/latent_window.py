@@ -36,6 +36,8 @@ VARIANTS = {
                    "half of each batch trained on continuation (z fitted on a prefix, the rest scored)"),
     "ltm_cont100": (LTM, ["latent.continuation_fraction=1.0"], "every sequence trained on continuation"),
     "ltm_logvar1": (LTM, ["latent.init_logvar=-1"], "initial posterior variance e^-1 (tiny_ltm's)"),
+    "plain_full_attention": (PLAIN, ["model.window=none"],
+                             "the plain decoder with full attention over the 512 bytes: what unlimited context gives"),
     "ltm_full_attention": (LTM, ["model.window=none"],
                            "latents over a full-attention decoder (no window): z has nothing to carry"),
 }
@@ -52,6 +54,8 @@ def train_variant(name: str, root: pathlib.Path, steps: int | None = None) -> di
   if record.exists() and json.loads(record.read_text())["steps"] == cfg.train.steps:
     return json.loads(record.read_text())
   result = train(cfg, workdir, progress=False)
+  if result.step < cfg.train.steps:
+    raise SystemExit(f"{name}: training stopped at step {result.step} (signal {result.interrupted_by}); rerun to resume")
   info = {"steps": cfg.train.steps, "train_s": result.seconds,
           "train_tokens": cfg.train.steps * cfg.train.batch_size * cfg.train.seq_len}
   record.write_text(json.dumps(info) + "\n")

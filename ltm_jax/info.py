@@ -50,6 +50,8 @@ def model_info(cfg: Config) -> dict[str, Any]:
   if latent is not None:
     flops_fwd += m.n_layers * 4 * m.d_model * latent.n_per_layer  # QK^T and AV against the latents.
     flops_train = 3 * flops_fwd + (2 * latent.inner_steps + 1) * flops_fwd
+    if latent.decoder_objective == "iterates":  # Every iterate's backward also takes the weight gradients.
+      flops_train = 3 * (latent.inner_steps + 1) * flops_fwd
   compute_bytes = 2 if m.dtype in ("bfloat16", "float16") else 4
   # Activations kept for the backward pass, per token and layer, in units of d_model-sized vectors (approximate).
   per_layer = 0.0
@@ -66,6 +68,7 @@ def model_info(cfg: Config) -> dict[str, Any]:
       "params_non_embedding": n_params - n_embedding,
       "layers": "".join({name: letter for letter, name in MIXERS.items()}[k] for k in m.mixers),
       "padded_vocab_size": m.padded_vocab_size,
+      "receptive_field": m.receptive_field,  # Tokens a logit can see without latents; None: unbounded.
       "flops_per_token_forward": flops_fwd,
       "flops_per_token_train": flops_train,
       "flops_per_step_train": flops_train * tokens,
@@ -136,6 +139,7 @@ def format_info(info: dict[str, Any]) -> str:
 
   lines = [f"config               {info['name']}",
            f"layers               {info['layers']}",
+           f"receptive field      {info['receptive_field'] or 'unbounded'} tokens (without latents)",
            f"parameters           {info['params']:,} ({info['params_non_embedding']:,} non-embedding)",
            f"FLOPs/token (fwd)    {human(info['flops_per_token_forward'], 'FLOP')}",
            f"FLOPs/token (train)  {human(info['flops_per_token_train'], 'FLOP')}",

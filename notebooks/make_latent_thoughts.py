@@ -3,72 +3,105 @@
 from make_quickstart import write
 
 CELLS = [
-    ("markdown", """# Latent thought vectors
+    ("markdown", """# Latent thought vectors that carry information
 
 A Latent Thought model reads, in every block, a few latent vectors z through cross-attention. z is not computed by
 an encoder: it is *inferred* for each sequence by a short inner loop of Adam on the posterior q(z|x) = N(mu, sigma^2),
-minimising the negative ELBO (token NLL + KL to the prior N(0, I)). Here we train the tiny latent config briefly, fit
-z for a few sequences, watch the ELBO fall with inner steps, and continue a text under posterior and prior z."""),
+minimising the negative ELBO (token NLL + KL to the prior N(0, I)).
+
+z only matters where the decoder cannot see for itself. `configs/ltm_window.py` gives it that room: attention-only
+layers with a 32-byte sliding window over 512-byte sequences, so a logit sees at most `receptive_field` = 125 bytes
+back, and anything further can only arrive through z. Its twin `configs/ltm_window_plain.py` is the same decoder
+without latents. Both are trained here on the same batches, then compared on **continuation**: z fitted on the
+first half of a window, the second half scored (the number comparable with an autoregressive LM), and we check that
+the decoder reads z by continuing one prompt under z fitted on different documents."""),
     ("code", """import os
 import pathlib
 import tempfile
 
-import jax
 import matplotlib.pyplot as plt
 import numpy as np
+import optax
 
 import ltm_jax
 from ltm_jax import data as data_lib
+from ltm_jax.train.metrics import read_metrics
 
-STEPS = int(os.environ.get("LTM_NOTEBOOK_STEPS", 150))  # The test suite runs this notebook with fewer steps.
 ROOT = next(p for p in [pathlib.Path.cwd(), *pathlib.Path.cwd().parents] if (p / "configs" / "tiny.py").exists())
-cfg = ltm_jax.load_config(ROOT / "configs" / "tiny_ltm.py", [f"train.steps={STEPS}", "train.batch_size=16",
-                                                             "train.eval_every=100", "train.eval_batches=4",
-                                                             "train.log_every=25", "train.warmup_steps=20"])
-print(cfg.latent)"""),
-    ("markdown", """## Train (dual rate)
-Each step fits every sequence's posterior with `latent.inner_steps` Adam steps (fast learning), then takes one
-decoder step on the NLL given z drawn from it, z held fixed (slow learning). The log shows the NLL (`loss`) and the
-KL per token separately."""),
-    ("code", """workdir = pathlib.Path(tempfile.mkdtemp(prefix="ltm_latent_"))
-result = ltm_jax.train(cfg, workdir, progress=False)
-lm = ltm_jax.load(workdir)
-print(f"{result.step} steps in {result.seconds:.0f}s; validation NLL {result.metrics['val_nll']:.3f} + "
-      f"KL {result.metrics['val_kl']:.3f} nats/token")"""),
+TESTING = "LTM_NOTEBOOK_STEPS" in os.environ  # The test suite runs this notebook with a few steps in a temp dir.
+# Continuation training on every sequence: see the README's latent results for why and for the alternatives.
+LATENT = ["latent.continuation_fraction=1.0"]
+STEPS = [f"train.steps={os.environ['LTM_NOTEBOOK_STEPS']}", "train.eval_every=6"] if TESTING else []
+ltm_cfg = ltm_jax.load_config(ROOT / "configs" / "ltm_window.py", LATENT + STEPS)
+plain_cfg = ltm_jax.load_config(ROOT / "configs" / "ltm_window_plain.py", STEPS)
+RUNS = pathlib.Path(tempfile.mkdtemp()) if TESTING else ROOT / "runs" / "notebook-latent"
+print(ltm_cfg.latent)
+print("receptive field without z:", ltm_cfg.model.receptive_field, "bytes of", ltm_cfg.train.seq_len)"""),
+    ("markdown", """## Train both (about 15 + 5 minutes on 2 CPU cores; a finished run is only reloaded)
+Each latent step fits every sequence's posterior with `latent.inner_steps` Adam steps (fast learning), then takes
+one decoder step on the NLL given z drawn from it, z held fixed (slow learning). With
+`latent.continuation_fraction=1`, z is fitted on a random prefix of each sequence and the decoder is scored on the
+rest, so it learns to read z as a memory of text it cannot see."""),
+    ("code", """ltm_jax.train(plain_cfg, RUNS / "plain", progress=False)
+ltm_jax.train(ltm_cfg, RUNS / "ltm", progress=False)
+lm, plain = ltm_jax.load(RUNS / "ltm"), ltm_jax.load(RUNS / "plain")"""),
+    ("markdown", """## Diagnostics logged at every evaluation
+Training logs what `ltm eval` reports, so collapse would show as it happens: `val_shuffled_nll` (z of another
+sequence) and `val_prior_nll` (z from the prior) above `val_nll` mean the decoder reads z; `val_kl` is what z
+costs; `val_continuation_ppl` is the comparison with the plain decoder."""),
+    ("code", """ltm_rows = [r for r in read_metrics(RUNS / "ltm") if "val_nll" in r]
+plain_rows = [r for r in read_metrics(RUNS / "plain") if "val_nll" in r]
+tokens = lambda rows: [r["tokens"] / 1e6 for r in rows]
+fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
+a.plot(tokens(plain_rows), [r["val_continuation_ppl"] for r in plain_rows], "k--o", label="plain windowed decoder")
+a.plot(tokens(ltm_rows), [r["val_continuation_ppl"] for r in ltm_rows], "-o", label="latent thoughts")
+a.set_xlabel("training tokens (M)"), a.set_ylabel("continuation perplexity"), a.legend(), a.grid(alpha=0.3)
+for key, label in (("val_nll", "own z"), ("val_shuffled_nll", "shuffled z"), ("val_prior_nll", "prior z")):
+  b.plot(tokens(ltm_rows), [r[key] for r in ltm_rows], "-o", label=label)
+b.set_xlabel("training tokens (M)"), b.set_ylabel("validation NLL, nats/byte"), b.legend(), b.grid(alpha=0.3)
+plt.show()
+last = ltm_rows[-1]
+print({k: round(v, 4) for k, v in last.items() if k.startswith("val_") and isinstance(v, float)})"""),
     ("markdown", """## Fit z for a few sequences and watch the ELBO
 `fit_latents` returns the fitted posterior and, for every sequence, the NLL and KL before each inner step (with the
 inner loop's fixed noise draw). The negative ELBO per token falls as the loop runs; the KL is what z costs."""),
-    ("code", """splits = data_lib.load_splits(cfg.data, cfg.model.vocab_size, cfg.train.seq_len)
-windows = np.stack([splits.val[i * 997: i * 997 + cfg.train.seq_len + 1] for i in range(4)])
+    ("code", """splits = data_lib.load_splits(ltm_cfg.data, ltm_cfg.model.vocab_size, ltm_cfg.train.seq_len)
+length = ltm_cfg.train.seq_len
+windows = np.stack([splits.val[i * 9973: i * 9973 + length + 1] for i in range(4)])
 fit = lm.fit_latents(windows, steps=32)
-tokens = windows.shape[1] - 1
-elbo = np.asarray(fit.nll + fit.kl) / tokens
+elbo = np.asarray(fit.nll + fit.kl) / length
 fig, ax = plt.subplots(figsize=(6, 3.5))
 for i in range(elbo.shape[1]):
   ax.plot(elbo[:, i], label=f"sequence {i}")
-ax.plot(np.asarray(fit.kl).mean(1) / tokens, "k--", label="KL (mean)")
-ax.set_xlabel("inner step"), ax.set_ylabel("negative ELBO, nats/token"), ax.legend(), ax.grid(alpha=0.3)
+ax.plot(np.asarray(fit.kl).mean(1) / length, "k--", label="KL (mean)")
+ax.set_xlabel("inner step"), ax.set_ylabel("negative ELBO, nats/byte"), ax.legend(), ax.grid(alpha=0.3)
 plt.show()"""),
-    ("markdown", """## Does the decoder use z?
-Scoring each sequence under its own posterior mean, under another sequence's, and under the prior mean."""),
-    ("code", """import optax
+    ("markdown", """## Same prompt, different thoughts
+Three validation documents on different subjects. z is fitted on the first 256 bytes of each; then the *same*
+prompt is continued under each z (greedy decoding, so only z differs). If the decoder reads z, each continuation
+drifts toward its own document; under the plain decoder there is nothing to drift with. The second half of each
+document is also scored under every z: its own z should predict it best."""),
+    ("code", """text = lm.decode(splits.val)
+starts = [text.index(marker) for marker in (">>> Color.RED", "ALERT_DESCRIPTION_", "insertontime")]
+docs = np.stack([np.asarray(splits.val[s - 200: s - 200 + length + 1]) for s in starts])
+half = length // 2
+fitted = lm.fit_latents(docs[:, :half + 1], seed=0).posterior.mu  # z from each document's first half only.
+prompt = "\\n\\n"
+for i, s in enumerate(starts):
+  print(f"--- z from document {i}: ...{lm.decode(docs[i, half - 60:half])!r}")
+  print(lm.generate(prompt, max_new_tokens=120, temperature=0.0, latents=fitted[i:i + 1]))
+print("--- plain decoder")
+print(plain.generate(prompt, max_new_tokens=120, temperature=0.0))
 
-def nll(latents):
-  logits = lm.forward(windows[:, :-1], latents)
-  return float(optax.softmax_cross_entropy_with_integer_labels(logits, windows[:, 1:]).mean())
+def second_half_nll(model, tokens, z=None):
+  logits = model.forward(tokens[:, :-1], z) if z is not None else model.forward(tokens[:, :-1])
+  nll = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+  return np.asarray(nll[:, half:].mean(-1))
 
-mu = fit.posterior.mu
-print(f"own z      {nll(mu):.4f} nats/token")
-print(f"shuffled z {nll(np.roll(mu, 1, axis=0)):.4f}")
-print(f"prior mean {nll(np.zeros_like(mu)):.4f}")"""),
-    ("markdown", """## Continue a text under posterior and prior z
-With `latents="posterior"` (the default for a prompt) z is inferred from the prompt before decoding; with
-`latents="prior"` it is drawn from N(0, I), i.e. the model writes unconditionally of any inferred "thought"."""),
-    ("code", """prompt = lm.decode(windows[0, :96])
-print("PROMPT:", repr(prompt[-120:]))
-for latents in ("posterior", "prior"):
-  text = lm.generate(prompt, max_new_tokens=120, temperature=0.7, top_p=0.95, seed=0, latents=latents)
-  print(f"--- {latents}\\n{text}\\n")"""),
+table = np.stack([second_half_nll(lm, docs, np.repeat(fitted[j:j + 1], len(docs), 0)) for j in range(len(docs))])
+print("second-half NLL (nats/byte), rows: z from document j, columns: document scored")
+print(np.round(table, 3))
+print("plain decoder:", np.round(second_half_nll(plain, docs), 3))"""),
 ]
 
 

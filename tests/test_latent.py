@@ -93,7 +93,7 @@ def test_decoder_gradient_equals_gradient_with_z_frozen():
   grads = jax.tree.map(jnp.subtract, params, new_state.params)
 
   key = jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(state.rng), 0), 0)
-  z, _, _, _ = latent_decoder_terms(model, params, batch, key)
+  z = latent_decoder_terms(model, params, batch, key).scored[0][0]
   frozen = jax.lax.stop_gradient(z)
   loss = lambda p: latent_lib.token_nll(model, p, batch["inputs"], batch["targets"], frozen).mean()
   expected = jax.grad(loss)(params)

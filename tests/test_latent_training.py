@@ -41,10 +41,19 @@ def _terms(model, params, batch, key):
   return latent_decoder_terms(model, params, batch, key)
 
 
-def _mean_nll_grad(model, params, batch, z, score_mask=None):
+def _mean_nll_grad(model, params, batch, z):
+  return _scored_nll_grad(model, params, batch, ((z, None),))
+
+
+def _scored_nll_grad(model, params, batch, scored):
+  """The NLL per scored target, each (z, mask) pair's targets given its z (held fixed), and its gradient."""
   def loss(p):
-    nll = latent_lib.token_nll(model, p, batch["inputs"], batch["targets"], z)
-    return nll.mean() if score_mask is None else (nll * score_mask).sum() / score_mask.sum()
+    total, count = 0.0, 0.0
+    for z, mask in scored:
+      nll = latent_lib.token_nll(model, p, batch["inputs"], batch["targets"], jax.lax.stop_gradient(z))
+      mask = jnp.ones(nll.shape, bool) if mask is None else mask
+      total, count = total + jnp.where(mask, nll, 0.0).sum(), count + mask.sum()
+    return total / count
   return jax.jit(jax.value_and_grad(loss))(params)
 
 
@@ -56,8 +65,9 @@ def _assert_trees_close(got, want, rtol=1e-4, atol=1e-6):
 def test_iterates_gradient_is_the_mean_of_per_iterate_gradients():
   _, model, params, batch = _setup(decoder_objective="iterates")
   key = jax.random.key(11)
-  z, _, grads, metrics = _terms(model, params, batch, key)
-  assert z is None
+  terms = _terms(model, params, batch, key)
+  grads, metrics = terms.iterates_grad, terms.metrics
+  assert terms.scored is None
   # The same inner loop run on its own (no decoder gradients), then one gradient per iterate with its z held fixed.
   fit_key = jax.random.split(key, 3)[0]
   fitted, eps = jax.jit(functools.partial(latent_lib.infer, model, steps=STEPS))(
@@ -81,9 +91,9 @@ def test_iterates_train_step_applies_that_gradient():
   step = make_train_step(model, optimizer, optax.constant_schedule(1.0), grad_accum=1)
   new_state, metrics = step(jax.tree.map(jnp.copy, state), batch)
   key = jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(state.rng), 0), 0)
-  _, _, expected, expected_metrics = _terms(model, params, batch, key)
-  _assert_trees_close(jax.tree.map(jnp.subtract, params, new_state.params), expected)
-  assert float(metrics["loss"]) == pytest.approx(float(expected_metrics["loss"]), rel=1e-6)
+  expected = _terms(model, params, batch, key)
+  _assert_trees_close(jax.tree.map(jnp.subtract, params, new_state.params), expected.iterates_grad)
+  assert float(metrics["loss"]) == pytest.approx(float(expected.metrics["loss"]), rel=1e-6)
 
 
 def test_continuation_masks():
@@ -104,10 +114,10 @@ def test_continuation_masks():
 def test_continuation_rows_fit_z_without_the_scored_tokens():
   _, model, params, batch = _setup(continuation_fraction=0.5)
   key = jax.random.key(5)
-  z, score, _, _ = _terms(model, params, batch, key)
+  z, score = _terms(model, params, batch, key).scored[0]
   # Change every row's last target: scored, never fitted, in continuation rows (0, 1); fitted in rows 2, 3.
   changed = dict(batch, targets=batch["targets"].at[:, -1].set((batch["targets"][:, -1] + 7) % 256))
-  z2, _, _, _ = _terms(model, params, changed, key)
+  z2 = _terms(model, params, changed, key).scored[0][0]
   np.testing.assert_allclose(z2[:2], z[:2], rtol=1e-6, atol=1e-7)
   assert float(jnp.max(jnp.abs(z2[2:] - z[2:]))) > 1e-6
   assert not bool(score[:2].all()) and bool(score[2:].all())
@@ -115,14 +125,27 @@ def test_continuation_rows_fit_z_without_the_scored_tokens():
 
 @pytest.mark.parametrize("fraction", [0.0, 0.5])
 def test_final_decoder_gradient_is_the_scored_nll_with_z_frozen(fraction):
-  _, model, params, batch = _setup(continuation_fraction=fraction)
+  cfg, model, params, batch = _setup(continuation_fraction=fraction)
   optimizer = optax.sgd(1.0)
   state = create_train_state(params, optimizer, seed=7)
   step = make_train_step(model, optimizer, optax.constant_schedule(1.0), grad_accum=1)
   new_state, metrics = step(jax.tree.map(jnp.copy, state), batch)
   key = jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(state.rng), 0), 0)
-  z, score, _, _ = _terms(model, params, batch, key)
-  value, expected = _mean_nll_grad(model, params, batch, jax.lax.stop_gradient(z), score)
+  scored = _terms(model, params, batch, key).scored
+  if fraction == 0:
+    assert len(scored) == 1 and scored[0][1] is None  # Every target, under z fitted on the whole row.
+  else:
+    (_, score), (z_0, prefix) = scored
+    fit, expected_score = continuation_masks(jax.random.split(key, 3)[2], batch["targets"].shape, fraction)
+    np.testing.assert_array_equal(score, expected_score)
+    np.testing.assert_array_equal(prefix, fit & ~expected_score)  # Continuation rows' prefixes only.
+    assert bool(prefix[:2].any()) and not bool(prefix[2:].any())
+    # The prefix is scored under the inner loop's starting point: the initial posterior with the loop's noise.
+    init_key, eps_key = jax.random.split(jax.random.split(key, 3)[0])
+    shape = model_lib.latent_shape(cfg.model, cfg.latent, 4)
+    start = latent_lib.initial_posterior(init_key, shape, cfg.latent)
+    np.testing.assert_allclose(z_0, start.sample(jax.random.normal(eps_key, shape)), rtol=1e-6, atol=1e-7)
+  value, expected = _scored_nll_grad(model, params, batch, scored)
   _assert_trees_close(jax.tree.map(jnp.subtract, params, new_state.params), expected)
   assert float(metrics["loss"]) == pytest.approx(float(value), rel=1e-6)
 

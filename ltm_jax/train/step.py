@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import flax
 import flax.linen as nn
@@ -52,15 +52,29 @@ def continuation_masks(key: jax.Array, shape: tuple[int, int], fraction: float) 
   return before | (split == length), ~before | (split == length)
 
 
-def latent_decoder_terms(model: nn.Module, params, batch, key: jax.Array):
-  """What a latent model's training step needs from one micro-batch: the inner loop's fit, and the decoder objective.
+class DecoderTerms(NamedTuple):
+  """What the decoder is trained on for one micro-batch of a latent model (`latent_decoder_terms`).
 
-  Returns (z, score_mask, iterates_grad, metrics). With latent.decoder_objective=final, z [B, ...] is drawn (fresh
-  noise) from the posterior fitted on each row's fit mask (`continuation_masks`; whole rows when
-  latent.continuation_fraction is 0, and score_mask is then None) and held constant: the decoder's loss is its NLL on
-  the score mask, and iterates_grad is None. With iterates, z is None and iterates_grad is the
-  decoder's gradient of the mean over the K + 1 iterates of the NLL per token (taken by the inner loop's own
-  backward passes). metrics: kl (per fitted token) and the inner loop's ELBO per fitted token at its start and end."""
+  scored: (z [B, ...], mask [B, T] or None) pairs; the loss is the NLL of every pair's masked targets given its z
+  (held constant), summed over the pairs and divided by the number of scored targets. None with iterates_grad.
+  iterates_grad: with latent.decoder_objective=iterates, the decoder's gradient itself (else None).
+  metrics: kl (per fitted token) and the inner loop's ELBO per fitted token at its start and end (and `loss` with
+  iterates_grad)."""
+  scored: tuple[tuple[jax.Array, jax.Array | None], ...] | None
+  iterates_grad: Any
+  metrics: dict[str, jax.Array]
+
+
+def latent_decoder_terms(model: nn.Module, params, batch, key: jax.Array) -> DecoderTerms:
+  """The inner loop's fit for one micro-batch, and the decoder objective that follows from it.
+
+  latent.decoder_objective=final: z is drawn (fresh noise) from the posterior fitted on each row's fit mask
+  (`continuation_masks`; whole rows when latent.continuation_fraction is 0) and scores the row's score mask.
+  Continuation rows also score their prefix, under z_0 = the inner loop's starting point (the initial posterior with
+  the loop's noise, which carries no information), so the decoder learns from every token: what z fitted on text
+  before the split adds to the rest, and how to do without it.
+  iterates: the decoder's gradient of the mean over the K + 1 iterates of the NLL per token, taken by the inner
+  loop's own backward passes."""
   latent = model.latent
   fit_key, sample_key, split_key = jax.random.split(key, 3)
   fit_mask = score_mask = None
@@ -78,9 +92,12 @@ def latent_decoder_terms(model: nn.Module, params, batch, key: jax.Array):
   if iterates:
     count = fitted.nll.shape[0] * tokens  # (K + 1) iterates of every fitted token.
     metrics["loss"] = fitted.nll.sum() / count
-    return None, score_mask, jax.tree.map(lambda g: g / count, fitted.params_grad), metrics
+    return DecoderTerms(None, jax.tree.map(lambda g: g / count, fitted.params_grad), metrics)
   z = fitted.posterior.sample(jax.random.normal(sample_key, eps.shape, eps.dtype))
-  return z, score_mask, None, metrics
+  if fit_mask is None:
+    return DecoderTerms(((z, None),), None, metrics)
+  z_0 = jax.tree.map(lambda x: x[0], fitted.path).sample(eps)
+  return DecoderTerms(((z, score_mask), (z_0, fit_mask & ~score_mask)), None, metrics)
 
 
 def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
@@ -88,8 +105,10 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, s
   """Returns jitted `step(state, batch) -> (state, metrics)`; batch leaves are [B, T] with B % grad_accum == 0.
 
   With latents (model.latent enabled) each micro-batch first fits its posterior in the inner loop (fast learning),
-  then the decoder takes one gradient of the NLL given z sampled from it, z held constant (slow learning). `loss` is
-  that NLL per token; `kl` (per token) is logged beside it, so loss + kl is the training ELBO per token.
+  then the decoder takes one gradient with z held constant (slow learning; `latent_decoder_terms`): of the NLL
+  given z sampled from the fitted posterior, or of the mean NLL over the loop's iterates. `loss` is that decoder
+  objective per scored token; `kl` (per fitted token) is logged beside it, so with whole-sequence fits and the final
+  objective, loss + kl is the training ELBO per token.
 
   With a `layout` (ltm_jax.parallel) the step is compiled for its mesh: state and batch arrive and leave in the
   layout's shardings (the state donated), every micro-batch is split like the batch, gradients are laid out like the
@@ -99,9 +118,16 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, s
   # update (halving the scale) when a gradient overflows.
   scaled = model.cfg.dtype == "float16"
 
-  def loss(params, micro, z, scale, score_mask=None):
-    nll, _ = token_nll(model, params, micro, z)
-    value = nll.mean() if score_mask is None else (nll * score_mask).sum() / score_mask.sum()
+  def loss(params, micro, scored, scale):
+    if scored is None:
+      value = token_nll(model, params, micro)[0].mean()
+    else:
+      total = count = 0.0
+      for z, mask in scored:
+        nll, size = token_nll(model, params, micro, z)
+        total, count = (total + nll.sum(), count + size) if mask is None else (total + (nll * mask).sum(),
+                                                                              count + mask.sum())
+      value = total / count
     return (loss_scale_lib.scale_loss(scale, value) if scaled else value), value
 
   def step(state: TrainState, batch):
@@ -112,11 +138,12 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, s
 
     def accumulate(grads_sum, xs):
       mb, index = xs
-      z, score_mask, grads, extra = None, None, None, {}
+      terms = DecoderTerms(None, None, {})
       if latent is not None:
-        z, score_mask, grads, extra = latent_decoder_terms(model, state.params, mb, jax.random.fold_in(step_key, index))
+        terms = latent_decoder_terms(model, state.params, mb, jax.random.fold_in(step_key, index))
+      grads, extra = terms.iterates_grad, dict(terms.metrics)
       if grads is None:
-        (_, value), grads = jax.value_and_grad(loss, has_aux=True)(state.params, mb, z, state.loss_scale, score_mask)
+        (_, value), grads = jax.value_and_grad(loss, has_aux=True)(state.params, mb, terms.scored, state.loss_scale)
         extra["loss"] = value
       elif scaled:  # The iterates' gradient comes unscaled from the inner loop: scale it like the loss gradient.
         grads = jax.tree.map(lambda g: loss_scale_lib.scale_loss(state.loss_scale, g), grads)
