@@ -35,6 +35,11 @@ VARIANTS = {
     "ltm_cont50": (LTM, ["latent.continuation_fraction=0.5"],
                    "half of each batch trained on continuation (z fitted on a prefix, the rest scored)"),
     "ltm_cont100": (LTM, ["latent.continuation_fraction=1.0"], "every sequence trained on continuation"),
+    "ltm_cont100_8latents": (LTM, ["latent.continuation_fraction=1.0", "latent.n_per_layer=8"],
+                             "continuation training with 8 latent vectors per layer (the reference's count)"),
+    "plain_500": (PLAIN, ["train.steps=500"], "the plain decoder trained twice as long (4.1 M tokens)"),
+    "ltm_cont100_500": (LTM, ["latent.continuation_fraction=1.0", "train.steps=500"],
+                        "continuation training, twice as long"),
     "ltm_logvar1": (LTM, ["latent.init_logvar=-1"], "initial posterior variance e^-1 (tiny_ltm's)"),
     "plain_full_attention": (PLAIN, ["model.window=none"],
                              "the plain decoder with full attention over the 512 bytes: what unlimited context gives"),
@@ -101,6 +106,7 @@ def main():
   parser.add_argument("--eval-batches", type=int, default=8, help="validation batches of 16 x 512 bytes")
   parser.add_argument("--no-curve", action="store_true", help="skip the ELBO-vs-inner-steps curve")
   parser.add_argument("--root", default=str(common.ROOT / "runs" / "latent-window"))
+  parser.add_argument("--name", default="latent-window", help="results file: benchmarks/results/NAME-<device>.json")
   parser.add_argument("--list", action="store_true")
   args = parser.parse_args()
   if args.list:
@@ -125,8 +131,7 @@ def main():
   common.print_table(rows, COLUMNS)
   print("elbo_ppl is an upper bound for latent models and exact for the plain decoder; continuation_ppl (z fitted "
         "on the first half, second half scored) is the number comparable between them.")
-  name = "latent-window" if args.only is None else "latent-window-" + "-".join(names)
-  out = common.write_results(name, rows, eval_batches=args.eval_batches, curves=curves)
+  out = common.write_results(args.name, rows, eval_batches=args.eval_batches, curves=curves)
   plot(curves, out.with_suffix(".png"))
   print(f"wrote {out} and {out.with_suffix('.png')}")
 

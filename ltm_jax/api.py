@@ -180,12 +180,13 @@ class LanguageModel:
 
   def generate(self, prompt: str | Sequence[str], max_new_tokens: int = 200, *, temperature: float = 1.0,
                top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-               stop_at_eos: bool = True, latents: str | None = None) -> str | list[str]:
+               stop_at_eos: bool = True, latents=None) -> str | list[str]:
     """Samples a continuation of each prompt (text in, text out; the prompt itself is not repeated). A list of
     prompts runs as one batch, however different their lengths.
 
     Latent models condition on `latents`: "posterior" (z inferred from each prompt by the inner loop; the default
-    when every prompt has 2+ tokens) or "prior" (z ~ N(0, I): unconditional)."""
+    when every prompt has 2+ tokens), "prior" (z ~ N(0, I): unconditional) or an array z [B, n_layers, n_per_layer,
+    d_model], e.g. `fit_latents(other_text).posterior.mu` to continue a prompt under another text's thoughts."""
     prompts = [prompt] if isinstance(prompt, str) else list(prompt)
     ids = [self._prompt_ids(text) for text in prompts]
     tokens = self.generate_tokens(ids, max_new_tokens, key=jax.random.key(seed), temperature=temperature,
@@ -196,7 +197,7 @@ class LanguageModel:
 
   def stream(self, prompt: str, max_new_tokens: int = 200, *, chunk: int = 16, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, seed: int = 0, stop_at_eos: bool = True,
-             latents: str | None = None) -> Iterator[str]:
+             latents=None) -> Iterator[str]:
     """`generate` for one prompt, yielding the continuation as text pieces as soon as each on-device loop of
     `chunk` tokens finishes; the pieces join to exactly what `generate` returns for the same seed. Characters split
     across chunks are held back until complete."""
