@@ -23,6 +23,7 @@ from ltm_jax import config as config_lib
 from ltm_jax.config import Config
 from ltm_jax.errors import CheckpointError, LtmError
 from ltm_jax.inference import generate as generation
+from ltm_jax.inference import inputs
 from ltm_jax.inference import quantize as quantize_lib
 from ltm_jax.layers import KVCache
 from ltm_jax.train import checkpoint as ckpt_lib
@@ -71,6 +72,7 @@ class LanguageModel:
 
   def latent_shape(self, batch: int) -> tuple[int, int, int, int]:
     self._need_latents()
+    inputs.check_int("batch", batch, low=1)
     return model_lib.latent_shape(self.config.model, self.config.latent, batch)
 
   def _need_latents(self) -> None:
@@ -79,18 +81,16 @@ class LanguageModel:
 
   def prior_latents(self, batch: int, seed: int = 0) -> jax.Array:
     """z ~ p(z) = N(0, I): [B, n_layers, n_per_layer, d_model] float32."""
-    return jax.random.normal(jax.random.key(seed), self.latent_shape(batch), jnp.float32)
+    return jax.random.normal(inputs.key(seed), self.latent_shape(batch), jnp.float32)
 
   def fit_latents(self, tokens, *, steps: int | None = None, seed: int = 0) -> latent_lib.FitResult:
     """Fits q(z|x) to each row of tokens [B, T] (T >= 2: every token after the first is a target) with
     `steps` inner steps (default latent.inner_steps). The result's `posterior.mu` is the usual z to condition on;
     `nll` and `kl` trace each sequence's summed NLL and KL before every step and after the last."""
     self._need_latents()
-    tokens = jnp.asarray(tokens, jnp.int32)
-    if tokens.ndim != 2 or tokens.shape[1] < 2:
-      raise ValueError(f"fit_latents needs tokens [B, T] with T >= 2, got shape {tokens.shape}")
+    tokens = jnp.asarray(inputs.token_ids(tokens, self.config.model.vocab_size, "fit_latents", single=False, min_length=2))
     lengths = jnp.full(tokens.shape[:1], tokens.shape[1], jnp.int32)
-    fitted, _ = _fit(self.model, self.params, tokens, lengths, jax.random.key(seed), self._inner_steps(steps))
+    fitted, _ = _fit(self.model, self.params, tokens, lengths, inputs.key(seed), self._inner_steps(steps))
     return fitted
 
   def _inner_steps(self, steps: int | None) -> int:
@@ -138,20 +138,21 @@ class LanguageModel:
 
     Latent models need `latents`: z [B, n_layers, n_per_layer, d_model] (without B for a single sequence),
     "posterior" (the posterior mean fitted to these tokens, using `seed`) or "prior" (a draw from N(0, I))."""
-    tokens = jnp.asarray(tokens, jnp.int32)
+    tokens = inputs.token_ids(tokens, self.config.model.vocab_size, "forward")
     single = tokens.ndim == 1
+    tokens = jnp.asarray(tokens[None] if single else tokens)
     if single:
-      tokens = tokens[None]
       latents = latents if latents is None or isinstance(latents, str) else jnp.asarray(latents)[None]
     if isinstance(latents, str):
       lengths = jnp.full(tokens.shape[:1], tokens.shape[1], jnp.int32)
-      latents = self._resolve_latents(tokens, lengths, latents, jax.random.key(seed))
+      latents = self._resolve_latents(tokens, lengths, latents, inputs.key(seed))
     logits, _ = self._apply(self.params, tokens, None, self._latents_for(tokens, latents))
     return logits[0] if single else logits
 
   def init_state(self, batch: int, capacity: int | None = None):
     """The per-layer state before any token (empty caches, zero recurrent states). Full-attention caches hold
     `capacity` positions (default model.max_seq_len); sliding-window caches hold exactly the window."""
+    inputs.check_int("batch", batch, low=1)
     return model_lib.init_state(self.config.model, batch, capacity)
 
   def step(self, state, tokens, latents=None, positions=None):
@@ -163,7 +164,12 @@ class LanguageModel:
 
     A full-attention cache holds `capacity` positions; going past them raises instead of silently turning the layer
     into a sliding window."""
-    tokens = jnp.asarray(tokens, jnp.int32)
+    tokens = inputs.token_ids(tokens, self.config.model.vocab_size, "step", single=False)
+    batch = inputs.state_batch(self.config.model, state)
+    if batch is not None and batch != tokens.shape[0]:
+      raise ValueError(f"step got tokens for batch size {tokens.shape[0]} with a state made for batch size {batch} "
+                       f"(init_state({tokens.shape[0]}) makes one for these tokens)")
+    tokens = jnp.asarray(tokens)
     if self.config.model.window is None:
       caches = [leaf for leaf in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, KVCache))
                 if isinstance(leaf, KVCache)]
@@ -189,7 +195,7 @@ class LanguageModel:
     d_model], e.g. `fit_latents(other_text).posterior.mu` to continue a prompt under another text's thoughts."""
     prompts = [prompt] if isinstance(prompt, str) else list(prompt)
     ids = [self._prompt_ids(text) for text in prompts]
-    tokens = self.generate_tokens(ids, max_new_tokens, key=jax.random.key(seed), temperature=temperature,
+    tokens = self.generate_tokens(ids, max_new_tokens, key=inputs.key(seed), temperature=temperature,
                                   top_k=top_k, top_p=top_p, stop_at_eos=stop_at_eos, latents=latents)
     stop = self.tokenizer.eos_id if stop_at_eos else None
     outputs = [self.decode(_cut_at(row, stop)) for row in tokens]
@@ -200,12 +206,18 @@ class LanguageModel:
              latents=None) -> Iterator[str]:
     """`generate` for one prompt, yielding the continuation as text pieces as soon as each on-device loop of
     `chunk` tokens finishes; the pieces join to exactly what `generate` returns for the same seed. Characters split
-    across chunks are held back until complete."""
+    across chunks are held back until complete. The prompt and every option are checked by this call, before the
+    first piece is asked for."""
+    if not isinstance(prompt, str):
+      raise ValueError(f"stream takes one prompt string, got {type(prompt).__name__}; generate takes a list")
+    chunks = self.stream_tokens([self._prompt_ids(prompt)], max_new_tokens, key=inputs.key(seed), chunk=chunk,
+                                temperature=temperature, top_k=top_k, top_p=top_p, stop_at_eos=stop_at_eos,
+                                latents=latents)
+    return self._text_pieces(chunks, self.tokenizer.eos_id if stop_at_eos else None)
+
+  def _text_pieces(self, chunks: Iterator[np.ndarray], stop: int | None) -> Iterator[str]:
     text = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    stop = self.tokenizer.eos_id if stop_at_eos else None
-    for tokens in self.stream_tokens([self._prompt_ids(prompt)], max_new_tokens, key=jax.random.key(seed),
-                                     chunk=chunk, temperature=temperature, top_k=top_k, top_p=top_p,
-                                     stop_at_eos=stop_at_eos, latents=latents):
+    for tokens in chunks:
       kept = _cut_at(tokens[0], stop)
       piece = text.decode(self.tokenizer.decode_bytes(kept))
       if piece:
@@ -240,31 +252,36 @@ class LanguageModel:
                     stop_tokens: Sequence[int] = (), latents=None) -> Iterator[np.ndarray]:
     """As `generate_tokens`, yielding [B, n] int32 arrays of up to `chunk` new tokens as soon as each on-device loop
     of `chunk` steps finishes (all chunks together are exactly what `generate_tokens` returns). Stops early once
-    every row has ended; the last chunk then carries the rows' stop tokens repeated to its full length."""
-    if max_new_tokens < 1:
-      raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if chunk < 1:
-      raise ValueError(f"chunk must be >= 1, got {chunk}")
-    tokens, lengths = _as_prompts(prompt, self.tokenizer.pad_id)
+    every row has ended; the last chunk then carries the rows' stop tokens repeated to its full length. The prompt
+    and every option are checked by this call, before the first chunk is asked for."""
+    inputs.check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
+    inputs.check_int("chunk", chunk, low=1)
     m = self.config.model
+    tokens, lengths = inputs.as_prompts(prompt, self.tokenizer.pad_id, m.vocab_size)
     if "attention" in m.mixers and m.window is None and tokens.shape[1] + max_new_tokens > m.max_seq_len:
       raise ValueError(f"prompt ({tokens.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
                        f"model.max_seq_len={m.max_seq_len}, the attention cache capacity")
-    if int(np.max(tokens)) >= m.vocab_size or int(np.min(tokens)) < 0:
-      raise ValueError(f"prompt token ids must be in [0, {m.vocab_size})")
+    extra_stops = np.array(list(stop_tokens))
+    inputs.check_ids(extra_stops, m.vocab_size, "stop token id")
+    stops = tuple(sorted({*extra_stops.tolist(), *([self.tokenizer.eos_id] if stop_at_eos else [])}))
+    latents = self._latent_plan(tokens, lengths, latents)
+    return self._decode_chunks(jnp.asarray(tokens), jnp.asarray(lengths), max_new_tokens, key, chunk, stops, latents,
+                               dict(temperature=temperature, top_k=top_k, top_p=top_p))
+
+  def _decode_chunks(self, tokens: jax.Array, lengths: jax.Array, max_new_tokens: int, key: jax.Array, chunk: int,
+                     stops: tuple[int, ...], latents, sampling: dict) -> Iterator[np.ndarray]:
+    """The on-device part of `stream_tokens`, on arguments it has checked."""
+    m = self.config.model
     sample_key, latent_key = jax.random.split(key)
-    tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
-    latents = self._resolve_latents(tokens, lengths, latents, latent_key)
+    latents = self._draw_latents(tokens, lengths, latents, latent_key)
     # Full-attention caches sized to this call (rounded to share compilations), not to model.max_seq_len.
     model = model_lib.LM(m, self.config.latent, cache_capacity=_round_up(tokens.shape[1] + max_new_tokens, 64))
-    stops = tuple(sorted({*stop_tokens, *([self.tokenizer.eos_id] if stop_at_eos else [])}))
     decoding = generation.prefill(model, self.params, tokens, lengths, latents)
     produced = 0
     while produced < max_new_tokens and (produced == 0 or not bool(jnp.all(decoding.done))):
       steps = min(chunk, max_new_tokens - produced)
-      new, decoding = generation.decode(model, self.params, decoding, sample_key, steps=steps,
-                                        temperature=temperature, top_k=top_k, top_p=top_p, stop_tokens=stops,
-                                        latents=latents)
+      new, decoding = generation.decode(model, self.params, decoding, sample_key, steps=steps, stop_tokens=stops,
+                                        latents=latents, **sampling)
       produced += steps
       yield np.asarray(new)
     if produced < max_new_tokens:  # Every row ended early: pad with their stop tokens, as one loop would.
@@ -272,30 +289,30 @@ class LanguageModel:
 
   def _resolve_latents(self, tokens: jax.Array, lengths: jax.Array, latents, key: jax.Array) -> jax.Array | None:
     """The z for left-padded prompts tokens [B, T] of `lengths` [B]: given, "prior" or "posterior"."""
+    return self._draw_latents(tokens, lengths, self._latent_plan(tokens, lengths, latents), key)
+
+  def _latent_plan(self, tokens, lengths, latents) -> jax.Array | str | None:
+    """`latents` checked for left-padded prompts tokens [B, T] of `lengths` [B], without device work: the z to use
+    (None for plain models), or "prior" / "posterior" for a z still to draw or fit."""
     if not self.has_latents or not isinstance(latents, str) and latents is not None:
       return self._latents_for(tokens, latents)
-    shortest = int(jnp.min(lengths))
+    shortest = int(np.min(lengths))
     if latents is None:
       latents = "posterior" if shortest >= 2 else "prior"
-    if latents == "prior":
+    if latents not in ("prior", "posterior"):
+      raise ValueError(f"latents must be 'posterior', 'prior', an array or None; got {latents!r}")
+    if latents == "posterior" and shortest < 2:
+      raise ValueError("latents='posterior' needs prompts of at least 2 tokens to infer from; use 'prior'")
+    return latents
+
+  def _draw_latents(self, tokens: jax.Array, lengths: jax.Array, plan, key: jax.Array) -> jax.Array | None:
+    """The z of a `_latent_plan`: drawn from the prior, fitted to the prompts, or the plan itself."""
+    if not isinstance(plan, str):
+      return plan
+    if plan == "prior":
       return jax.random.normal(key, self.latent_shape(tokens.shape[0]), jnp.float32)
-    if latents == "posterior":
-      if shortest < 2:
-        raise ValueError("latents='posterior' needs prompts of at least 2 tokens to infer from; use 'prior'")
-      fitted, _ = _fit(self.model, self.params, tokens, lengths, key, self._inner_steps(None))
-      return fitted.posterior.mu
-    raise ValueError(f"latents must be 'posterior', 'prior', an array or None; got {latents!r}")
-
-
-def _as_prompts(prompt, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-  """A [B, T] array (all rows T tokens) or a list of B token sequences -> left-padded (tokens, lengths)."""
-  if isinstance(prompt, (list, tuple)) and prompt and np.ndim(prompt[0]) == 1:
-    return generation.left_pad(prompt, pad_id)
-  prompt = np.asarray(prompt, np.int32)
-  if prompt.ndim != 2 or prompt.shape[1] < 1:
-    raise ValueError(f"prompt must be token ids [B, T] with T >= 1 or a list of token sequences, got shape "
-                     f"{prompt.shape}")
-  return prompt, np.full(prompt.shape[:1], prompt.shape[1], np.int32)
+    fitted, _ = _fit(self.model, self.params, tokens, lengths, key, self._inner_steps(None))
+    return fitted.posterior.mu
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -324,7 +341,8 @@ def build(config: Config, seed: int = 0) -> LanguageModel:
 
 def load(workdir: str | pathlib.Path, step: int | None = None, overrides: Sequence[str] = (),
          quantize: str | None = None) -> LanguageModel:
-  """The model saved in `workdir` at `step` (default: the latest checkpoint).
+  """The model saved in `workdir` at `step` (default: the newest checkpoint that can be read; each newer one that
+  cannot is named in a warning line on stderr, and `trained_steps` says which step was used).
 
   `overrides` change how the model runs, e.g. ["model.wkv_impl=scan", "model.dtype=bfloat16"]; keys that would
   change the parameters are refused. `quantize="int8"` stores the matmul weights as int8 (`LanguageModel.quantize`)."""
@@ -333,17 +351,23 @@ def load(workdir: str | pathlib.Path, step: int | None = None, overrides: Sequen
   ckpt_lib.read_config_json(workdir)  # A clear error for a folder that is not a workdir.
   checkpointer = ckpt_lib.Checkpointer(workdir, read_only=True)
   available = checkpointer.all_steps()
-  if not available:
-    raise CheckpointError(f"{workdir} has no checkpoints")
-  step = max(available) if step is None else step
-  if step not in available:
-    raise CheckpointError(f"{workdir} has no checkpoint at step {step}; available: {sorted(available)}")
-  saved = checkpointer.saved_config(step)
-  config = config_lib.validate(config_lib.apply_overrides(saved, overrides))
-  ckpt_lib.check_compatible(saved, config, str(workdir))
-  template = jax.eval_shape(lambda: create_train_state(
-      model_lib.init_params(config.model, jax.random.key(0), config.latent), make_optimizer(config.train), 0))
-  state, _ = checkpointer.restore(step, template)
-  checkpointer.close()
+  if step is not None and step not in available:
+    raise CheckpointError(f"{workdir} has no checkpoint at step {step}; available: {available}")
+
+  def read(at: int) -> tuple[Config, object]:
+    saved = checkpointer.saved_config(at)
+    config = config_lib.validate(config_lib.apply_overrides(saved, overrides))
+    ckpt_lib.check_compatible(saved, config, str(workdir))
+    template = jax.eval_shape(lambda: create_train_state(
+        model_lib.init_params(config.model, jax.random.key(0), config.latent), make_optimizer(config.train), 0))
+    return config, checkpointer.restore(at, template)[0]
+
+  try:
+    if step is not None:  # Exactly this step: a damaged one is an error, not a reason to pick another.
+      config, state = read(step)
+    else:
+      step, (config, state), _ = checkpointer.newest_readable(read)
+  finally:
+    checkpointer.close()
   lm = LanguageModel(config, state.params, step)
   return lm if quantize is None else lm.quantize(quantize)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import pathlib
 import sys
@@ -15,6 +16,7 @@ def _train(args) -> int:
   from ltm_jax import config as config_lib
   from ltm_jax import parallel
   from ltm_jax.train import train
+  _check_workdir(args.workdir)
   cfg = config_lib.load_config(args.config, args.overrides)
   # Before anything touches a device: a multi-process run must join its process group first.
   parallel.initialize(args.coordinator_address, args.num_processes, args.process_id)
@@ -33,9 +35,12 @@ def _eval(args) -> int:
   from ltm_jax import data as data_lib
   from ltm_jax.api import load
   from ltm_jax.train.evaluation import full_evaluation
+  _check_workdir(args.workdir)
   lm = load(args.workdir, args.step, args.overrides)
   t = lm.config.train
   batch_size = args.batch_size or t.batch_size
+  # Before the corpus is read: text through a tokenizer that is not the model's would be scored without complaint.
+  data_lib.check_model_reads(lm.config.data, lm.config.model.vocab_size)
   splits = data_lib.load_splits(lm.config.data, lm.config.model.vocab_size, t.seq_len)
   batches = data_lib.eval_batches(splits.val, batch_size, t.seq_len, args.batches or 10**9)
   started = time.time()
@@ -62,23 +67,32 @@ def _eval(args) -> int:
 
 def _generate(args) -> int:
   from ltm_jax.api import load
+  _check_workdir(args.workdir)
   lm = load(args.workdir, args.step, args.overrides)
-  if args.quantize:
-    before, lm = lm.param_bytes, lm.quantize(args.quantize)
-    print(f"{args.quantize} weights: parameters {before / 2**20:.2f} MiB -> {lm.param_bytes / 2**20:.2f} MiB",
-          file=sys.stderr)
   if args.latents is not None and not lm.has_latents:
     raise ValueError("--latents needs a model trained with latents (latent.enabled=true)")
+  before = lm.param_bytes
+  if args.quantize:
+    lm = lm.quantize(args.quantize)
   prompts = args.prompt or [""]
   options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                  latents=args.latents)
+  # Every input is checked (by stream, or by the whole batch's generate) before anything is printed, so a refusal
+  # is the only output.
+  if len(prompts) == 1:
+    pieces = lm.stream(prompts[0], args.max_new_tokens, chunk=args.chunk, **options)
+  else:
+    texts = lm.generate(prompts, args.max_new_tokens, **options)
+  if args.quantize:
+    print(f"{args.quantize} weights: parameters {before / 2**20:.2f} MiB -> {lm.param_bytes / 2**20:.2f} MiB",
+          file=sys.stderr)
   if len(prompts) == 1:  # Streamed: each on-device chunk of tokens is printed as soon as it is decoded.
     print(prompts[0], end="", flush=True)
-    for piece in lm.stream(prompts[0], args.max_new_tokens, chunk=args.chunk, **options):
+    for piece in pieces:
       print(piece, end="", flush=True)
     print()
     return 0
-  for i, (prompt, text) in enumerate(zip(prompts, lm.generate(prompts, args.max_new_tokens, **options))):
+  for i, (prompt, text) in enumerate(zip(prompts, texts)):
     print(("\n" if i else "") + f"--- {i}\n{prompt}{text}")  # One batch: ragged prompts decode together.
   return 0
 
@@ -103,6 +117,12 @@ def _info(args) -> int:
   return 0
 
 
+def _check_workdir(workdir: str) -> None:
+  from ltm_jax.errors import LtmError
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise LtmError(f"--workdir {workdir} is a file, not a directory")
+
+
 def _positive_int(text: str) -> int:
   value = int(text)
   if value < 1:
@@ -112,15 +132,23 @@ def _positive_int(text: str) -> int:
 
 def _probability(text: str) -> float:
   value = float(text)
-  if not 0 < value <= 1:
+  if not 0 < value <= 1:  # NaN fails every comparison, so it is refused here too.
     raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
   return value
 
 
 def _non_negative(text: str) -> float:
   value = float(text)
-  if value < 0:
-    raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+  if not (math.isfinite(value) and value >= 0):
+    raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value}")
+  return value
+
+
+def _seed(text: str) -> int:
+  from ltm_jax.inference.inputs import SEED_RANGE
+  value = int(text)
+  if not SEED_RANGE[0] <= value < SEED_RANGE[1]:
+    raise argparse.ArgumentTypeError(f"must be in [-2**63, 2**63), got {value}")
   return value
 
 
@@ -156,7 +184,7 @@ def parser() -> argparse.ArgumentParser:
   gen.add_argument("--temperature", type=_non_negative, default=1.0, help="0 = greedy")
   gen.add_argument("--top-k", type=_positive_int, default=None)
   gen.add_argument("--top-p", type=_probability, default=None)
-  gen.add_argument("--seed", type=int, default=0)
+  gen.add_argument("--seed", type=_seed, default=0)
   gen.add_argument("--step", type=int, default=None)
   gen.add_argument("--quantize", choices=("int8",), default=None,
                    help="int8: matmul weights stored as int8 with per-output-channel scales, dequantised on the fly")

@@ -16,7 +16,7 @@ import types
 import typing
 from typing import Any
 
-from ltm_jax.errors import ConfigError
+from ltm_jax.errors import ConfigError, first_line
 
 MIXERS = {"A": "attention", "R": "rwkv4", "W": "rwkv7"}
 FFNS = ("auto", "swiglu", "channel_mix", "channel_mix7")
@@ -260,10 +260,13 @@ def load_config(path: str | pathlib.Path, overrides: typing.Sequence[str] = ()) 
   try:
     spec.loader.exec_module(module)
   except Exception as e:  # A broken config file is the user's input: report it on one line.
-    raise ConfigError(f"could not execute config file {path}: {type(e).__name__}: {e}") from e
+    raise ConfigError(f"could not execute config file {path}: {type(e).__name__}: {first_line(e)}") from e
   if not hasattr(module, "get_config"):
     raise ConfigError(f"config file {path} does not define get_config()")
-  config = module.get_config()
+  try:
+    config = module.get_config()
+  except Exception as e:  # As above: the file's own code failed, not ours.
+    raise ConfigError(f"get_config() in {path} raised {type(e).__name__}: {first_line(e)}") from e
   if not isinstance(config, Config):
     raise ConfigError(f"get_config() in {path} returned {type(config).__name__}, expected ltm_jax.config.Config")
   return validate(apply_overrides(config, overrides))
@@ -381,6 +384,9 @@ def _coerce(value, tp, key: str):
 # -------------------------------------------------------------------------------------------------------- validation
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def validate(config: Config) -> Config:
   """Checks types and the relations between values; returns the config unchanged or raises ConfigError."""
   for name, cls in SECTIONS.items():
@@ -388,7 +394,10 @@ def validate(config: Config) -> Config:
     if not isinstance(section, cls):
       raise ConfigError(f"config section {name!r} must be {cls.__name__}, got {type(section).__name__}")
     for key, tp in _field_types(cls).items():
-      _coerce(getattr(section, key), tp, f"{name}.{key}")
+      value = _coerce(getattr(section, key), tp, f"{name}.{key}")
+      # Floats reach the device as float32: a value finite in Python but not there would poison training silently.
+      if isinstance(value, float) and not abs(value) <= FLOAT32_MAX:
+        raise ConfigError(f"{name}.{key}={value!r} is not a finite float32 value (|x| <= {FLOAT32_MAX:.4g})")
   m, d, t = config.model, config.data, config.train
 
   def need(ok: bool, message: str):

@@ -1,6 +1,12 @@
 """Errors raised for bad input. The CLI prints them as one line and exits non-zero."""
 
 
+def first_line(error: BaseException, limit: int = 300) -> str:
+  """An exception's message cut to its first line (and `limit` characters): errors are reported on one line."""
+  text = str(error).strip()
+  return (text.splitlines()[0] if text else type(error).__name__)[:limit]
+
+
 class LtmError(Exception):
   """Base class: a problem with the user's input, reported without a traceback."""
 
@@ -14,8 +20,20 @@ class DataError(LtmError):
 
 
 class CheckpointError(LtmError):
-  """A workdir whose checkpoint does not belong to the configured model."""
+  """A workdir whose checkpoint does not belong to the configured model, or that has none that can be read."""
+
+
+class DamagedCheckpointError(CheckpointError):
+  """One checkpoint whose files cannot be read or do not match their checksums."""
+
+  def __init__(self, step: int, reason: str):
+    super().__init__(f"checkpoint step {step} cannot be read: {reason}")
+    self.step = step
 
 
 class TrainingError(LtmError):
   """Training diverged (non-finite loss or gradients); the last good checkpoint is kept."""
+
+
+class WorkdirError(LtmError):
+  """A workdir that cannot be used: locked by another run, not writable, or holding a file that cannot be read."""

@@ -1,6 +1,6 @@
 """Data: the byte tokenizer, corpora (embedded Python documentation or user files) and batch loaders."""
 
-from ltm_jax.data.corpus import Splits, load_splits
+from ltm_jax.data.corpus import Splits, check_model_reads, load_splits
 from ltm_jax.data.embedded import embedded_corpus, embedded_corpus_stats, embedded_documents
 from ltm_jax.data.loader import TrainLoader, eval_batches
 from ltm_jax.data.tokenizer import ByteTokenizer, get_tokenizer
@@ -9,6 +9,7 @@ __all__ = [
     "ByteTokenizer",
     "Splits",
     "TrainLoader",
+    "check_model_reads",
     "embedded_corpus",
     "embedded_corpus_stats",
     "embedded_documents",

@@ -68,6 +68,21 @@ def load_splits(data_cfg: DataConfig, vocab_size: int, seq_len: int) -> Splits:
   return Splits(train, val, name, f"{what}: train {len(train):,} tokens, validation {len(val):,} tokens")
 
 
+def check_model_reads(data_cfg: DataConfig, vocab_size: int) -> None:
+  """DataError unless a model of `vocab_size` ids can read `data_cfg.source`. Text is read through the tokenizer,
+  whose ids mean what the model learnt only when the model has exactly the tokenizer's vocabulary (a larger one came
+  with another tokenizer, e.g. a converted RWKV-4 model's 50,277 ids); a .bin token file holds the model's own ids,
+  each checked against `vocab_size` when it is loaded."""
+  path = pathlib.Path(data_cfg.source).expanduser()
+  if data_cfg.source != EMBEDDED and path.suffix == ".bin" and not path.is_dir():
+    return
+  tokenizer = get_tokenizer(data_cfg.tokenizer)
+  if vocab_size != tokenizer.vocab_size:
+    raise DataError(f"the model's vocabulary ({vocab_size:,} ids) is not the {tokenizer.name} tokenizer's "
+                    f"({tokenizer.vocab_size:,} ids), so it cannot read the text of data.source={data_cfg.source!r}; "
+                    "use a .bin file of the model's own token ids (data.source=tokens.bin)")
+
+
 def _check_vocab(tokenizer: ByteTokenizer, vocab_size: int) -> None:
   if vocab_size < tokenizer.vocab_size:
     raise DataError(f"model vocab_size={vocab_size} is smaller than the {tokenizer.name} tokenizer's "

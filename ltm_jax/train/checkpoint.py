@@ -1,20 +1,32 @@
 """Orbax checkpoints in WORKDIR/checkpoints: train state, data-iterator state and the model config, saved together
-asynchronously, keeping the last N. A workdir refuses a config whose model differs from the one it was trained with."""
+asynchronously, keeping the last N. A workdir refuses a config whose model differs from the one it was trained with.
+
+Every finished checkpoint gets a manifest of its files' SHA-256 digests (CHECKSUMS), verified before the checkpoint is
+read: a truncated, deleted, replaced or bit-flipped file is a refused checkpoint, never silently wrong parameters.
+`newest_readable` walks back from the latest step past checkpoints that cannot be read, naming each on stderr."""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
 import pathlib
-from typing import Any
+import shutil
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import jax
 import orbax.checkpoint as ocp
 
 from ltm_jax import config as config_lib
-from ltm_jax.errors import CheckpointError
+from ltm_jax.errors import CheckpointError, DamagedCheckpointError, LtmError, first_line
+
+CHECKSUMS = "ltm_checksums.json"  # In each step folder: {"sha256": {relative path: hex digest}}.
+T = TypeVar("T")
 
 
 @contextlib.contextmanager
@@ -33,6 +45,9 @@ class Checkpointer:
 
   def __init__(self, workdir: str | pathlib.Path, keep: int = 3, async_save: bool = True, read_only: bool = False):
     self.directory = pathlib.Path(workdir).absolute() / "checkpoints"
+    self._unsealed: int | None = None  # The step whose save was started and not yet checked and sealed.
+    self._sealer: threading.Thread | None = None
+    self._primary = jax.process_index() == 0  # Orbax commits the step folder from process 0; it alone seals it.
     if read_only:
       options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0, max_to_keep=None)
     else:
@@ -44,32 +59,162 @@ class Checkpointer:
     return self._manager.latest_step()
 
   def all_steps(self) -> list[int]:
-    return list(self._manager.all_steps())
+    return sorted(self._manager.all_steps())
 
   def save(self, step: int, state, data_state: dict[str, Any], config: config_lib.Config) -> None:
+    """Starts saving `step` (in the background when async). CheckpointError if this or an earlier save failed."""
+    self._finish(block=True)
     args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
                               config=ocp.args.JsonSave(config.to_dict()))
-    self._manager.save(step, args=args, force=True)
+    self._unsealed = step
+    try:
+      with _absl_errors_only():
+        self._manager.save(step, args=args, force=True)
+    except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise plain exceptions for I/O failures.
+      self._failed(step, e)
+    self._finish(block=False)
+
+  def check_for_errors(self) -> None:
+    """Cheap enough for every step: once a background save has ended, CheckpointError if it failed (its temporary
+    folder is removed; older checkpoints stay), else its manifest is written in a background thread."""
+    self._finish(block=False)
+
+  def _finish(self, block: bool) -> None:
+    step = self._unsealed
+    if step is None or (not block and self._manager.is_saving_in_progress()):
+      return
+    self._unsealed = None
+    try:
+      with _absl_errors_only():
+        self._manager.wait_until_finished()
+    except Exception as e:  # noqa: BLE001
+      self._failed(step, e)
+    if not self._primary:
+      return
+    if not (self.directory / str(step)).is_dir():  # Orbax can log a failed commit instead of raising it.
+      self._failed(step, RuntimeError("the save ended without a committed checkpoint folder"))
+    self._join_sealer()
+    self._sealer = threading.Thread(target=self._seal, args=(step,), name=f"seal-{step}", daemon=True)
+    self._sealer.start()
+
+  def _join_sealer(self) -> None:
+    if self._sealer is not None:
+      self._sealer.join()
+      self._sealer = None
+
+  def _failed(self, step: int, error: BaseException) -> None:
+    for leftover in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+      shutil.rmtree(leftover, ignore_errors=True)
+    self._unsealed = None
+    raise CheckpointError(f"saving checkpoint step {step} in {self.directory} failed: {first_line(error)}") from error
+
+  def _seal(self, step: int) -> None:
+    folder = self.directory / str(step)
+    digests = {str(f.relative_to(folder)): _sha256(f) for f in sorted(folder.rglob("*"))
+               if f.is_file() and not f.name.startswith(CHECKSUMS)}
+    tmp = folder / (CHECKSUMS + ".tmp")
+    tmp.write_text(json.dumps({"sha256": digests}, indent=0) + "\n")
+    os.replace(tmp, folder / CHECKSUMS)
+
+  def verify(self, step: int) -> None:
+    """DamagedCheckpointError unless every file in step's manifest is present with its recorded digest. A step
+    without a manifest (killed between orbax's commit and the manifest write) is read unverified."""
+    folder = self.directory / str(step)
+    manifest = folder / CHECKSUMS
+    if not folder.is_dir():
+      raise DamagedCheckpointError(step, "its folder is missing")
+    if not manifest.exists():
+      return
+    try:
+      digests = json.loads(manifest.read_text())["sha256"]
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+      raise DamagedCheckpointError(step, f"{CHECKSUMS} is unreadable ({first_line(e)})") from e
+    for name, digest in digests.items():
+      path = folder / name
+      if not path.is_file():
+        raise DamagedCheckpointError(step, f"{name} is missing")
+      if _sha256(path) != digest:
+        raise DamagedCheckpointError(step, f"{name} does not match its checksum")
 
   def saved_config(self, step: int) -> config_lib.Config:
-    restored = self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
-    return config_lib.from_dict(restored["config"])
+    with self._reading(step):
+      restored = self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+      return config_lib.from_dict(restored["config"])
 
   def restore(self, step: int, abstract_state) -> tuple[Any, dict[str, Any]]:
-    """Restores step `step` into the structure/shapes of `abstract_state` (e.g. from jax.eval_shape)."""
+    """Restores step `step` into the structure/shapes of `abstract_state` (e.g. from jax.eval_shape), after checking
+    its files against their checksums; DamagedCheckpointError when it cannot be read."""
+    self.verify(step)
     args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore())
-    try:
+    with self._reading(step):
       restored = self._manager.restore(step, args=args)
-    except (ValueError, KeyError, TypeError) as e:
-      raise CheckpointError(f"could not restore {self.directory}/{step}: {str(e).splitlines()[0]}") from e
     return restored["state"], restored["data"]
 
+  @contextlib.contextmanager
+  def _reading(self, step: int):
+    try:
+      with _absl_errors_only():
+        yield
+    except CheckpointError:
+      raise
+    except Exception as e:  # noqa: BLE001 - tensorstore and orbax raise bare Exceptions for unreadable files.
+      raise DamagedCheckpointError(step, first_line(e)) from e
+
+  def newest_readable(self, read: Callable[[int], T], steps: list[int] | None = None) -> tuple[int, T, list[int]]:
+    """(step, read(step), damaged steps) for the newest of `steps` (default: all) whose `read` does not raise
+    DamagedCheckpointError; each damaged one is named in a warning line on stderr. Other errors (a checkpoint of
+    another model) propagate. CheckpointError when there is no checkpoint or none can be read."""
+    steps = sorted(self.all_steps() if steps is None else steps, reverse=True)
+    if not steps:
+      raise CheckpointError(f"{self.directory.parent} has no checkpoints")
+    damaged: list[DamagedCheckpointError] = []
+    for step in steps:
+      try:
+        value = read(step)
+      except DamagedCheckpointError as e:
+        damaged.append(e)
+        later = next((s for s in steps if s < step), None)
+        print(f"warning: {e}; " + (f"falling back to step {later}" if later is not None else "no older checkpoint"),
+              file=sys.stderr)
+        continue
+      return step, value, [e.step for e in damaged]
+    raise CheckpointError(f"no readable checkpoint in {self.directory}: " + "; ".join(str(e) for e in damaged))
+
+  def set_aside(self, steps: list[int]) -> pathlib.Path | None:
+    """Moves the folders of `steps` to WORKDIR/damaged-checkpoints/ (kept for inspection, out of orbax's way)."""
+    if not steps:
+      return None
+    aside = self.directory.parent / "damaged-checkpoints"
+    aside.mkdir(exist_ok=True)
+    for step in steps:
+      target, n = aside / str(step), 1
+      while target.exists():
+        target, n = aside / f"{step}.{n}", n + 1
+      shutil.move(str(self.directory / str(step)), target)
+    self._manager.reload()
+    return aside
+
   def wait(self) -> None:
-    self._manager.wait_until_finished()
+    """Blocks until the last save is committed and sealed; CheckpointError if it failed."""
+    self._finish(block=True)
+    self._join_sealer()
 
   def close(self) -> None:
-    self._manager.wait_until_finished()
+    """Waits for outstanding work without raising (a failed save was reported by `save`/`wait` where it could be)."""
+    with contextlib.suppress(Exception):
+      self._finish(block=True)
+    self._join_sealer()
+    with contextlib.suppress(Exception), _absl_errors_only():
+      self._manager.wait_until_finished()
     self._manager.close()
+
+
+def _sha256(path: pathlib.Path) -> str:
+  digest = hashlib.sha256()
+  with path.open("rb") as f:
+    for block in iter(lambda: f.read(1 << 22), b""):
+      digest.update(block)
+  return digest.hexdigest()
 
 
 # Model keys that change how the model runs, not what its parameters are or compute: free to change on resume/load.
@@ -118,4 +263,7 @@ def read_config_json(workdir: str | pathlib.Path) -> config_lib.Config:
   path = pathlib.Path(workdir) / "config.json"
   if not path.is_file():
     raise CheckpointError(f"{workdir} is not an ltm_jax workdir (no config.json)")
-  return config_lib.from_dict(json.loads(path.read_text()))
+  try:
+    return config_lib.from_dict(json.loads(path.read_text()))
+  except (ValueError, UnicodeDecodeError, LtmError) as e:
+    raise CheckpointError(f"{path} is not a readable config: {first_line(e)}") from e

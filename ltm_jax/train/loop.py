@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import pathlib
 import signal
 import sys
@@ -13,6 +12,7 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import tqdm
 
 from ltm_jax import data as data_lib
@@ -20,9 +20,10 @@ from ltm_jax import info as info_lib
 from ltm_jax import model as model_lib
 from ltm_jax import parallel
 from ltm_jax.config import Config
-from ltm_jax.errors import TrainingError
+from ltm_jax.errors import ConfigError, TrainingError
 from ltm_jax.train import checkpoint as ckpt_lib
-from ltm_jax.train.metrics import MetricsWriter, throughput
+from ltm_jax.train import workdir as workdir_lib
+from ltm_jax.train.metrics import MetricsWriter, read_metrics, throughput
 from ltm_jax.train.optimizer import learning_rate, make_optimizer
 from ltm_jax.train.evaluation import make_batch_metrics, validation_metrics
 from ltm_jax.train.step import create_train_state, make_train_step
@@ -67,8 +68,12 @@ class _StopFlag:
 def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = None) -> TrainResult:
   """Trains `cfg` in `workdir`, resuming from its latest checkpoint. `progress=None` shows a bar only on a terminal.
 
-  Everything that can refuse the run (bad data, a mesh that does not fit the devices or the model, a checkpoint of
-  another model, a data-iterator state that does not fit) is checked before anything in the workdir is written.
+  Everything that can refuse the run (bad data, a mesh that does not fit the devices or the model, another run
+  holding the workdir's lock, a checkpoints folder that cannot be written, a checkpoint of another model, train.steps
+  below the latest checkpoint, a data-iterator state that does not fit, an unreadable metrics.jsonl) is checked before
+  anything in the workdir is written. A checkpoint that cannot be read is named on stderr and moved to
+  WORKDIR/damaged-checkpoints/; the run resumes from the newest one that can. No checkpoint is saved whose parameters
+  or optimizer state are not finite.
 
   Over several devices the run is sharded by `cfg.mesh` (ltm_jax.parallel); over several processes (after
   `parallel.initialize`) each loads its rows of every batch, and only process 0 writes metrics and config.json
@@ -95,20 +100,34 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = N
   flops_per_step = info_lib.model_info(cfg)["flops_per_step_train"]
 
   with contextlib.ExitStack() as cleanup:
+    if main:
+      cleanup.enter_context(workdir_lib.exclusive(workdir))
+      workdir_lib.check_writable(workdir / "checkpoints")
+      read_metrics(workdir)  # Refuses a metrics.jsonl that the run could not extend.
     checkpointer = ckpt_lib.Checkpointer(workdir, t.keep_checkpoints, t.async_checkpoint)
     cleanup.callback(checkpointer.close)
     loader = data_lib.TrainLoader(splits.train, t.batch_size, t.seq_len, seed=t.seed,
                                   worker_threads=cfg.data.worker_threads, prefetch=cfg.data.prefetch, shard=shard)
     cleanup.callback(loader.close)
-    start = checkpointer.latest_step()
-    if start is not None:
-      ckpt_lib.check_compatible(checkpointer.saved_config(start), cfg, str(workdir))
+    start, saved_step, damaged = 0, None, []
+    if checkpointer.all_steps():
       target = ckpt_lib.abstract(state, None if sharded is None else sharded.state)
-      state, data_state = checkpointer.restore(start, target)
+
+      def read(step):
+        ckpt_lib.check_compatible(checkpointer.saved_config(step), cfg, str(workdir))
+        return checkpointer.restore(step, target)
+
+      start, (state, data_state), damaged = checkpointer.newest_readable(read)
+      if start > t.steps:
+        raise ConfigError(f"train.steps={t.steps} is below the latest checkpoint in {workdir} (step {start}); "
+                          "set train.steps >= that step or use another workdir")
       loader.set_state(data_state)
+      saved_step = start
     if main:
+      aside = checkpointer.set_aside(damaged)
+      if aside is not None:
+        print(f"warning: moved unreadable checkpoint(s) {damaged} to {aside}", file=sys.stderr)
       ckpt_lib.write_config_json(workdir, cfg)
-    start = start or 0
     eval_batches = data_lib.eval_batches(splits.val, t.batch_size, t.seq_len, t.eval_batches)
     train_step = make_train_step(model, optimizer, learning_rate(t), t.grad_accum, sharded)
     eval_fn = make_batch_metrics(model, sharded)
@@ -127,7 +146,8 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = N
     if start:
       say(f"resuming from step {start} in {workdir}")
     last: dict[str, Any] = {}
-    step, saved_step, tokens_per_step = start, start, t.batch_size * t.seq_len
+    step, tokens_per_step = start, t.batch_size * t.seq_len
+    first_nonfinite = jnp.full((2,), -1, jnp.int32)  # The first steps whose loss / grad_norm were not finite.
     interval_start, interval_steps = time.time(), 0
     with _StopFlag().installed() as stop:
       while step < t.steps and stop.signum is None:
@@ -135,11 +155,13 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = N
         if sharded is not None:
           batch = parallel.put_batch(batch, sharded.batch, t.batch_size)
         state, metrics = train_step(state, batch)
+        first_nonfinite = _track_nonfinite(first_nonfinite, metrics["loss"], metrics["grad_norm"], state.step)
         step, interval_steps = step + 1, interval_steps + 1
+        checkpointer.check_for_errors()  # A failed background save stops the run at the next step.
         log_now, save_now = step % t.log_every == 0 or step == t.steps, step % t.checkpoint_every == 0
         row: dict[str, Any] = {}
         if log_now or save_now:
-          metrics = _finite(jax.device_get(metrics), step, saved_step)
+          metrics = _finite(jax.device_get(metrics), jax.device_get(first_nonfinite), saved_step)
         if log_now:
           elapsed = time.time() - interval_start
           row.update(metrics, tokens_per_sec=interval_steps * tokens_per_step / elapsed,
@@ -162,22 +184,51 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = N
           last.update(row)
           interval_start, interval_steps = time.time(), 0
         if save_now or step == t.steps:
-          checkpointer.save(step, state, loader.get_state(), cfg)
+          _save(checkpointer, step, state, loader.get_state(), cfg, saved_step)
           saved_step = step
         bar.update(1)
-      if step != saved_step:  # Stopped by a signal between checkpoints.
-        _finite(jax.device_get(metrics), step, saved_step)
-        checkpointer.save(step, state, loader.get_state(), cfg)
+      if step != (saved_step or 0):  # Stopped by a signal between checkpoints.
+        _finite(jax.device_get(metrics), jax.device_get(first_nonfinite), saved_step)
+        _save(checkpointer, step, state, loader.get_state(), cfg, saved_step)
+      checkpointer.wait()  # A failed last save is an error, not a silent loss.
       if stop.signum is not None:
         say(f"stopped by signal {stop.signum} at step {step}; checkpoint saved, run again to resume")
   return TrainResult(step, last, stop.signum, time.time() - started)
 
 
-def _finite(metrics: dict[str, Any], step: int, saved_step: int) -> dict[str, float]:
-  """Float metrics, or TrainingError when the loss or gradient norm is no longer finite (nothing is saved)."""
+@jax.jit
+def _track_nonfinite(first: jax.Array, loss: jax.Array, grad_norm: jax.Array, step: jax.Array) -> jax.Array:
+  """first [2] int32 (-1: not yet): the first step at which loss / grad_norm were not finite. Updated on device every
+  step, so the step is exact although the host only looks on log and save steps."""
+  bad = ~jnp.isfinite(jnp.stack([loss, grad_norm]).astype(jnp.float32))
+  return jnp.where((first < 0) & bad, step.astype(jnp.int32), first)
+
+
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+
+
+def _kept(saved_step: int | None) -> str:
+  return "no checkpoint was saved" if saved_step is None else f"the last checkpoint (step {saved_step}) is kept"
+
+
+def _finite(metrics: dict[str, Any], first_nonfinite, saved_step: int | None) -> dict[str, float]:
+  """Float metrics, or TrainingError naming the first step at which the loss or gradient norm stopped being finite
+  (`first_nonfinite` from _track_nonfinite)."""
   metrics = {k: float(v) for k, v in metrics.items()}
-  bad = [k for k in ("loss", "grad_norm") if not math.isfinite(metrics[k])]
-  if bad:
-    raise TrainingError(f"{' and '.join(bad)} became {metrics[bad[0]]} at step {step}; the last checkpoint "
-                        f"(step {saved_step}) is kept; lower train.lr or set train.grad_clip and resume")
+  steps = {name: int(s) for name, s in zip(("loss", "grad_norm"), first_nonfinite) if int(s) >= 0}
+  if steps:
+    what = "; ".join(f"{name} became non-finite at step {s}" for name, s in steps.items())
+    raise TrainingError(f"{what}; {_kept(saved_step)}; lower train.lr or set train.grad_clip and resume")
   return metrics
+
+
+def _save(checkpointer: ckpt_lib.Checkpointer, step: int, state, data_state, cfg: Config,
+          saved_step: int | None) -> None:
+  """Saves unless the parameters or optimizer state hold a NaN or infinity (one device reduction)."""
+  if not bool(_all_finite((state.params, state.opt_state))):
+    raise TrainingError(f"parameters or optimizer state are not finite at step {step}; {_kept(saved_step)}; "
+                        "lower train.lr or set train.grad_clip and resume")
+  checkpointer.save(step, state, data_state, cfg)

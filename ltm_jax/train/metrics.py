@@ -10,6 +10,8 @@ from typing import Any
 
 from tensorboardX import SummaryWriter
 
+from ltm_jax.errors import WorkdirError
+
 
 class MetricsWriter:
   """Appends rows to metrics.jsonl and scalars to WORKDIR/tensorboard. On resume from step S, rows logged after S by
@@ -79,12 +81,20 @@ def _plain(value):
 
 
 def read_metrics(workdir: str | pathlib.Path) -> list[dict[str, Any]]:
-  """The rows of WORKDIR/metrics.jsonl; a line cut short by a crash mid-write is skipped."""
+  """The rows of WORKDIR/metrics.jsonl; a line cut short by a crash mid-write is skipped. WorkdirError for a file
+  that is not text or holds something other than JSON objects with a step."""
   path = pathlib.Path(workdir) / "metrics.jsonl"
+  try:
+    lines = path.read_text().splitlines() if path.exists() else []
+  except (UnicodeDecodeError, OSError) as e:
+    raise WorkdirError(f"{path} cannot be read: {e}") from e
   rows = []
-  for line in path.read_text().splitlines() if path.exists() else []:
+  for number, line in enumerate(lines, 1):
     try:
-      rows.append(json.loads(line))
+      row = json.loads(line)
     except json.JSONDecodeError:
       continue
+    if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+      raise WorkdirError(f"{path} line {number} is not a metrics row (a JSON object with an integer step)")
+    rows.append(row)
   return rows
