@@ -52,6 +52,10 @@ class ModelConfig:
   norm: str = "rmsnorm"
   norm_eps: float = 1e-5
   dtype: str = "float32"  # Compute dtype; parameters stay float32.
+  # Float32 matmuls inside the model: "highest" is IEEE float32 everywhere (what the Pallas kernels and the CPU
+  # compute, so every backend agrees to float32 rounding); "default" lets XLA use TF32 tensor cores on GPU (faster,
+  # ~1e-3 relative). No effect on bfloat16/float16 operands.
+  matmul_precision: str = "highest"
   init_std: float = 0.02
   wkv_impl: str = "auto"
   attention_impl: str = "auto"
@@ -385,6 +389,7 @@ def _coerce(value, tp, key: str):
 
 
 FLOAT32_MAX = 3.4028234663852886e38
+MATMUL_PRECISIONS = ("highest", "high", "default")  # jax.default_matmul_precision's names.
 
 
 def validate(config: Config) -> Config:
@@ -418,6 +423,8 @@ def validate(config: Config) -> Config:
   need(m.n_layers % len(m.layer_pattern) == 0,
        f"model.n_layers={m.n_layers} is not a multiple of len(model.layer_pattern)={len(m.layer_pattern)}")
   need(m.mlp_dim is None or m.mlp_dim > 0, f"model.mlp_dim must be positive, got {m.mlp_dim}")
+  need(m.matmul_precision in MATMUL_PRECISIONS,
+       f"model.matmul_precision={m.matmul_precision!r}; choose one of {', '.join(MATMUL_PRECISIONS)}")
   if "W" in m.layer_pattern:
     need(m.rwkv7_head_size > 0 and m.d_model % m.rwkv7_head_size == 0,
          f"model.d_model={m.d_model} is not divisible by model.rwkv7_head_size={m.rwkv7_head_size}")

@@ -15,6 +15,7 @@ the two layouts).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -22,6 +23,7 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from ltm_jax.config import LatentConfig, ModelConfig
 from ltm_jax.layers import Attention, ChannelMix, ChannelMixState, CrossAttention, KVCache, SwiGLU, TimeMix, TimeMixState
@@ -51,6 +53,9 @@ class RematPlan(NamedTuple):
 
 SUBLAYERS = frozenset({"mixer", "cross_attention", "ffn"})
 
+
+
+_float32_dot = functools.partial(lax.dot_general, preferred_element_type=jnp.float32)
 
 def remat_plan(policy: str) -> RematPlan:
   """The plan for a `model.remat` value.
@@ -231,6 +236,11 @@ class LM(nn.Module):
   @nn.compact
   def __call__(self, tokens, state: tuple[BlockState, ...] | None = None, latents=None, positions=None, valid=None,
                last_only: bool = False):
+    # Every float32 matmul traced below takes the configured precision (on GPU, XLA's default would be TF32).
+    with jax.default_matmul_precision(self.cfg.matmul_precision):
+      return self._forward(tokens, state, latents, positions, valid, last_only)
+
+  def _forward(self, tokens, state, latents, positions, valid, last_only):
     cfg, latent = self.cfg, uses_latents(self.latent)
     if latent is not None:
       expected = latent_shape(cfg, latent, tokens.shape[0])
@@ -257,12 +267,14 @@ class LM(nn.Module):
     if last_only:  # A prefill needs the next token's logits only: skip the [B, T, vocab] head product.
       x = x[:, -1:]
     x = norm(cfg.norm, cfg.norm_eps, cfg.dtype, "final_norm")(x)
+    # The head multiplies in the compute dtype and accumulates into float32 logits: rounding them to bfloat16 would
+    # cost every logit (and the loss's softmax) 8 mantissa bits.
     if cfg.tie_embeddings:
-      logits = x @ embed.embedding.astype(cfg.dtype).T  # In the compute dtype, as the untied head.
+      logits = jnp.dot(x, embed.embedding.astype(cfg.dtype).T, preferred_element_type=jnp.float32)
     else:
       logits = nn.Dense(cfg.padded_vocab_size, use_bias=False, dtype=cfg.dtype, param_dtype=jnp.float32,
-                        kernel_init=init(cfg.init_std, ("embed", "vocab")), name="head")(x)
-    return logits[..., :cfg.vocab_size].astype(jnp.float32), tuple(new_state)
+                        kernel_init=init(cfg.init_std, ("embed", "vocab")), dot_general=_float32_dot, name="head")(x)
+    return logits[..., :cfg.vocab_size], tuple(new_state)
 
   def _scanned(self, layout: ScanLayout, x, v_first, state, latents, positions, valid):
     """Runs the scanned repeats; v_first rides in the carry (made by a separate layer or None without RWKV-7)."""

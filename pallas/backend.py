@@ -4,7 +4,11 @@ Since jax 0.9 `pallas_call` lowers to Mosaic GPU by default on NVIDIA; our kerne
 (per-program blocks, `num_warps`/`num_stages`), which is selected by passing Triton `CompilerParams`. The Triton backend
 is deprecated from jax 0.11 but still present in 0.11.x/0.12; when it goes, this module is where a Mosaic GPU
 (`jax.experimental.pallas.mosaic_gpu.CompilerParams`) or jax-triton path replaces it, and no kernel changes its call.
-On CPU (the test suite) the same kernels run with `interpret=True`.
+`jax.experimental.pallas.triton` is imported only when a compiled kernel is built, so the library (and the
+interpreted kernels) still import where that module is gone.
+
+The choice follows the platform the computation is compiled for (`lax.platform_dependent`), not the host's default
+device: a computation placed on the CPU of a GPU host interprets, and a deviceless compilation for a GPU compiles.
 """
 
 from __future__ import annotations
@@ -13,13 +17,8 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pl_triton
-
-
-def interpret_default() -> bool:
-  """Interpret unless the default device is a GPU: Pallas has no CPU lowering."""
-  return jax.default_backend() != "gpu"
 
 
 def call(
@@ -35,13 +34,30 @@ def call(
     name: str | None = None,
     **kwargs: Any,
 ) -> Callable[..., Any]:
-  """`pl.pallas_call` lowered through Triton on GPU (or interpreted on CPU when `interpret` is None).
+  """`pl.pallas_call` lowered through Triton on GPU and interpreted on CPU (`interpret=None`), or as `interpret` says.
 
   `num_warps`/`num_stages` are the Triton launch parameters; they are ignored by the interpreter.
   """
-  if interpret is None:
-    interpret = interpret_default()
-  params = None if interpret else pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-  return pl.pallas_call(
-      kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs,
-      interpret=interpret, compiler_params=params, name=name, **kwargs)
+  def build(interpreted: bool) -> Callable[..., Any]:
+    params = None
+    if not interpreted:
+      from jax.experimental.pallas import triton as pl_triton  # pylint: disable=g-import-not-at-top
+      params = pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    return pl.pallas_call(kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs,
+                          interpret=interpreted, compiler_params=params, name=name, **kwargs)
+
+  if interpret is not None:
+    return build(interpret)
+
+  def by_platform(*args):
+    try:
+      compiled = build(False)
+    except ImportError as e:  # A jax without the Triton lowering: nothing to compile with, interpreting still works.
+      if jax.default_backend() == "gpu":
+        raise NotImplementedError(f"this jax has no Pallas Triton lowering ({e}); use the xla/scan backends") from e
+      return build(True)(*args)
+    # Pallas has no CPU lowering: interpret there, compile everywhere else. Only the branch of the platform being
+    # compiled for is lowered.
+    return lax.platform_dependent(*args, cpu=build(True), default=compiled)
+
+  return by_platform

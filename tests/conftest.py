@@ -5,11 +5,16 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 
+import jax
 import pytest
 
 from ltm_jax.config import Config, DataConfig, ModelConfig, TrainConfig, validate
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# Ops called outside a model get IEEE float32 matmuls too (a model sets model.matmul_precision itself): the float32
+# tolerances against float64 references assume it, and on GPU XLA's default would be TF32.
+jax.config.update("jax_default_matmul_precision", "highest")
 
 
 def micro_config(**model_overrides) -> Config:

@@ -176,3 +176,35 @@ def test_rwkv7_parameters_have_logical_axes_and_state_matches_layout():
   state = model_lib.init_state(cfg, 3)
   assert state[0].mixer.wkv.shape == (3, cfg.d_model // 16, 16, 16) and state[0].ffn.last_x.shape == (3, cfg.d_model)
   assert state[1].ffn is None and "embed_norm" in variables["params"]
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["head", "tied"])
+def test_bfloat16_model_keeps_float32_logits(tie):
+  """The head multiplies bfloat16 activations and weights but accumulates into float32: each logit matches the
+  float64 product of the same bfloat16 operands far inside bfloat16's rounding (2^-9 relative), which a head that
+  rounds its result to bfloat16 misses."""
+  cfg = micro_config(dtype="bfloat16", tie_embeddings=tie)
+  params = model_lib.init_params(cfg.model, jax.random.key(4))
+  tokens = _tokens(jax.random.key(5), 2, 16, cfg.model)
+  model = model_lib.LM(cfg.model)
+  (logits, _), captured = model.apply({"params": params}, tokens, capture_intermediates=lambda m, _: m.name == "final_norm",
+                                      mutable=["intermediates"])
+  hidden = np.asarray(captured["intermediates"]["final_norm"]["__call__"][0], np.float64)
+  weight = params["embed"]["embedding"].T if tie else params["head"]["kernel"]
+  weight = np.asarray(jnp.asarray(weight).astype(jnp.bfloat16), np.float64)
+  expected = (hidden @ weight)[..., :cfg.model.vocab_size]
+  assert logits.dtype == jnp.float32
+  scale = np.abs(expected).max()
+  np.testing.assert_allclose(np.asarray(logits, np.float64), expected, rtol=0, atol=1e-5 * scale)
+  assert np.abs(np.asarray(logits, np.float64) - expected).max() < 2.0**-12 * scale
+
+
+@pytest.mark.parametrize("precision", ["highest", "default"])
+def test_matmul_precision_reaches_every_float32_matmul(precision):
+  cfg = micro_config(matmul_precision=precision, layer_pattern="WA", rwkv7_head_size=16).model
+  params = model_lib.init_params(cfg, jax.random.key(0))
+  tokens = _tokens(jax.random.key(1), 2, 16, cfg)
+  text = jax.jit(lambda p, t: model_lib.LM(cfg).apply({"params": p}, t)[0]).lower(params, tokens).as_text()
+  dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+  expected = f"precision = [{precision.upper()}, {precision.upper()}]"
+  assert len(dots) > 10 and all(expected in line for line in dots), [d for d in dots if expected not in d][:2]

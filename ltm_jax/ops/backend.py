@@ -1,16 +1,41 @@
-"""Backend selection shared by every op: `impl="auto"` resolves by platform through a per-op table."""
+"""Backend selection shared by every op: `impl="auto"` resolves by platform through a per-op table, for the platform
+the computation is compiled for (`lax.platform_dependent`), not the host's default device."""
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
+from jax import lax
+
+# `auto` tables name platforms as jax.default_backend() does; lax.platform_dependent names them by lowering platform.
+_LOWERING_NAMES = {"gpu": "cuda"}
 
 
 def platform() -> str:
   """'cpu', 'gpu' or 'tpu': the platform of the default device (what jitted ops run on)."""
   return jax.default_backend()
+
+
+def select(op: str, impl: str, backends: Mapping[str, Callable], auto: Mapping[str, str], *,
+           length: int | None = None) -> Callable:
+  """The backend function for `impl` (`backends` maps names to functions of the same signature, reference first).
+
+  "auto" dispatches at lowering time through `auto` (platform -> backend name): each platform the computation is
+  compiled for gets its entry, others the reference. A computation placed on the CPU of a GPU host therefore runs
+  the CPU entry, and a deviceless GPU compilation the GPU one. `length=1` (one decoding step) always gets the
+  reference (see `resolve`).
+  """
+  available = tuple(backends)
+  name = resolve(op, impl, available, auto, length=length)
+  if impl != "auto" or length == 1:
+    return backends[name]
+  reference = backends[available[0]]
+  branches = {_LOWERING_NAMES.get(p, p): backends[n] for p, n in auto.items() if backends[n] is not reference}
+  if not branches:
+    return reference
+  return lambda *args: lax.platform_dependent(*args, default=reference, **branches)
 
 
 def resolve(op: str, impl: str, available: Sequence[str], auto: Mapping[str, str], *,

@@ -218,7 +218,7 @@ def _sha256(path: pathlib.Path) -> str:
 
 
 # Model keys that change how the model runs, not what its parameters are or compute: free to change on resume/load.
-RUNTIME_MODEL_KEYS = ("dtype", "wkv_impl", "wkv7_impl", "attention_impl", "max_seq_len", "remat")
+RUNTIME_MODEL_KEYS = ("dtype", "wkv_impl", "wkv7_impl", "attention_impl", "max_seq_len", "remat", "matmul_precision")
 
 
 # Latent keys that shape the parameters or what they compute; the inner-loop settings stay free (e.g. more eval steps).

@@ -20,9 +20,8 @@ from ltm_jax.ops import backend, sharding
 from ltm_jax.ops.attention import cudnn, pallas, xla
 
 IMPLS = ("xla", "cudnn", "pallas")
-# On GPU, "auto" resolves per call through `GPU_AUTO` (see `_auto_gpu`); elsewhere it is the xla reference.
-_BY_SHAPE = "by-shape"
-_AUTO = {"gpu": _BY_SHAPE}
+# Compiled for a GPU, "auto" resolves per call through `GPU_AUTO` (see `_auto_gpu`); elsewhere it is the xla
+# reference.
 
 # (mask kind, head dim) -> the fused backend `impl="auto"` prefers on GPU, for calls both cudnn and pallas accept.
 # Mask kind: "causal", "window" (causal + a window shorter than S) or "full" (non-causal). Shape classes not listed
@@ -95,20 +94,24 @@ def attention(
   q_segment_ids, kv_segment_ids = _split_segment_ids(segment_ids, b, t, s)
   scale = d**-0.5 if scale is None else float(scale)
 
-  name = backend.resolve("attention", impl, IMPLS, _AUTO)
+  backend.resolve("attention", impl, IMPLS, {})  # A ValueError for an unknown impl.
   reasons = {
       "cudnn": lambda: _cudnn_unsupported_reason(q, k, causal, has_positions, q_segment_ids is not None),
       "pallas": lambda: pallas.unsupported_reason(d, q.dtype, has_positions=has_positions),
   }
-  if name == _BY_SHAPE:
-    name = _auto_gpu(mask_kind(causal, window, s), d, reasons)
-  elif name in reasons:
-    reason = reasons[name]()
+  if impl == "auto":  # xla unless compiled for a GPU, where the shape class picks (see _auto_gpu).
+    gpu = _auto_gpu(mask_kind(causal, window, s), d, reasons)
+    names = {"xla": "xla", gpu: gpu}
+  else:
+    reason = reasons[impl]() if impl in reasons else None
     if reason is not None:
-      raise ValueError(f"attention: impl={name!r} cannot run this call: {reason}")
+      raise ValueError(f"attention: impl={impl!r} cannot run this call: {reason}")
+    names = {impl: impl}
 
-  def run(arrays):
-    return _run_backend(name, causal=causal, window=window, scale=scale, **arrays)
+  def runner(name):
+    return lambda arrays: _run_backend(name, causal=causal, window=window, scale=scale, **arrays)
+
+  run = backend.select("attention", impl, {n: runner(n) for n in names}, {"gpu": gpu} if impl == "auto" else {})
 
   # Rows and (groups of) heads are independent: under a mesh each device runs its block (ltm_jax/ops/sharding.py).
   # Query and key/value heads share one split, so each block keeps whole query groups with their key/value head.

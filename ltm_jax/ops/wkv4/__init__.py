@@ -76,7 +76,7 @@ def wkv4(
   Raises:
     ValueError: on mismatched shapes, non-float keys or values, or an unknown impl.
   """
-  name = backend.resolve("wkv4", impl, AVAILABLE, AUTO, length=k.shape[1] if k.ndim > 1 else None)
+  run = backend.select("wkv4", impl, _BACKENDS, AUTO, length=k.shape[1] if k.ndim > 1 else None)
   if k.ndim != 3 or v.shape != k.shape:
     raise ValueError(f"wkv4: k and v must both be [B, T, C]; got k {k.shape}, v {v.shape}")
   if not (jnp.issubdtype(k.dtype, jnp.floating) and jnp.issubdtype(v.dtype, jnp.floating)):
@@ -92,7 +92,7 @@ def wkv4(
   if k.shape[1] == 0:  # Nothing to scan; the backends' slicing assumes a first token.
     return jnp.zeros(k.shape, v.dtype), Wkv4State(*(jnp.asarray(s, jnp.float32) for s in state))
   y, new_state = sharding.per_shard(
-      _run(_BACKENDS[name]), (w, u, k, v, tuple(state)),
+      _run(run), (w, u, k, v, tuple(state)),
       in_axes=(("wkv",), ("wkv",), _BTC, _BTC, (_BC,) * 3), out_axes=(_BTC, (_BC,) * 3),
       sizes={"batch": batch, "wkv": channels})
   return y, Wkv4State(*new_state)

@@ -73,7 +73,7 @@ def wkv7(
   Raises:
     ValueError: on mismatched shapes, non-float inputs, or an unknown impl.
   """
-  name = backend.resolve("wkv7", impl, AVAILABLE, AUTO, length=k.shape[1] if k.ndim > 1 else None)
+  run = backend.select("wkv7", impl, _BACKENDS, AUTO, length=k.shape[1] if k.ndim > 1 else None)
   inputs = (r, w, k, v, a, b)
   if r.ndim != 4 or any(x.shape != r.shape for x in inputs):
     shapes = ", ".join(f"{n} {x.shape}" for n, x in zip(_NAMES, inputs))
@@ -91,5 +91,5 @@ def wkv7(
   # Heads are independent (each is a block of N channels), as are rows: both can be split over the mesh. The channel
   # axis is named "wkv" like the RWKV-7 layer's channel parameters, so the split follows theirs.
   btc, bc = ("batch", None, "wkv", None), ("batch", "wkv", None, None)
-  return sharding.per_shard(_BACKENDS[name], inputs + (state,), in_axes=(btc,) * 6 + (bc,), out_axes=(btc, bc),
+  return sharding.per_shard(run, inputs + (state,), in_axes=(btc,) * 6 + (bc,), out_axes=(btc, bc),
                             sizes={"batch": batch, "wkv": heads})

@@ -1,0 +1,69 @@
+"""`impl="auto"` and the Pallas lowering follow the platform a computation is compiled for, and the library imports
+without the Triton lowering module."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+from conftest import ROOT
+from ltm_jax import ops
+
+TRITON_CALL = "__gpu$xla.gpu.triton"
+
+
+def _module(fn, platform: str, *args) -> str:
+  """StableHLO of `fn` lowered for `platform` (no device of that platform needed)."""
+  allow = [export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
+  return export.export(jax.jit(fn), platforms=[platform], disabled_checks=allow)(*args).mlir_module()
+
+
+def _inputs(seed: int, *shapes):
+  keys = jax.random.split(jax.random.key(seed), len(shapes))
+  return [jax.random.normal(key, shape, jnp.float32) for key, shape in zip(keys, shapes)]
+
+
+CASES = {
+    "wkv4": lambda k: ops.wkv4(-jnp.exp(k[0, 0]), k[0, 1], k, k)[0],
+    "wkv7": lambda x: ops.wkv7(x, -jnp.exp(x), x, x, -x, x)[0],
+    "attention": lambda q: ops.attention(q, q, q, causal=True),
+}
+SHAPES = {"wkv4": (2, 32, 16), "wkv7": (1, 32, 2, 16), "attention": (1, 64, 2, 32)}
+
+
+@pytest.mark.parametrize("op", sorted(CASES))
+def test_auto_compiles_the_kernel_for_a_gpu_and_not_for_the_cpu(op):
+  (x,) = _inputs(0, SHAPES[op])
+  assert TRITON_CALL in _module(CASES[op], "cuda", x)
+  assert TRITON_CALL not in _module(CASES[op], "cpu", x)
+
+
+def test_explicit_pallas_interprets_on_the_cpu_and_compiles_for_a_gpu():
+  k, v = _inputs(1, (2, 32, 16), (2, 32, 16))
+  w, u = -jnp.exp(k[0, 0]), v[0, 0]
+  fn = lambda k, v: ops.wkv4(w, u, k, v, impl="pallas")[0]
+  assert TRITON_CALL in _module(fn, "cuda", k, v)
+  assert TRITON_CALL not in _module(fn, "cpu", k, v)
+  np.testing.assert_allclose(jax.jit(fn)(k, v), ops.wkv4(w, u, k, v, impl="scan")[0], rtol=2e-5, atol=2e-5)
+
+
+def test_library_and_interpreted_kernels_work_without_the_triton_lowering_module():
+  code = """
+import sys
+sys.modules["jax.experimental.pallas.triton"] = None  # As if jax had removed it: importing it raises ImportError.
+import jax, jax.numpy as jnp, numpy as np
+import ltm_jax
+from ltm_jax import ops
+k = jax.random.normal(jax.random.key(0), (2, 16, 8))
+y = ops.wkv4(-jnp.ones(8), jnp.zeros(8), k, k, impl="pallas")[0]
+np.testing.assert_allclose(y, ops.wkv4(-jnp.ones(8), jnp.zeros(8), k, k, impl="scan")[0], rtol=2e-5, atol=2e-5)
+print("ok")
+"""
+  out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
