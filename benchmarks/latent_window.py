@@ -4,6 +4,8 @@ trained on the same tokens, evaluated by `ltm eval`'s full evaluation on the sam
   python benchmarks/latent_window.py                         # every variant (hours on 2 CPU cores)
   python benchmarks/latent_window.py --only plain ltm        # some of them
   python benchmarks/latent_window.py --list                  # the variants and what each changes
+  python benchmarks/latent_window.py --only ltm_cont100 --inner-steps 16 32 --no-curve --name latent-window-inner
+                                                             # + rows evaluated with more inner steps than trained
 
 Each variant trains in runs/latent-window/<name> (an interrupted or finished run resumes; a finished one is only
 evaluated). `plain_wallclock` trains the plain twin for as long as the `ltm` variant took. Prints one row per
@@ -67,8 +69,9 @@ def train_variant(name: str, root: pathlib.Path, steps: int | None = None) -> di
   return info
 
 
-def evaluate_variant(name: str, root: pathlib.Path, eval_batches: int, curve: bool) -> dict:
-  lm = load(root / name)
+def evaluate_variant(name: str, root: pathlib.Path, eval_batches: int, curve: bool,
+                     inner_steps: int | None = None) -> dict:
+  lm = load(root / name, overrides=[f"latent.inner_steps={inner_steps}"] if inner_steps else [])
   t = lm.config.train
   splits = data_lib.load_splits(lm.config.data, lm.config.model.vocab_size, t.seq_len)
   batches = data_lib.eval_batches(splits.val, t.batch_size, t.seq_len, eval_batches)
@@ -107,6 +110,8 @@ def main():
   parser.add_argument("--no-curve", action="store_true", help="skip the ELBO-vs-inner-steps curve")
   parser.add_argument("--root", default=str(common.ROOT / "runs" / "latent-window"))
   parser.add_argument("--name", default="latent-window", help="results file: benchmarks/results/NAME-<device>.json")
+  parser.add_argument("--inner-steps", type=int, nargs="*", default=[],
+                      help="also evaluate each latent variant with these inner steps (latent.inner_steps at eval only)")
   parser.add_argument("--list", action="store_true")
   args = parser.parse_args()
   if args.list:
@@ -128,6 +133,11 @@ def main():
                  **metrics})
     curves[name] = validation_curve(root / name)
     common.print_table(rows[-1:], COLUMNS)
+    for steps_at_eval in args.inner_steps if VARIANTS[name][0] == LTM else []:
+      metrics = evaluate_variant(name, root, args.eval_batches, curve=False, inner_steps=steps_at_eval)
+      rows.append({"model": f"{name}@{steps_at_eval}", "config": VARIANTS[name][0], "overrides": VARIANTS[name][1],
+                   "eval_inner_steps": steps_at_eval, **trained[name], **metrics})
+      common.print_table(rows[-1:], COLUMNS)
   common.print_table(rows, COLUMNS)
   print("elbo_ppl is an upper bound for latent models and exact for the plain decoder; continuation_ppl (z fitted "
         "on the first half, second half scored) is the number comparable between them.")

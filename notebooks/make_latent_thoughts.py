@@ -34,22 +34,24 @@ LATENT = ["latent.continuation_fraction=1.0"]
 STEPS = [f"train.steps={os.environ['LTM_NOTEBOOK_STEPS']}", "train.eval_every=6"] if TESTING else []
 ltm_cfg = ltm_jax.load_config(ROOT / "configs" / "ltm_window.py", LATENT + STEPS)
 plain_cfg = ltm_jax.load_config(ROOT / "configs" / "ltm_window_plain.py", STEPS)
-RUNS = pathlib.Path(tempfile.mkdtemp()) if TESTING else ROOT / "runs" / "notebook-latent"
+# The workdirs of `python benchmarks/latent_window.py` (variants "plain" and "ltm_cont100"): finished runs are reused.
+RUNS = pathlib.Path(tempfile.mkdtemp()) if TESTING else ROOT / "runs" / "latent-window"
 print(ltm_cfg.latent)
 print("receptive field without z:", ltm_cfg.model.receptive_field, "bytes of", ltm_cfg.train.seq_len)"""),
     ("markdown", """## Train both (about 15 + 5 minutes on 2 CPU cores; a finished run is only reloaded)
 Each latent step fits every sequence's posterior with `latent.inner_steps` Adam steps (fast learning), then takes
 one decoder step on the NLL given z drawn from it, z held fixed (slow learning). With
 `latent.continuation_fraction=1`, z is fitted on a random prefix of each sequence and the decoder is scored on the
-rest, so it learns to read z as a memory of text it cannot see."""),
+rest given it (and the prefix given the loop's uninformative starting point z_0), so it learns to read z as a memory
+of text it cannot see."""),
     ("code", """ltm_jax.train(plain_cfg, RUNS / "plain", progress=False)
-ltm_jax.train(ltm_cfg, RUNS / "ltm", progress=False)
-lm, plain = ltm_jax.load(RUNS / "ltm"), ltm_jax.load(RUNS / "plain")"""),
+ltm_jax.train(ltm_cfg, RUNS / "ltm_cont100", progress=False)
+lm, plain = ltm_jax.load(RUNS / "ltm_cont100"), ltm_jax.load(RUNS / "plain")"""),
     ("markdown", """## Diagnostics logged at every evaluation
 Training logs what `ltm eval` reports, so collapse would show as it happens: `val_shuffled_nll` (z of another
 sequence) and `val_prior_nll` (z from the prior) above `val_nll` mean the decoder reads z; `val_kl` is what z
 costs; `val_continuation_ppl` is the comparison with the plain decoder."""),
-    ("code", """ltm_rows = [r for r in read_metrics(RUNS / "ltm") if "val_nll" in r]
+    ("code", """ltm_rows = [r for r in read_metrics(RUNS / "ltm_cont100") if "val_nll" in r]
 plain_rows = [r for r in read_metrics(RUNS / "plain") if "val_nll" in r]
 tokens = lambda rows: [r["tokens"] / 1e6 for r in rows]
 fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
@@ -78,20 +80,23 @@ ax.set_xlabel("inner step"), ax.set_ylabel("negative ELBO, nats/byte"), ax.legen
 plt.show()"""),
     ("markdown", """## Same prompt, different thoughts
 Three validation documents on different subjects. z is fitted on the first 256 bytes of each; then the *same*
-prompt is continued under each z (greedy decoding, so only z differs). If the decoder reads z, each continuation
+prompt is continued under each z with the same sampling seed, so only z differs. If the decoder reads z, each continuation
 drifts toward its own document; under the plain decoder there is nothing to drift with. The second half of each
 document is also scored under every z: its own z should predict it best."""),
-    ("code", """text = lm.decode(splits.val)
-starts = [text.index(marker) for marker in (">>> Color.RED", "ALERT_DESCRIPTION_", "insertontime")]
-docs = np.stack([np.asarray(splits.val[s - 200: s - 200 + length + 1]) for s in starts])
+    ("code", """val = np.asarray(splits.val)
+blob = np.where(val < 256, val, 0).astype(np.uint8).tobytes()  # Byte ids are the bytes (specials masked).
+markers = (b">>> Color.RED", b"ALERT_DESCRIPTION_", b"insertontime")  # enum, ssl, tkinter docs in CPython 3.11's split
+starts = [blob.find(m) if blob.find(m) >= 200 else (i + 1) * (len(blob) - 2 * length) // 4  # Other Pythons.
+          for i, m in enumerate(markers)]
+docs = np.stack([val[s - 200: s - 200 + length + 1] for s in starts])
 half = length // 2
 fitted = lm.fit_latents(docs[:, :half + 1], seed=0).posterior.mu  # z from each document's first half only.
-prompt = "\\n\\n"
+prompt, sampling = "\\n", dict(max_new_tokens=120, temperature=0.7, top_p=0.95, seed=1)
 for i, s in enumerate(starts):
   print(f"--- z from document {i}: ...{lm.decode(docs[i, half - 60:half])!r}")
-  print(lm.generate(prompt, max_new_tokens=120, temperature=0.0, latents=fitted[i:i + 1]))
+  print(repr(lm.generate(prompt, latents=fitted[i:i + 1], **sampling)))
 print("--- plain decoder")
-print(plain.generate(prompt, max_new_tokens=120, temperature=0.0))
+print(repr(plain.generate(prompt, **sampling)))
 
 def second_half_nll(model, tokens, z=None):
   logits = model.forward(tokens[:, :-1], z) if z is not None else model.forward(tokens[:, :-1])
