@@ -8,17 +8,34 @@ is deprecated from jax 0.11 but still present in 0.11.x/0.12; when it goes, this
 interpreted kernels) still import where that module is gone.
 
 The choice follows the platform the computation is compiled for (`lax.platform_dependent`), not the host's default
-device: a computation placed on the CPU of a GPU host interprets, and a deviceless compilation for a GPU compiles.
+device: a computation placed on the CPU of a GPU host interprets, and a deviceless compilation for a GPU compiles. A
+process that cannot compile for a GPU at all (no GPU backend, no CUDA/ROCm PJRT plugin) interprets without tracing
+the compiled branch, which keeps CPU-only programs free of it (its custom VJPs are not differentiable twice).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import pkgutil
 from collections.abc import Callable
 from typing import Any
 
 import jax
 from jax import lax
 from jax.experimental import pallas as pl
+
+
+@functools.cache
+def may_compile_for_gpu() -> bool:
+  """Whether this process can compile for a GPU: it has a GPU backend, or a CUDA/ROCm PJRT plugin is installed (a
+  deviceless compilation for a GPU target)."""
+  if jax.default_backend() == "gpu":
+    return True
+  if importlib.util.find_spec("jax_plugins") is None:
+    return False
+  import jax_plugins  # pylint: disable=g-import-not-at-top
+  return any("cuda" in m.name or "rocm" in m.name for m in pkgutil.iter_modules(jax_plugins.__path__))
 
 
 def call(
@@ -48,6 +65,8 @@ def call(
 
   if interpret is not None:
     return build(interpret)
+  if not may_compile_for_gpu():
+    return build(True)
 
   def by_platform(*args):
     try:

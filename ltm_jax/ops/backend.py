@@ -9,6 +9,8 @@ from collections.abc import Callable, Mapping, Sequence
 import jax
 from jax import lax
 
+from pallas import backend as kernel_backend
+
 # `auto` tables name platforms as jax.default_backend() does; lax.platform_dependent names them by lowering platform.
 _LOWERING_NAMES = {"gpu": "cuda"}
 
@@ -24,13 +26,14 @@ def select(op: str, impl: str, backends: Mapping[str, Callable], auto: Mapping[s
 
   "auto" dispatches at lowering time through `auto` (platform -> backend name): each platform the computation is
   compiled for gets its entry, others the reference. A computation placed on the CPU of a GPU host therefore runs
-  the CPU entry, and a deviceless GPU compilation the GPU one. `length=1` (one decoding step) always gets the
-  reference (see `resolve`).
+  the CPU entry, and a deviceless GPU compilation the GPU one. A process that cannot compile for a GPU resolves
+  statically by its platform (nothing else is traced). `length=1` (one decoding step) always gets the reference (see
+  `resolve`).
   """
   available = tuple(backends)
   name = resolve(op, impl, available, auto, length=length)
-  if impl != "auto" or length == 1:
-    return backends[name]
+  if impl != "auto" or length == 1 or not kernel_backend.may_compile_for_gpu():
+    return backends[name]  # Without any GPU target, the host's platform is the only one it can compile for.
   reference = backends[available[0]]
   branches = {_LOWERING_NAMES.get(p, p): backends[n] for p, n in auto.items() if backends[n] is not reference}
   if not branches:

@@ -14,6 +14,7 @@ from jax import export
 
 from conftest import ROOT
 from ltm_jax import ops
+from pallas import backend as kernel_backend
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 
@@ -37,20 +38,36 @@ CASES = {
 SHAPES = {"wkv4": (2, 32, 16), "wkv7": (1, 32, 2, 16), "attention": (1, 64, 2, 32)}
 
 
+@pytest.fixture
+def gpu_target(monkeypatch):
+  """As in a process that can compile for a GPU (a GPU host, or the CUDA plugin for a deviceless compilation)."""
+  monkeypatch.setattr(kernel_backend, "may_compile_for_gpu", lambda: True)
+
+
 @pytest.mark.parametrize("op", sorted(CASES))
-def test_auto_compiles_the_kernel_for_a_gpu_and_not_for_the_cpu(op):
+def test_auto_compiles_the_kernel_for_a_gpu_and_not_for_the_cpu(op, gpu_target):
   (x,) = _inputs(0, SHAPES[op])
   assert TRITON_CALL in _module(CASES[op], "cuda", x)
   assert TRITON_CALL not in _module(CASES[op], "cpu", x)
 
 
-def test_explicit_pallas_interprets_on_the_cpu_and_compiles_for_a_gpu():
+def test_explicit_pallas_interprets_on_the_cpu_and_compiles_for_a_gpu(gpu_target):
   k, v = _inputs(1, (2, 32, 16), (2, 32, 16))
   w, u = -jnp.exp(k[0, 0]), v[0, 0]
   fn = lambda k, v: ops.wkv4(w, u, k, v, impl="pallas")[0]
   assert TRITON_CALL in _module(fn, "cuda", k, v)
   assert TRITON_CALL not in _module(fn, "cpu", k, v)
   np.testing.assert_allclose(jax.jit(fn)(k, v), ops.wkv4(w, u, k, v, impl="scan")[0], rtol=2e-5, atol=2e-5)
+
+
+def test_a_process_without_gpu_targets_traces_no_kernel_under_auto():
+  """Here (no GPU, no CUDA plugin) auto resolves statically: no kernel is traced, so twice-differentiable ops stay
+  twice differentiable (a custom VJP kernel is not)."""
+  assert not kernel_backend.may_compile_for_gpu()
+  (q,) = _inputs(2, SHAPES["attention"])
+  second = jax.grad(lambda q: jax.grad(lambda q: CASES["attention"](q).sum())(q).sum())
+  assert "pallas_call" not in str(jax.make_jaxpr(second)(q))
+  assert np.isfinite(np.asarray(second(q))).all()
 
 
 def test_library_and_interpreted_kernels_work_without_the_triton_lowering_module():

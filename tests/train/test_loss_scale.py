@@ -74,8 +74,10 @@ def test_float16_gradients_that_underflow_are_recovered_by_scaling():
   reference = grads("float32", None)
   plain = grads("float16", None)
   scaled = grads("float16", ls_lib.initial(2.0**15))
-  relative = lambda g: float(optax.tree.norm(jax.tree.map(jnp.subtract, g, reference)) / optax.tree.norm(reference))
-  assert relative(plain) > 0.99  # Measured: 1.0, every gradient flushed to zero.
+  relative = lambda g, ref=reference: float(optax.tree.norm(jax.tree.map(jnp.subtract, g, ref)) / optax.tree.norm(ref))
+  # The head accumulates float32 logits, so its own gradient survives; every gradient below it is float16.
+  body = lambda g: {k: v for k, v in g.items() if k.startswith("block_")}
+  assert relative(body(plain), body(reference)) > 0.99  # Measured: 1.0, every block gradient flushed to zero.
   assert relative(scaled) < 1e-2, relative(scaled)  # Measured: 0.16%.
   assert bool(ls_lib.all_finite(scaled))
 
