@@ -1,7 +1,16 @@
 # Two entry points, each working on a fresh machine with Python 3.11+ and pip:
 #   make demo   creates .venv, trains the tiny model on the embedded corpus (~5 min on 2 CPU cores),
 #               prints validation bits-per-byte and a generated sample
-#   make test   creates .venv with the dev extras and runs the test suite
+#   make test   creates .venv with the dev extras (and .venv-aot, see below) and runs the test suite
+# and one more:
+#   make gpu-aot  compiles every Pallas kernel and the models' train steps and generation for an H100 without a GPU
+#                 (benchmarks/gpu_aot.py) and writes benchmarks/results/gpu-aot-h100.json
+#   make bench-gpu  every benchmark sweep on this machine's GPU, peers included where importable
+#                 (benchmarks/gpu_sweep.py): benchmarks/results/*-<device>.json and gpu-sweep-<device>.json.
+#                 SWEEP_ARGS splits it into commands under 10 minutes: "--part N" (1-4, see --list) or
+#                 "--resume --deadline 560" repeated; SWEEP_ARGS=--quick is the CPU dry run (~4-5 min on 2 cores).
+#                 The venv's Python when there is one, else python3 (a GPU image's, which holds CUDA jax): no
+#                 install step, since the GPU machines have no network and .venv holds CPU jax.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -12,8 +21,24 @@ PYTEST_WORKERS ?= 2
 # local wheelhouse when pip has one, else from PyTorch's CPU index.
 TORCH_CPU ?= torch==2.13.0+cpu
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+# The deviceless GPU compile check runs in a venv of its own: with the CUDA plugin installed, a plain `import jax`
+# tries to start it. jax 0.11.x, what the GPU machines run, needs Python 3.12; without a 3.12 (on PATH or under
+# pyenv) the check uses jax 0.10.2 on $(PYTHON). nvidia-cuda-nvcc is only there for ptxas (registers and spills).
+# A venv that cannot be built (no network, no wheels) is not an error: its test then skips, saying why.
+AOT_VENV ?= .venv-aot
+AOT_PYTHON312 := $(shell for p in python3.12 $$(pyenv root 2>/dev/null)/versions/3.12*/bin/python3.12; do \
+  $$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1 && { echo $$p; break; }; done)
+ifneq ($(AOT_PYTHON312),)
+AOT_PYTHON ?= $(AOT_PYTHON312)
+AOT_JAX ?= 0.11.2
+else
+AOT_PYTHON ?= $(PYTHON)
+AOT_JAX ?= 0.10.2
+endif
+AOT_NVCC ?= nvidia-cuda-nvcc==13.0.88
+AOT_PIP := $(AOT_VENV)/bin/python -m pip install -q --retries 1 --timeout 30
 
-.PHONY: demo test clean
+.PHONY: demo test gpu-aot bench-gpu clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,8 +58,28 @@ demo: $(VENV)/.installed
 	$(BIN)/ltm eval --workdir $(WORKDIR)
 	$(BIN)/ltm generate --workdir $(WORKDIR) --prompt "The list" --max-new-tokens 300 --temperature 0.8 --top-p 0.95
 
-test: $(VENV)/.installed-dev
+# The project goes in editable and with its dependencies (the model cases import flax, optax, ...), next to the
+# plugin of the same jax version. On failure the half-built venv is removed and the log kept for the test to cite.
+$(AOT_VENV)/.installed: pyproject.toml
+	@rm -rf $(AOT_VENV)
+	@echo "building $(AOT_VENV): jax $(AOT_JAX) + CUDA 13 plugin on $(AOT_PYTHON) (log: $(AOT_VENV).log)"
+	@{ $(AOT_PYTHON) -m venv $(AOT_VENV) \
+	  && $(AOT_PIP) jax==$(AOT_JAX) jaxlib==$(AOT_JAX) jax-cuda13-plugin==$(AOT_JAX) jax-cuda13-pjrt==$(AOT_JAX) -e . \
+	  && $(AOT_PIP) --no-deps $(AOT_NVCC) && touch $@; } > $(AOT_VENV).log 2>&1 \
+	  || { rm -rf $(AOT_VENV); echo "$(AOT_VENV) could not be built (see $(AOT_VENV).log): the GPU AOT test will skip"; }
+
+test: $(VENV)/.installed-dev $(AOT_VENV)/.installed
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --durations=15
 
+gpu-aot: $(AOT_VENV)/.installed
+	@test -f $(AOT_VENV)/.installed || { echo "gpu-aot: no $(AOT_VENV); see $(AOT_VENV).log"; exit 1; }
+	$(AOT_VENV)/bin/python benchmarks/gpu_aot.py --jobs $(PYTEST_WORKERS) --markdown
+
+BENCH_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+SWEEP_ARGS ?=
+
+bench-gpu:
+	$(BENCH_PYTHON) benchmarks/gpu_sweep.py $(SWEEP_ARGS)
+
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(AOT_VENV) $(AOT_VENV).log runs

@@ -24,31 +24,102 @@ LOG2E = math.log2(math.e)
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Tile sizes (powers of two, >= 16 for Triton's tl.dot) and Triton launch settings.
+  """Tiles and Triton launch settings of the three kernels. A field left None takes its value from
+  `default_block_sizes` for the call's head dim and dtype.
 
-  The defaults are reasoned, not tuned: no GPU was available when they were written (see benchmarks/attention.py).
-  Each size is cut down to the sequence length's next power of two, so short sequences do not pad to 128.
+  Tiles are powers of two >= 16 (Triton's tl.dot). Each is cut down to its sequence's next power of two, so short
+  sequences do not pad to a whole tile.
 
   Attributes:
-    fwd_q, fwd_k: query rows per program and keys per inner step of the forward kernel.
-    bwd_q, bwd_k: the same for both backward kernels (dq: a program per query block; dk/dv: one per key block).
-    num_warps: None picks 4 for head dims <= 64 and 8 above.
-    fwd_stages, bwd_stages: Triton software-pipelining depth of the inner loops.
+    fwd_q, fwd_k: forward kernel: query rows per program, keys per inner step.
+    dq_q, dq_k: dq kernel: query rows per program, keys per inner step.
+    dkv_k, dkv_q: dk/dv kernel: key rows per program, query rows per inner step.
+    fwd_warps, dq_warps, dkv_warps: Triton warps per program of each kernel.
+    fwd_stages, dq_stages, dkv_stages: Triton software-pipelining depth of each kernel's inner loop.
   """
 
-  fwd_q: int = 128
-  fwd_k: int = 64
-  bwd_q: int = 64
-  bwd_k: int = 64
-  num_warps: int | None = None
-  fwd_stages: int = 3
-  bwd_stages: int = 2
+  fwd_q: int | None = None
+  fwd_k: int | None = None
+  dq_q: int | None = None
+  dq_k: int | None = None
+  dkv_k: int | None = None
+  dkv_q: int | None = None
+  fwd_warps: int | None = None
+  dq_warps: int | None = None
+  dkv_warps: int | None = None
+  fwd_stages: int | None = None
+  dq_stages: int | None = None
+  dkv_stages: int | None = None
 
   def __post_init__(self):
-    for name in ("fwd_q", "fwd_k", "bwd_q", "bwd_k"):
-      size = getattr(self, name)
-      if size < 16 or size & (size - 1):
-        raise ValueError(f"BlockSizes.{name} must be a power of two >= 16, got {size}")
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      if value is None:
+        continue
+      if field.name.endswith("_warps") and value not in (1, 2, 4, 8, 16):
+        raise ValueError(f"BlockSizes.{field.name} must be 1, 2, 4, 8 or 16, got {value}")
+      if field.name.endswith("_stages") and value < 1:
+        raise ValueError(f"BlockSizes.{field.name} must be >= 1, got {value}")
+      if field.name.endswith(("_q", "_k")) and (value < 16 or value & (value - 1)):
+        raise ValueError(f"BlockSizes.{field.name} must be a power of two >= 16, got {value}")
+
+  def or_defaults(self, defaults: BlockSizes) -> BlockSizes:
+    """These settings, with every None taken from `defaults`."""
+    return dataclasses.replace(defaults, **{k: v for k, v in dataclasses.asdict(self).items() if v is not None})
+
+
+def _tiles(fwd: tuple[int, int, int, int], dq: tuple[int, int, int, int],
+           dkv: tuple[int, int, int, int]) -> BlockSizes:
+  """BlockSizes from (rows per program, rows per inner step, warps, stages) of each kernel."""
+  return BlockSizes(fwd_q=fwd[0], fwd_k=fwd[1], fwd_warps=fwd[2], fwd_stages=fwd[3],
+                    dq_q=dq[0], dq_k=dq[1], dq_warps=dq[2], dq_stages=dq[3],
+                    dkv_k=dkv[0], dkv_q=dkv[1], dkv_warps=dkv[2], dkv_stages=dkv[3])
+
+
+# Default settings by padded head dim (the 64 row serves 16 to 64) and operand width in bytes (2: bfloat16 and
+# float16; 4: float32). Each kernel's entry is (rows per program, rows per inner step, warps, stages).
+#
+# Chosen without a GPU, from what `benchmarks/gpu_aot.py` reports when it compiles the kernels for an H100 (ptxas
+# registers and spills, shared memory; results in benchmarks/results/gpu-aot-h100.json). Candidates per kernel:
+# tiles of 32 to 128 rows (2-byte) or 16 to 64 (float32), 4 or 8 warps, 1 to 3 stages, compiled at the causal GQA
+# case of the row (the float32 64 row at head dim 32 as well). A candidate must fit the 227 KiB of shared memory and
+# use at most 240 registers without spilling (the 255 limit less headroom: masks, segment ids and the jax version
+# move the count by up to 30). Each kernel then takes, in order: the highest estimated occupancy (resident threads
+# per SM), the larger tile per program (it loads its own rows once and streams the others), the larger step, the
+# fewer registers, the more stages. The 2-byte rows keep at least 64 rows per program (one Hopper warpgroup MMA) and
+# 32 per step, since tensor-core throughput and not occupancy alone sets their speed; the float32 rows, whose IEEE
+# products run on the CUDA cores, keep no such floor. Every case of pallas/aot_cases.py was then compiled with the
+# result: nothing spills outside SPILLING_DEFAULTS, and the most registers is 228 (head dim 256, dk/dv). Occupancy
+# is an estimate and these tiles are untimed: a GPU run of benchmarks/attention.py is what ranks them.
+DEFAULT_BLOCK_SIZES: dict[tuple[int, int], BlockSizes] = {
+    (64, 2): _tiles(fwd=(64, 32, 8, 2), dq=(64, 32, 8, 2), dkv=(64, 128, 8, 1)),
+    (128, 2): _tiles(fwd=(128, 32, 8, 3), dq=(128, 32, 8, 2), dkv=(64, 128, 8, 1)),
+    (256, 2): _tiles(fwd=(64, 64, 8, 2), dq=(64, 32, 8, 2), dkv=(64, 32, 8, 1)),
+    (64, 4): _tiles(fwd=(32, 16, 8, 3), dq=(32, 16, 8, 1), dkv=(32, 16, 8, 1)),
+    (128, 4): _tiles(fwd=(16, 32, 8, 2), dq=(16, 32, 8, 1), dkv=(16, 16, 8, 1)),
+    (256, 4): _tiles(fwd=(16, 16, 8, 1), dq=(32, 16, 8, 1), dkv=(16, 16, 8, 1)),
+}
+
+
+# Rows whose defaults still spill registers: the dk/dv kernel of float32 at head dims 128 and 256 spills at every
+# setting tried (tiles 16 to 32, 1 to 16 warps, 1 or 2 stages; also with 6-pass bfloat16 products), since Triton
+# multiplies IEEE float32 tiles on the CUDA cores with each thread's operand rows held across the whole contraction.
+# Their rows take the setting that spills least; the kernels compile and run, slower than their FLOPs suggest.
+SPILLING_DEFAULTS = frozenset({(128, 4), (256, 4)})
+
+
+def _row(head_dim_pad: int, dtype) -> tuple[int, int]:
+  return min(max(next_power_of_two(head_dim_pad), 64), 256), 4 if jnp.dtype(dtype).itemsize >= 4 else 2
+
+
+def default_block_sizes(head_dim_pad: int, dtype) -> BlockSizes:
+  """The `DEFAULT_BLOCK_SIZES` row for a padded head dim (above 256 the 256 row) and dtype."""
+  return DEFAULT_BLOCK_SIZES[_row(head_dim_pad, dtype)]
+
+
+def defaults_spill(head_dim: int, dtype) -> bool:
+  """Whether the default settings for this head dim and dtype spill registers on an H100 (`SPILLING_DEFAULTS`)."""
+  return _row(max(16, head_dim), dtype) in SPILLING_DEFAULTS
 
 
 def next_power_of_two(n: int) -> int:
@@ -79,11 +150,16 @@ class Static:
   has_segments: bool
   fwd_q: int
   fwd_k: int
-  bwd_q: int
-  bwd_k: int
-  num_warps: int
+  dq_q: int
+  dq_k: int
+  dkv_k: int
+  dkv_q: int
+  fwd_warps: int
+  dq_warps: int
+  dkv_warps: int
   fwd_stages: int
-  bwd_stages: int
+  dq_stages: int
+  dkv_stages: int
   interpret: bool | None
   float32_inputs: bool
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas.attention import kernels
-from pallas.attention.config import BlockSizes, Static, fit_block, next_power_of_two
+from pallas.attention.config import BlockSizes, Static, default_block_sizes, fit_block, next_power_of_two
 
 Segments = tuple[jax.Array, jax.Array] | None
 
@@ -40,7 +40,8 @@ def flash_attention(
     causal: apply the causal mask.
     window: sliding window W >= 1 (with causal), or None.
     scale: static float; None means D ** -0.5.
-    block_sizes: tiles and launch settings; None takes BlockSizes().
+    block_sizes: tiles and launch settings; None, or any field left None, takes the defaults for the head dim
+      and dtype (config.default_block_sizes).
     interpret: None: interpret off GPU (pallas/backend.py decides).
 
   Returns:
@@ -92,17 +93,18 @@ def _prepare(q, k, v, segment_ids, *, causal, window, scale, block_sizes, interp
       raise ValueError(f"flash_attention: window must be >= 1, got {window}")
     if window >= s:  # Every query position is < S, so such a window hides nothing.
       window = None
-  blocks = block_sizes or BlockSizes()
-  fwd_q, bwd_q = fit_block(blocks.fwd_q, t), fit_block(blocks.bwd_q, t)
-  fwd_k, bwd_k = fit_block(blocks.fwd_k, s), fit_block(blocks.bwd_k, s)
   head_dim_pad = max(16, next_power_of_two(d))
+  blocks = (block_sizes or BlockSizes()).or_defaults(default_block_sizes(head_dim_pad, q.dtype))
+  q_tiles = {name: fit_block(getattr(blocks, name), t) for name in ("fwd_q", "dq_q", "dkv_q")}
+  k_tiles = {name: fit_block(getattr(blocks, name), s) for name in ("fwd_k", "dq_k", "dkv_k")}
+  launch = {name: getattr(blocks, name) for name in ("fwd_warps", "dq_warps", "dkv_warps", "fwd_stages", "dq_stages",
+                                                     "dkv_stages")}
   st = Static(
       causal=bool(causal), window=None if window is None else int(window),
       scale=float(d**-0.5 if scale is None else scale), t=t, s=s,
-      t_pad=_round_up(t, max(fwd_q, bwd_q)), s_pad=_round_up(s, max(fwd_k, bwd_k)), head_dim_pad=head_dim_pad,
-      group=hq // hkv, has_segments=segment_ids is not None, fwd_q=fwd_q, fwd_k=fwd_k, bwd_q=bwd_q, bwd_k=bwd_k,
-      num_warps=blocks.num_warps or (4 if head_dim_pad <= 64 else 8), fwd_stages=blocks.fwd_stages,
-      bwd_stages=blocks.bwd_stages, interpret=interpret, float32_inputs=jnp.dtype(q.dtype) == jnp.float32)
+      t_pad=_round_up(t, max(q_tiles.values())), s_pad=_round_up(s, max(k_tiles.values())), head_dim_pad=head_dim_pad,
+      group=hq // hkv, has_segments=segment_ids is not None, **q_tiles, **k_tiles, **launch, interpret=interpret,
+      float32_inputs=jnp.dtype(q.dtype) == jnp.float32)
   segments = None
   if segment_ids is not None:
     q_ids, kv_ids = segment_ids

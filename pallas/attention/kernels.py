@@ -95,7 +95,7 @@ def _forward_kernel(*refs, st: Static):
 
 def _dq_kernel(*refs, st: Static):
   r = _split(refs, st, ("q", "k", "v", "q_segment", "kv_segment", "do", "lse", "delta", "dq"))
-  bq, bk = st.bwd_q, st.bwd_k
+  bq, bk = st.dq_q, st.dq_k
   q_block = pl.program_id(2)
   q = r["q"][...]
   do = r["do"][...]
@@ -126,7 +126,7 @@ def _dq_kernel(*refs, st: Static):
 
 def _dkv_kernel(*refs, st: Static):
   r = _split(refs, st, ("q", "k", "v", "q_segment", "kv_segment", "do", "lse", "delta", "dk", "dv"))
-  bq, bk = st.bwd_q, st.bwd_k
+  bq, bk = st.dkv_q, st.dkv_k
   k_block = pl.program_id(2)
   k = r["k"][...]
   v = r["v"][...]
@@ -165,7 +165,7 @@ def _dkv_kernel(*refs, st: Static):
   r["dv"][...] = dv.astype(r["dv"].dtype)
 
 
-def _call(kernel, st: Static, *, name: str, grid, inputs, in_specs, out_shapes, out_specs, stages: int,
+def _call(kernel, st: Static, *, name: str, grid, inputs, in_specs, out_shapes, out_specs, warps: int, stages: int,
           poison: bool):
   """backend.call, optionally with every output aliased to a NaN-filled input so that unwritten elements show."""
   n_in = len(inputs)
@@ -180,7 +180,7 @@ def _call(kernel, st: Static, *, name: str, grid, inputs, in_specs, out_shapes, 
       inner(*refs[:n_in], *refs[n_in + len(out_shapes):])
 
   fn = backend.call(kernel, out_shape=out_shapes, grid=grid, in_specs=in_specs, out_specs=out_specs,
-                    num_warps=st.num_warps, num_stages=stages, interpret=st.interpret, name=name, **kwargs)
+                    num_warps=warps, num_stages=stages, interpret=st.interpret, name=name, **kwargs)
   return fn(*inputs)
 
 
@@ -200,7 +200,8 @@ def forward(st: Static, q, k, v, segments, *, poison: bool = False):
   out_specs = [q_tile, pl.BlockSpec((None, None, bq), lambda i, h, j: (i, h, j))]
   o, lse = _call(functools.partial(_forward_kernel, st=st), st, name="flash_attention_forward",
                  grid=(b, hq, st.t_pad // bq), inputs=[q, k, v, *(segments or ())], in_specs=in_specs,
-                 out_shapes=out_shapes, out_specs=out_specs, stages=st.fwd_stages, poison=poison)
+                 out_shapes=out_shapes, out_specs=out_specs, warps=st.fwd_warps, stages=st.fwd_stages,
+                 poison=poison)
   return o, lse
 
 
@@ -209,11 +210,11 @@ def backward(st: Static, q, k, v, segments, o, lse, do, *, poison: bool = False)
   key blocks; each program loops over its group's query heads)."""
   b, _, hq, dp = q.shape
   hkv = k.shape[2]
-  bq, bk = st.bwd_q, st.bwd_k
   # rowsum(do * o): the softmax-backward term shared by dq and dk; one fused XLA reduction.
   delta = jnp.einsum("bthd,bthd->bht", do.astype(jnp.float32), o.astype(jnp.float32))
   inputs = [q, k, v, *(segments or ()), do, lse, delta]
 
+  bq = st.dq_q
   q_tile = pl.BlockSpec((None, bq, None, dp), lambda i, h, j: (i, j, h, 0))
   kv_all = pl.BlockSpec((None, st.s_pad, None, dp), lambda i, h, j: (i, 0, lax.div(h, st.group), 0))
   row_tile = pl.BlockSpec((None, None, bq), lambda i, h, j: (i, h, j))
@@ -222,10 +223,11 @@ def backward(st: Static, q, k, v, segments, o, lse, do, *, poison: bool = False)
   dq_specs += [q_tile, row_tile, row_tile]
   (dq,) = _call(functools.partial(_dq_kernel, st=st), st, name="flash_attention_dq",
                 grid=(b, hq, st.t_pad // bq), inputs=inputs, in_specs=dq_specs,
-                out_shapes=[jax.ShapeDtypeStruct(q.shape, q.dtype)], out_specs=[q_tile], stages=st.bwd_stages,
-                poison=poison)
+                out_shapes=[jax.ShapeDtypeStruct(q.shape, q.dtype)], out_specs=[q_tile], warps=st.dq_warps,
+                stages=st.dq_stages, poison=poison)
 
   # Programs of one key/value head see the whole query sequence of its `group` query heads.
+  bk = st.dkv_k
   q_group = pl.BlockSpec((None, st.t_pad, st.group, dp), lambda i, h, j: (i, 0, h, 0))
   kv_tile = pl.BlockSpec((None, bk, None, dp), lambda i, h, j: (i, j, h, 0))
   rows_group = pl.BlockSpec((None, st.group, st.t_pad), lambda i, h, j: (i, h, 0))
@@ -235,5 +237,5 @@ def backward(st: Static, q, k, v, segments, o, lse, do, *, poison: bool = False)
   dk, dv = _call(functools.partial(_dkv_kernel, st=st), st, name="flash_attention_dkv",
                  grid=(b, hkv, st.s_pad // bk), inputs=inputs, in_specs=dkv_specs,
                  out_shapes=[jax.ShapeDtypeStruct(k.shape, k.dtype)] * 2, out_specs=[kv_tile, kv_tile],
-                 stages=st.bwd_stages, poison=poison)
+                 warps=st.dkv_warps, stages=st.dkv_stages, poison=poison)
   return dq, dk, dv

@@ -6,6 +6,7 @@ wherever a length is not a multiple of 16.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -28,7 +29,7 @@ from pallas.attention import (
   raw_outputs,
 )
 
-BLOCKS = BlockSizes(fwd_q=16, fwd_k=16, bwd_q=16, bwd_k=16)
+BLOCKS = BlockSizes(fwd_q=16, fwd_k=16, dq_q=16, dq_k=16, dkv_k=16, dkv_q=16)
 # float32 kernel vs float64 reference, unit-normal inputs, D <= 16, a few dozen keys per row.
 F32_ATOL = 2e-5
 F32_GRAD_ATOL = 5e-5
@@ -148,9 +149,23 @@ def test_poisoned_buffer_detects_unwritten_output():
 
   spec = pl.BlockSpec((16,), lambda i: (0,))
   (out,) = kernels._call(half_kernel, st, name="half", grid=(1,), inputs=[jnp.ones(16)], in_specs=[spec],
-                         out_shapes=[jax.ShapeDtypeStruct((16,), jnp.float32)], out_specs=[spec], stages=1,
-                         poison=True)
+                         out_shapes=[jax.ShapeDtypeStruct((16,), jnp.float32)], out_specs=[spec], warps=4,
+                         stages=1, poison=True)
   assert np.isnan(np.asarray(out[8:])).all() and (np.asarray(out[:8]) == 1).all()
+
+
+def test_default_block_sizes_are_complete_and_overridable():
+  """Every head dim and dtype the kernel takes gets a complete default row; a caller's field replaces only itself."""
+  for d in (8, 16, 32, 64, 80, 128, 256):
+    for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
+      row = config.default_block_sizes(config.next_power_of_two(d), dtype)
+      assert None not in dataclasses.astuple(row), (d, dtype, row)
+  default = config.default_block_sizes(128, jnp.bfloat16)
+  mixed = BlockSizes(dq_q=16, dkv_warps=4).or_defaults(default)
+  assert (mixed.dq_q, mixed.dkv_warps) == (16, 4)
+  assert dataclasses.replace(mixed, dq_q=default.dq_q, dkv_warps=default.dkv_warps) == default
+  with pytest.raises(ValueError, match="power of two"):
+    BlockSizes(fwd_q=48)
 
 
 def _static_and_padded(t, s, **kwargs):

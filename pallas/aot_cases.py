@@ -1,0 +1,308 @@
+"""What the deviceless GPU compile check (`benchmarks/gpu_aot.py`, `make gpu-aot`) compiles: every kernel of this
+package at its default tiles and at the shapes the models use, and whole model programs.
+
+A case is a function and abstract arguments; the check compiles it for an H100 (sm_90a) without a GPU and reports,
+per Pallas kernel in the compiled program, warps, registers, spills, shared memory, grid and an occupancy estimate.
+
+Kernel cases ("kernels") run forward and backward in one program, so one compilation covers every kernel of an op:
+  WKV-4: the sequential path (B·C >= PARALLEL_BELOW) and the time-parallel one, bfloat16 and float32.
+  WKV-7: head sizes 64 and 128, bfloat16 and float32.
+  flash attention (forward, dq, dk/dv): head dims 32, 64, 128 and 256; causal, sliding window, segment ids,
+    non-causal; grouped (GQA) and single (MQA) key/value heads; bfloat16 and float32 (and float16 once). Where the
+    default settings are listed in `pallas.attention.config.SPILLING_DEFAULTS` (float32 at head dims 128 and 256)
+    the case must compile and may spill.
+Model cases ("models") compile the whole `small_rwkv7` and `base_125m` train steps and their generation (prefill and
+the decode loop) as configured: `impl="auto"` takes what it takes when compiled for a GPU (`ltm_jax.ops.backend`
+dispatches on the platform being compiled for). They catch lowering failures outside the kernels too.
+Controls ("controls") must fail: attention tiles too large for shared memory, and tiles too large for registers. They
+show that the check sees both kinds of failure.
+
+Importing this module needs only jax and the kernels; the model cases import `ltm_jax` and the configs when they
+are built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import pathlib
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pallas import wkv4, wkv7
+from pallas.attention import BlockSizes, config, flash_attention
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# (shape, dtype) -> an abstract array (jax.ShapeDtypeStruct) placed on the target device.
+Abstract = Callable[[tuple[int, ...], Any], Any]
+# (abstract, attention block sizes or None) -> (function to compile, its abstract arguments).
+Builder = Callable[..., tuple[Callable[..., Any], tuple[Any, ...]]]
+
+WKV4_KERNELS_SEQUENTIAL = ("wkv4_forward", "wkv4_backward")
+WKV4_KERNELS_PARALLEL = ("wkv4_chunk_summary", "wkv4_chunk_output", "wkv4_chunk_adjoint", "wkv4_chunk_grads")
+WKV7_KERNELS = ("wkv7_forward", "wkv7_backward")
+ATTENTION_KERNELS = ("flash_attention_forward", "flash_attention_dq", "flash_attention_dkv")
+# Entry names the compiled program gives the kernels of this package (a suffix _1, _2, ... tells copies apart).
+KERNEL_PREFIXES = ("wkv4_", "wkv7_", "flash_attention_")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One program to compile.
+
+  Attributes:
+    name: unique, used on the command line and in the results.
+    description: one line: op, dtype, shape, mask.
+    kernels: the Pallas kernels the compiled program must contain (a missing one fails the case: the op did not
+      lower to the kernel).
+    build: `build(abstract, block_sizes=None)` -> (function, abstract arguments); `block_sizes` (a BlockSizes)
+      sets the attention settings it names, the rest keeping their defaults (attention cases other than the
+      controls; other cases ignore it).
+    group: "kernels", "models" or "controls".
+    expect: "ok"; "known_spill" where the default settings are known to spill (`pallas.attention.config
+      .SPILLING_DEFAULTS`: it must compile, and may spill); for a control the failure it must show:
+      "compile_error" or "spill".
+    dtype, head_dim: for the results table (head_dim: WKV-7 head size, attention head dim; None for WKV-4).
+  """
+
+  name: str
+  description: str
+  kernels: tuple[str, ...]
+  build: Builder
+  group: str = "kernels"
+  expect: str = "ok"
+  dtype: str = "bfloat16"
+  head_dim: int | None = None
+
+
+def _vjp_program(fn: Callable[..., Any], primals: tuple[Any, ...], abstract: Abstract, differentiable: int):
+  """(f, args): f(*primals, *cotangents) returns fn's outputs and its VJP in the first `differentiable` arguments, so
+  the program holds every forward kernel (outputs the backward does not read included) and the backward kernels."""
+
+  def run(*args):
+    fixed = args[differentiable:len(primals)]
+    out, pullback = jax.vjp(lambda *xs: fn(*xs, *fixed), *args[:differentiable])
+    return out, pullback(jax.tree.unflatten(jax.tree.structure(out), list(args[len(primals):])))
+
+  out_shape = jax.eval_shape(fn, *primals)
+  cotangents = [abstract(x.shape, x.dtype) for x in jax.tree.leaves(out_shape)]
+  return run, (*primals, *cotangents)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Kernel cases.
+
+
+def _wkv4(batch: int, length: int, channels: int, dtype) -> Builder:
+  def build(abstract: Abstract, block_sizes=None):
+    del block_sizes
+    f32 = jnp.float32
+    state = tuple(abstract((batch, channels), f32) for _ in range(3))
+    seq = abstract((batch, length, channels), dtype)
+    primals = (abstract((channels,), f32), abstract((channels,), f32), seq, seq, state)
+    return _vjp_program(functools.partial(wkv4.wkv4, interpret=False), primals, abstract, 5)
+
+  return build
+
+
+def _wkv7(batch: int, length: int, heads: int, size: int, dtype) -> Builder:
+  def build(abstract: Abstract, block_sizes=None):
+    del block_sizes
+    seq = abstract((batch, length, heads, size), dtype)
+    primals = (seq,) * 6 + (abstract((batch, heads, size, size), jnp.float32),)
+    return _vjp_program(functools.partial(wkv7.wkv7, interpret=False), primals, abstract, 7)
+
+  return build
+
+
+def _attention(batch: int, length: int, q_heads: int, kv_heads: int, head_dim: int, dtype, *, causal: bool = True,
+               window: int | None = None, segments: bool = False, kv_length: int | None = None,
+               tiles: BlockSizes | None = None) -> Builder:
+  """fwd+bwd of `flash_attention`; `tiles` (a BlockSizes) is fixed by the case, else the caller's or the default."""
+
+  def build(abstract: Abstract, block_sizes=None):
+    s = kv_length or length
+    q = abstract((batch, length, q_heads, head_dim), dtype)
+    kv = abstract((batch, s, kv_heads, head_dim), dtype)
+    primals = (q, kv, kv)
+    if segments:
+      primals += (abstract((batch, length), jnp.int32), abstract((batch, s), jnp.int32))
+
+    def fn(q, k, v, *segment_ids):
+      return flash_attention(q, k, v, tuple(segment_ids) or None, causal=causal, window=window,
+                             block_sizes=tiles or block_sizes, interpret=False)
+
+    return _vjp_program(fn, primals, abstract, 3)
+
+  return build
+
+
+def _kernel_cases() -> list[Case]:
+  bf16, f32 = jnp.bfloat16, jnp.float32
+  cases = [
+      # WKV-4 at configs/small.py's training shape (B32 T1024 C512: B·C = PARALLEL_BELOW, the sequential path), at
+      # one prompt of its prefill (B1: time-parallel), and at configs/tiny.py's float32 training shape (parallel).
+      Case("wkv4_seq_bf16", "wkv4 fwd+bwd bf16 B32 T1024 C512 (sequential; small)", WKV4_KERNELS_SEQUENTIAL,
+           _wkv4(32, 1024, 512, bf16)),
+      Case("wkv4_seq_f32", "wkv4 fwd+bwd f32 B32 T1024 C512 (sequential)", WKV4_KERNELS_SEQUENTIAL,
+           _wkv4(32, 1024, 512, f32), dtype="float32"),
+      Case("wkv4_par_bf16", "wkv4 fwd+bwd bf16 B1 T1024 C512 (time-parallel; small prefill)", WKV4_KERNELS_PARALLEL,
+           _wkv4(1, 1024, 512, bf16)),
+      Case("wkv4_par_f32", "wkv4 fwd+bwd f32 B32 T128 C128 (time-parallel; tiny)", WKV4_KERNELS_PARALLEL,
+           _wkv4(32, 128, 128, f32), dtype="float32"),
+      # WKV-7 at configs/small_rwkv7.py's training shape (8 heads of 64), and the same width in heads of 128.
+      Case("wkv7_n64_bf16", "wkv7 fwd+bwd bf16 B32 T1024 H8 N64 (small_rwkv7)", WKV7_KERNELS,
+           _wkv7(32, 1024, 8, 64, bf16), head_dim=64),
+      Case("wkv7_n64_f32", "wkv7 fwd+bwd f32 B32 T1024 H8 N64", WKV7_KERNELS, _wkv7(32, 1024, 8, 64, f32),
+           dtype="float32", head_dim=64),
+      Case("wkv7_n128_bf16", "wkv7 fwd+bwd bf16 B32 T1024 H4 N128", WKV7_KERNELS, _wkv7(32, 1024, 4, 128, bf16),
+           head_dim=128),
+      Case("wkv7_n128_f32", "wkv7 fwd+bwd f32 B32 T1024 H4 N128", WKV7_KERNELS, _wkv7(32, 1024, 4, 128, f32),
+           dtype="float32", head_dim=128),
+  ]
+  # Flash attention. Head dim 64: base_125m (B64 T2048, 12 query heads on 4 key/value heads) and small_rwkv7 /
+  # small (B32 T1024, 8 heads, window 512); head dim 32: tiny (float32). Head dims 128 and 256: B * T = 16k tokens and
+  # Hq * D = 2048 (the benchmark's GPU shapes), GQA 4:1 unless said.
+  attention = [
+      ("attn_d64_bf16_causal_gqa", "causal, GQA 12:4, B64 T2048 (base_125m)", 64, bf16,
+       dict(batch=64, length=2048, q_heads=12, kv_heads=4)),
+      ("attn_d64_bf16_window_mha", "window 512, 8 heads, B32 T1024 (small_rwkv7)", 64, bf16,
+       dict(batch=32, length=1024, q_heads=8, kv_heads=8, window=512)),
+      ("attn_d64_bf16_full_seg", "non-causal, segment ids, GQA 12:4, B8 T2048", 64, bf16,
+       dict(batch=8, length=2048, q_heads=12, kv_heads=4, causal=False, segments=True)),
+      ("attn_d64_f32_causal_gqa", "causal, GQA 12:4, B8 T2048", 64, f32,
+       dict(batch=8, length=2048, q_heads=12, kv_heads=4)),
+      ("attn_d32_f32_causal_mha", "causal, 4 heads, B32 T128 (tiny)", 32, f32,
+       dict(batch=32, length=128, q_heads=4, kv_heads=4)),
+      ("attn_d128_bf16_causal_gqa", "causal, GQA 16:4, B4 T4096", 128, bf16,
+       dict(batch=4, length=4096, q_heads=16, kv_heads=4)),
+      ("attn_d128_bf16_causal_mqa", "causal, MQA 16:1, B4 T4096", 128, bf16,
+       dict(batch=4, length=4096, q_heads=16, kv_heads=1)),
+      ("attn_d128_bf16_window_seg", "causal, window 256, segment ids, GQA 16:4, B4 T4096", 128, bf16,
+       dict(batch=4, length=4096, q_heads=16, kv_heads=4, window=256, segments=True)),
+      ("attn_d128_f16_causal_gqa", "causal, GQA 16:4, B4 T4096", 128, jnp.float16,
+       dict(batch=4, length=4096, q_heads=16, kv_heads=4)),
+      ("attn_d128_f32_causal_gqa", "causal, GQA 16:4, B4 T4096", 128, f32,
+       dict(batch=4, length=4096, q_heads=16, kv_heads=4)),
+      ("attn_d256_bf16_causal_gqa", "causal, GQA 8:2, B4 T4096", 256, bf16,
+       dict(batch=4, length=4096, q_heads=8, kv_heads=2)),
+      ("attn_d256_bf16_window_seg", "causal, window 256, segment ids, GQA 8:2, B4 T4096", 256, bf16,
+       dict(batch=4, length=4096, q_heads=8, kv_heads=2, window=256, segments=True)),
+      ("attn_d256_f32_causal_mqa", "causal, MQA 8:1, B4 T4096", 256, f32,
+       dict(batch=4, length=4096, q_heads=8, kv_heads=1)),
+  ]
+  for name, what, d, dtype, shape in attention:
+    dtype_name = jnp.dtype(dtype).name
+    known_spill = config.defaults_spill(d, dtype)
+    cases.append(Case(name, f"attention fwd+bwd {dtype_name} D{d} {what}" + (" (known spill)" if known_spill else ""),
+                      ATTENTION_KERNELS, _attention(head_dim=d, dtype=dtype, **shape),
+                      expect="known_spill" if known_spill else "ok", dtype=dtype_name, head_dim=d))
+  return cases
+
+
+def _control_cases() -> list[Case]:
+  return [
+      # 256 x 256 tiles of head dim 128 in 4 pipeline stages want several times the 227 KiB of shared memory a block
+      # may have: the compiler must refuse.
+      Case("control_smem", "CONTROL: attention fwd+bwd bf16 D128, fwd tiles 256 x 256, 4 stages (must not compile)",
+           ATTENTION_KERNELS,
+           _attention(4, 4096, 16, 4, 128, jnp.bfloat16, tiles=BlockSizes(fwd_q=256, fwd_k=256, fwd_stages=4)),
+           group="controls", expect="compile_error", head_dim=128),
+      # A forward program of 128 rows of head dim 256 on 4 warps keeps a 128 x 256 float32 accumulator, 256 values
+      # per thread, besides its tiles: it must spill.
+      Case("control_spill", "CONTROL: attention fwd+bwd bf16 D256, forward 128 x 64 tiles on 4 warps (must spill)",
+           ATTENTION_KERNELS,
+           _attention(4, 4096, 8, 2, 256, jnp.bfloat16,
+                      tiles=BlockSizes(fwd_q=128, fwd_k=64, fwd_warps=4, fwd_stages=1)),
+           group="controls", expect="spill", head_dim=256),
+  ]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Model cases.
+
+
+def _place(tree, abstract: Abstract):
+  return jax.tree.map(lambda x: abstract(x.shape, x.dtype), tree)
+
+
+def _config(name: str):
+  from ltm_jax.config import load_config  # pylint: disable=g-import-not-at-top
+
+  return load_config(ROOT / "configs" / f"{name}.py")
+
+
+def _train_step(config_name: str) -> Builder:
+  """The config's whole train step (ltm_jax.train.step, one device) at its batch_size x seq_len."""
+
+  def build(abstract: Abstract, block_sizes=None):
+    del block_sizes
+    # pylint: disable=g-import-not-at-top
+    from ltm_jax import model as model_lib
+    from ltm_jax.train.optimizer import learning_rate, make_optimizer
+    from ltm_jax.train.step import create_train_state, make_train_step
+
+    cfg = _config(config_name)
+    m, t = cfg.model, cfg.train
+    optimizer = make_optimizer(t)
+    state = jax.eval_shape(lambda: create_train_state(
+        model_lib.init_params(m, jax.random.key(0), cfg.latent), optimizer, t.seed))
+    batch = {k: abstract((t.batch_size, t.seq_len), jnp.int32) for k in ("inputs", "targets")}
+    step = make_train_step(model_lib.LM(m, cfg.latent), optimizer, learning_rate(t), t.grad_accum)
+    return step, (_place(state, abstract), batch)
+
+  return build
+
+
+def _generation(config_name: str, batch: int = 8, prompt: int = 512, new_tokens: int = 64) -> Builder:
+  """Prefill of `batch` left-padded prompts and the on-device decode loop (ltm_jax.inference.generate), sampling with
+  temperature and top-p, as `LanguageModel.generate` runs them."""
+
+  def build(abstract: Abstract, block_sizes=None):
+    del block_sizes
+    # pylint: disable=g-import-not-at-top
+    from ltm_jax import model as model_lib
+    from ltm_jax.inference import generate
+
+    cfg = _config(config_name)
+    capacity = -(-(prompt + new_tokens) // 64) * 64
+    model = model_lib.LM(cfg.model, cfg.latent, cache_capacity=capacity)
+    params = jax.eval_shape(lambda: model_lib.init_params(cfg.model, jax.random.key(0), cfg.latent))
+
+    def run(params, tokens, lengths, key):
+      decoding = generate.prefill(model, params, tokens, lengths)
+      return generate.decode(model, params, decoding, key, steps=new_tokens, temperature=0.8, top_p=0.95)
+
+    args = (_place(params, abstract), abstract((batch, prompt), jnp.int32), abstract((batch,), jnp.int32),
+            abstract((2,), jnp.uint32))
+    return run, args
+
+  return build
+
+
+def _model_cases() -> list[Case]:
+  attention = ATTENTION_KERNELS
+  return [
+      Case("train_small_rwkv7", "small_rwkv7 train step, bf16 B32 T1024 (WKV-7 N64, window-512 attention D64)",
+           WKV7_KERNELS + attention, _train_step("small_rwkv7"), group="models", head_dim=64),
+      Case("train_base_125m", "base_125m train step, bf16 B64 T2048 (GQA 12:4 attention D64)", attention,
+           _train_step("base_125m"), group="models", head_dim=64),
+      # Decoding steps take the reference paths (one token: scan, cache attention: xla); the prefill takes the
+      # forward kernels (its padding is a segment id).
+      Case("generate_small_rwkv7", "small_rwkv7 prefill B8 T512 + 64-token decode loop",
+           ("wkv7_forward", "flash_attention_forward"), _generation("small_rwkv7"), group="models", head_dim=64),
+      Case("generate_base_125m", "base_125m prefill B8 T512 + 64-token decode loop", ("flash_attention_forward",),
+           _generation("base_125m"), group="models", head_dim=64),
+  ]
+
+
+def all_cases() -> dict[str, Case]:
+  """Every case by name: kernels, then models, then controls."""
+  cases = _kernel_cases() + _model_cases() + _control_cases()
+  names = [c.name for c in cases]
+  assert len(names) == len(set(names)), names
+  return {c.name: c for c in cases}

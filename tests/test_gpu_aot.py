@@ -1,0 +1,77 @@
+"""The deviceless H100 compile check (benchmarks/gpu_aot.py, cases in pallas/aot_cases.py).
+
+The case list is checked here in the main venv (every case traces against the kernels as they are). The compile
+itself runs in .venv-aot, which holds the CUDA plugin and ptxas (the Makefile builds it; `make test` tries to): every
+kernel case and both controls, which takes about a minute on 2 cores. The model cases (whole train steps and
+generation) run in `make gpu-aot` only, to keep the suite within its time budget.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+
+import jax
+import pytest
+
+from pallas import aot_cases
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+AOT_VENV = ROOT / ".venv-aot"
+AOT_LOG = ROOT / ".venv-aot.log"
+IN_SUITE = "kernels,controls"
+
+
+def _abstract(shape, dtype):
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+@pytest.mark.parametrize("name", [n for n, c in aot_cases.all_cases().items() if c.group != "models"])
+def test_case_traces(name):
+  """Every kernel and control case builds and traces (abstractly, on any backend) with the kernels it names."""
+  case = aot_cases.all_cases()[name]
+  fn, args = case.build(_abstract)
+  jaxpr = jax.make_jaxpr(fn)(*args)
+  names = {str(eqn.params["name"]) for eqn in _pallas_calls(jaxpr.jaxpr)}
+  assert set(case.kernels) <= names, (case.kernels, names)
+
+
+def _pallas_calls(jaxpr):
+  """Every pallas_call equation of a jaxpr, nested ones (custom_vjp, cond, loops) included."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call":
+      yield eqn
+      continue
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        sub = getattr(sub, "jaxpr", sub)  # A ClosedJaxpr holds its Jaxpr.
+        if hasattr(sub, "eqns"):
+          yield from _pallas_calls(sub)
+
+
+def _skip_reason() -> str | None:
+  if (AOT_VENV / ".installed").exists():
+    return None
+  if not AOT_LOG.exists():
+    return "GPU AOT check skipped: .venv-aot is not built (`make test` or `make gpu-aot` builds it)"
+  errors = [l.strip() for l in AOT_LOG.read_text(errors="replace").splitlines() if l.startswith("ERROR")]
+  detail = f" ({errors[-1][:200]})" if errors else ""
+  return ("GPU AOT check skipped: .venv-aot could not be built, so the CUDA plugin wheels (jax-cuda13-plugin, "
+          f"jax-cuda13-pjrt) could not be installed; see .venv-aot.log{detail}")
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_h100_without_spills(tmp_path):
+  """Every kernel case compiles for an H100 without spilling, and both controls fail as they must."""
+  reason = _skip_reason()
+  if reason:
+    pytest.skip(reason)
+  results = tmp_path / "gpu-aot.json"
+  proc = subprocess.run([str(AOT_VENV / "bin" / "python"), "benchmarks/gpu_aot.py", "--group", IN_SUITE,
+                         "--jobs", "2", "--timeout", "600", "--json", str(results)],
+                        cwd=ROOT, capture_output=True, text=True, timeout=1500)
+  assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+  report = json.loads(results.read_text())
+  assert report["passed"]
+  assert {c["case"] for c in report["cases"]} == {n for n, c in aot_cases.all_cases().items() if c.group != "models"}
