@@ -4,16 +4,18 @@
                                                 #   runs end to end in under a minute; its times mean nothing for GPUs
   python benchmarks/attention.py --shapes gpu   # the default on a GPU: T = 1k..16k, head dim 64 and 128, causal and
                                                 #   window 256, bfloat16, B * T = 16k tokens, Hq * D = 2048
+  python benchmarks/attention.py --quick        # one tiny shape (T = 64, D = 32): proves the script in seconds
 
 Backends: ltm_jax's "pallas" and "xla", `jax.nn.dot_product_attention(implementation="cudnn")`, and the peers that are
-importable: `tokamax.dot_product_attention` (its Triton path and its default) and PyTorch SDPA (causal only: SDPA's
-flash kernel has no sliding window). FLOPs count only visible (query, key) pairs: 4 * D per pair forward (QK^T and PV),
-3.5x that forward+backward (the backward's five matmuls: QK^T again, dV, dP, dQ, dK). Each row also gives the time as
-a multiple of its floor, max(bytes / measured copy bandwidth, FLOPs / measured bf16 matmul rate), and the forward's
-max |error| on one batch row and two heads against the xla backend in float32.
+importable: `tokamax.dot_product_attention` (its Triton path and its default), jax-linear-attention's FA3-style
+Mosaic GPU kernel (`jla.layers.attention.attention(implementation="mosaic_gpu")`, Hopper only) and PyTorch SDPA
+(causal only: SDPA's flash kernel has no sliding window). FLOPs count only visible (query, key) pairs: 4 * D per
+pair forward (QK^T and PV), 3.5x that forward+backward (the backward's five matmuls: QK^T again, dV, dP, dQ, dK). Each
+row also gives the time as a multiple of its floor, max(bytes / measured copy bandwidth, FLOPs / measured bf16 matmul
+rate), and the forward's max |error| on one batch row and two heads against the xla backend in float32.
 
-Writes benchmarks/results/attention-<device>.json and prints the `GPU_AUTO` table (ltm_jax/ops/attention) that the
-forward+backward times suggest, when both pallas and cudnn ran.
+Writes benchmarks/results/<name>-<device>.json (--name; default attention, or attention-quick with --quick) and prints
+the `GPU_AUTO` table (ltm_jax/ops/attention) that the forward+backward times suggest, when both pallas and cudnn ran.
 """
 
 from __future__ import annotations
@@ -25,14 +27,15 @@ import common  # First: puts the checkout on sys.path.
 import jax
 import jax.numpy as jnp
 import numpy as np
+import peers as peers_lib
 
 from ltm_jax.ops.attention import attention, cudnn, mask_kind
 
-SEQS = {"cpu": [128, 256], "gpu": [1024, 2048, 4096, 8192, 16384]}
-HEAD_DIMS = {"cpu": [64], "gpu": [64, 128]}
-WINDOW = {"cpu": 32, "gpu": 256}
-TOKENS = {"cpu": 256, "gpu": 16384}  # B * T of every call.
-WIDTH = {"cpu": 128, "gpu": 2048}  # Hq * D.
+SEQS = {"cpu": [128, 256], "gpu": [1024, 2048, 4096, 8192, 16384], "quick": [64]}
+HEAD_DIMS = {"cpu": [64], "gpu": [64, 128], "quick": [32]}
+WINDOW = {"cpu": 32, "gpu": 256, "quick": 16}
+TOKENS = {"cpu": 256, "gpu": 16384, "quick": 64}  # B * T of every call.
+WIDTH = {"cpu": 128, "gpu": 2048, "quick": 64}  # Hq * D.
 # xla builds [B, H, T, S] float32 logits (and probabilities, and their cotangents); skip it past this many bytes.
 XLA_LOGITS_LIMIT = 8 * 2**30
 COLUMNS = ("impl", "mask", "T", "D", "fwd_ms", "fwd_tflops", "fwd_bwd_ms", "fwd_bwd_tflops", "fwd_bwd_floor_x",
@@ -67,6 +70,14 @@ def _jax_impl(name, window):
     local = None if window is None else (window - 1, 0)
     return lambda q, k, v: tokamax.dot_product_attention(q, k, v, is_causal=True, local_window_size=local,
                                                          implementation=implementation)
+  if name == "jla_mosaic":
+    try:
+      from jla.layers.attention import attention as jla_attention  # Peer: optional.
+    except ImportError:
+      return None
+    # Its sliding_window counts the visible keys including the query itself: our W.
+    return lambda q, k, v: jla_attention(q, k, v, sliding_window=window, scale=q.shape[-1] ** -0.5,
+                                         implementation="mosaic_gpu")
   raise ValueError(name)
 
 
@@ -189,7 +200,7 @@ def goals(rows):
     if impl != "pallas":
       continue
     entry = {"mask": mask, "T": t, "D": d, "us_per_token": r["fwd_bwd_us_per_token"]}
-    for peer in ("cudnn", "tokamax_triton"):
+    for peer in ("cudnn", "tokamax_triton", "jla_mosaic"):
       if (peer, mask, t, d) in timed:
         entry[f"speed_vs_{peer}"] = timed[(peer, mask, t, d)]["fwd_bwd_ms"] / r["fwd_bwd_ms"]
     out.append(entry)
@@ -199,13 +210,18 @@ def goals(rows):
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   platform = "cpu" if jax.default_backend() == "cpu" else "gpu"
-  impls_all = ["pallas", "cudnn", "xla", "tokamax_triton", "tokamax", "torch_sdpa"]
+  impls_all = ["pallas", "cudnn", "xla", "tokamax_triton", "tokamax", "jla_mosaic", "torch_sdpa"]
   parser.add_argument("--shapes", choices=sorted(SEQS), default=platform)
+  parser.add_argument("--quick", action="store_true", help="same as --shapes quick: one tiny shape, seconds")
+  parser.add_argument("--name", default=None,
+                      help="results file benchmarks/results/<name>-<device>.json (default: attention[-quick])")
   parser.add_argument("--impls", nargs="+", default=None, choices=impls_all,
                       help="default: pallas xla on cpu; all on gpu")
   parser.add_argument("--seqs", nargs="+", type=int, default=None)
   parser.add_argument("--head-dims", nargs="+", type=int, default=None)
   args = parser.parse_args()
+  if args.quick:
+    args.shapes = "quick"
   shapes = args.shapes
   impls = args.impls or (["pallas", "xla"] if platform == "cpu" else impls_all)
   ceilings = common.measure_ceilings()
@@ -223,8 +239,11 @@ def main():
     print("\nsuggested GPU_AUTO (ltm_jax/ops/attention/__init__.py), by forward+backward time:")
     for key, impl in table.items():
       print(f"    {key!r}: {impl!r},")
+  # The quick run proves the script end to end; it must not overwrite a measured table.
+  name = args.name or ("attention-quick" if shapes == "quick" else "attention")
   path = common.write_results(
-      "attention", rows, shapes=shapes, impls=impls, ceilings=ceilings, goals=goals(rows),
+      name, rows, shapes=shapes, impls=impls, ceilings=ceilings, goals=goals(rows),
+      peer_versions=peers_lib.versions(("tokamax", "jax-linear-attention", "torch", "cudnn")),
       suggested_gpu_auto={f"{m}/{d}": impl for (m, d), impl in table.items()},
       note=("bfloat16, causal self-attention (T == S), MHA; TFLOP/s count visible pairs only: 4*D per pair forward, "
             "3.5x forward+backward; ms are medians; floor_x = time / max(bytes/copy_gbps, flops/matmul_tflops); "

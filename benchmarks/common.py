@@ -7,6 +7,7 @@ sys.path, so they time the working tree's ltm_jax without an install.
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import json
 import os
 import pathlib
@@ -25,7 +26,9 @@ if str(ROOT) not in sys.path:
 import jax  # noqa: E402  (after the path fix, like every ltm_jax import in the scripts)
 import jaxlib  # noqa: E402
 
-RESULTS = ROOT / "benchmarks" / "results"
+# LTM_BENCH_RESULTS moves every script's results file elsewhere (gpu_sweep.py --results-dir; tests write to a
+# temporary folder, never over the measured tables).
+RESULTS = pathlib.Path(os.environ.get("LTM_BENCH_RESULTS") or ROOT / "benchmarks" / "results")
 
 
 def device_name() -> str:
@@ -34,6 +37,13 @@ def device_name() -> str:
   if device.platform == "cpu":
     return "cpu"
   return re.sub(r"[^a-z0-9]+", "-", device.device_kind.lower()).strip("-")
+
+
+def _installed_version(dist: str) -> str | None:
+  try:
+    return importlib.metadata.version(dist)
+  except importlib.metadata.PackageNotFoundError:
+    return None
 
 
 def environment() -> dict[str, Any]:
@@ -46,6 +56,9 @@ def environment() -> dict[str, Any]:
       "device_count": jax.device_count(),
       "jax": jax.__version__,
       "jaxlib": jaxlib.__version__,
+      # Read from the installed metadata, not imported: importing torch would slow every JAX-only script.
+      "torch": _installed_version("torch"),
+      "triton": _installed_version("triton"),
       "python": platform.python_version(),
       "host_cpus": os.cpu_count(),
       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -5,14 +5,17 @@
     python benchmarks/train.py --variant model.dtype=bfloat16 --variant model.layer_pattern=A
     python benchmarks/train.py --config configs/tiny_ltm.py --name train-latent \
         --variant latent.enabled=false --variant latent.inner_steps=4 --variant "" --variant latent.inner_steps=16
+    python benchmarks/train.py --config configs/small.py --mfu   # + model FLOP/s over the measured bf16 matmul rate
+    python benchmarks/train.py --config configs/base_125m.py --quick   # the config at toy sizes: proves it steps
 
 Times the real jitted train step (AdamW update included) on random tokens, median over steps after warm-up, and
-writes benchmarks/results/<name>-<device>.json (name: train by default).
+writes benchmarks/results/<name>-<device>.json (name: train by default; <name>-quick with --quick).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -27,6 +30,18 @@ from ltm_jax.train.step import create_train_state, make_train_step
 
 CPU_VARIANTS = ("", "model.layer_pattern=A", "model.layer_pattern=R", "model.wkv_impl=associative",
                 "model.dtype=bfloat16")
+
+
+def toy(cfg: config_lib.Config) -> config_lib.Config:
+  """`cfg` at toy sizes (d_model 64, one layer per pattern letter, batch 2 x 32 tokens), keeping its mixers, window,
+  grouped-query attention, dtype and backends: a run that proves the config compiles and steps, in seconds."""
+  m = cfg.model
+  model = dataclasses.replace(
+      m, d_model=64, n_heads=2, n_kv_heads=None if m.n_kv_heads is None else 1, n_layers=len(m.layer_pattern),
+      mlp_dim=None if m.mlp_dim is None else 128, rwkv7_head_size=32, window=None if m.window is None else 16,
+      max_seq_len=64)
+  train = dataclasses.replace(cfg.train, batch_size=2, seq_len=32, grad_accum=1)
+  return config_lib.validate(dataclasses.replace(cfg, model=model, train=train))
 
 
 def measure(cfg: config_lib.Config, steps: int) -> dict:
@@ -72,18 +87,32 @@ def main():
                       help="comma-separated key=value overrides; repeat for several variants ('' = as is)")
   parser.add_argument("--steps", type=int, default=10)
   parser.add_argument("--name", default="train", help="results file benchmarks/results/<name>-<device>.json")
+  parser.add_argument("--quick", action="store_true", help="the config at toy sizes, 2 steps: proves it in seconds")
+  parser.add_argument("--mfu", action="store_true",
+                      help="measure the bf16 matmul rate (common.measure_ceilings) and report model_tflops over it")
   args = parser.parse_args()
+  if args.quick:
+    args.steps, args.name = min(args.steps, 2), f"{args.name}-quick"
+  ceilings = common.measure_ceilings() if args.mfu else None
+  if ceilings:
+    print(f"ceilings: {ceilings}")
   variants = args.variant if args.variant is not None else (
       CPU_VARIANTS if jax.default_backend() == "cpu" else ("",))
   rows = []
   for variant in variants:
     cfg = config_lib.load_config(args.config, [v for v in variant.split(",") if v])
+    if args.quick:
+      cfg = toy(cfg)
     row = {"config": cfg.name, "variant": variant or "(as is)", **measure(cfg, args.steps)}
+    if ceilings:
+      # Model FLOPs utilisation against the matmul rate this machine reached, not a datasheet number.
+      row["mfu"] = row["model_tflops"] / ceilings["matmul_tflops"]
     rows.append(row)
     print(f"measured {row['config']} {row['variant']}: {row['tokens_per_s']:.0f} tokens/s", flush=True)
   common.print_table(rows, ["config", "variant", "params", "batch", "compile_s", "step_ms", "tokens_per_s",
-                            "model_tflops", "temp_mib"])
-  path = common.write_results(args.name, rows, config_file=args.config, steps=args.steps)
+                            "model_tflops"] + (["mfu"] if ceilings else []) + ["temp_mib"])
+  path = common.write_results(args.name, rows, config_file=args.config, steps=args.steps, quick=args.quick,
+                              ceilings=ceilings)
   print(f"wrote {path}")
 
 

@@ -23,6 +23,7 @@ import common  # First: puts the checkout on sys.path.
 import jax
 import jax.numpy as jnp
 
+import peers as peers_lib
 from ltm_jax.ops.wkv4 import AVAILABLE, wkv4
 from pallas import wkv4 as pallas_wkv4
 
@@ -244,7 +245,7 @@ def main():
   # The quick run proves the script end to end; it must not overwrite a measured table.
   path = common.write_results(
       "wkv4-quick" if args.shapes == "quick" else "wkv4", rows, shapes=args.shapes, copy_gbps=copy_gbps,
-      peers_found=sorted(peers),
+      peers_found=sorted(peers), peer_versions=peers_lib.versions(("rwkv", "fla-core", "torch")),
       pallas_chunk=pallas_wkv4.CHUNK, pallas_block_c=pallas_wkv4.BLOCK_C,
       pallas_bytes_per_element={d: kernel_bytes_per_element((1, 1, 1), d) for d in dtypes},
       note="shape is BxTxC; ms are medians; gbps counts k, v, y (+ dy, dk, dv) once; pct_copy is gbps over the "

@@ -2,11 +2,14 @@
 
   python benchmarks/wkv7.py                 # CPU: training-like shapes, about a minute on 2 cores
   python benchmarks/wkv7.py --shapes gpu    # the default on an accelerator: the issue's three shapes, bfloat16
+  python benchmarks/wkv7.py --quick         # tiny shapes, every backend (pallas interpreted on CPU): proves it runs
 
 Peers, run in the same process when importable (and reported as missing otherwise): flash-linear-attention's
-`chunk_rwkv7` (PyTorch/Triton, `pip install fla-core`, timed with CUDA events) and the JAX Triton kernel of
-`rwkv-ops` (`pip install rwkv-ops`, KERNEL_BACKEND=jax). Writes benchmarks/results/wkv7-<device>.json. The fastest
-forward+backward backend per platform goes into `ltm_jax.ops.wkv7.AUTO`.
+`chunk_rwkv7` (PyTorch/Triton, `pip install fla-core`, timed with CUDA events), the JAX Triton kernel of
+`rwkv-ops` (`pip install rwkv-ops`, KERNEL_BACKEND=jax) and jax-linear-attention's Mosaic GPU kernel
+(`pip install jax-linear-attention`, jla.ops.mosaic_gpu.rwkv7, Hopper only, in the bounded mode the RWKV-7 layers
+use: lower_bound -0.61). Writes benchmarks/results/wkv7-<device>.json (wkv7-quick-<device>.json with --quick). The
+fastest forward+backward backend per platform goes into `ltm_jax.ops.wkv7.AUTO`.
 
 Counting. Bytes: the six inputs read and y written once (forward); plus dy read and six gradients written (backward).
 FLOPs: the sequential form's 9·N² per token and head (S a, the rank-1 updates and decay, S r), 3x that forward and
@@ -24,6 +27,7 @@ import common  # First: puts the checkout on sys.path.
 import jax
 import jax.numpy as jnp
 import numpy as np
+import peers as peers_lib
 
 from ltm_jax.ops.wkv7 import AVAILABLE, wkv7
 
@@ -31,8 +35,9 @@ from ltm_jax.ops.wkv7 import AVAILABLE, wkv7
 SHAPES = {
     "cpu": [(8, 256, 128, 32), (4, 512, 256, 64)],
     "gpu": [(8, 4096, 4096, 64), (8, 4096, 4096, 128), (1, 32768, 4096, 64)],
+    "quick": [(2, 40, 32, 16)],
 }
-DTYPES = {"cpu": ["float32"], "gpu": ["bfloat16"]}
+DTYPES = {"cpu": ["float32"], "gpu": ["bfloat16"], "quick": ["float32"]}
 COLUMNS = ("impl", "shape", "dtype", "fwd_ms", "fwd_bwd_ms", "fwd_floor_x", "fwd_bwd_floor_x", "fwd_gbps",
            "fwd_bwd_gbps", "fwd_tflops", "rel_err", "compile_s")
 FLOPS_PER_TOKEN_HEAD = 9  # times N², forward; see the module docstring.
@@ -145,17 +150,45 @@ def bench_rwkv_ops(inputs, dtype, reference):
   return row
 
 
-PEERS = {"fla.chunk_rwkv7": ("fla", bench_fla), "rwkv_ops": ("rwkv_ops", bench_rwkv_ops)}
+def bench_jla(inputs, dtype, reference):
+  """jax-linear-attention's Mosaic GPU RWKV-7 (arguments r, k, v, w, a, b; FLA's [K, V] state) on the same inputs, in
+  the bounded mode: our w lies in [-0.61, 0), the bound its RWKV-7 layers promise."""
+  from jla.ops.mosaic_gpu.rwkv7 import rwkv7 as jla_rwkv7
+
+  r, w, k, v, a, b, dy = (x.astype(dtype) for x in inputs)
+  forward = lambda r, w, k, v, a, b: jla_rwkv7(r, k, v, w, a, b, scale=1.0, lower_bound=-0.61)[0]
+
+  def forward_backward(r, w, k, v, a, b, dy):
+    y, vjp = jax.vjp(forward, r, w, k, v, a, b)
+    return y, vjp(dy)
+
+  fwd, fwd_compile = common.compile_fn(forward, r, w, k, v, a, b)
+  fwd_t = common.time_fn(fwd, r, w, k, v, a, b)
+  row = {"fwd_ms": fwd_t["median_ms"], "rel_err": _rel_err(fwd(r, w, k, v, a, b), reference), "fwd": fwd_t,
+         "compile_s": fwd_compile}
+  fwd_bwd, bwd_compile = common.compile_fn(forward_backward, r, w, k, v, a, b, dy)
+  fwd_bwd_t = common.time_fn(fwd_bwd, r, w, k, v, a, b, dy)
+  row.update(fwd_bwd_ms=fwd_bwd_t["median_ms"], fwd_bwd=fwd_bwd_t, compile_s=fwd_compile + bwd_compile)
+  return row
+
+
+PEERS = {"fla.chunk_rwkv7": ("fla", bench_fla), "rwkv_ops": ("rwkv_ops", bench_rwkv_ops),
+         "jla.mosaic_gpu": ("jla", bench_jla)}
+# The packages behind PEERS, by their names in peers.PEERS (their versions go into the results file).
+PEER_PACKAGES = ("fla-core", "rwkv-ops", "jax-linear-attention", "torch")
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   platform = "cpu" if jax.default_backend() == "cpu" else "gpu"
   parser.add_argument("--shapes", choices=sorted(SHAPES), default=platform)
+  parser.add_argument("--quick", action="store_true", help="same as --shapes quick: tiny shapes, seconds")
   parser.add_argument("--dtypes", nargs="+", default=None, help="default: float32 on cpu, bfloat16 on gpu")
   parser.add_argument("--impls", nargs="+", default=list(AVAILABLE), choices=AVAILABLE)
   parser.add_argument("--no-peers", action="store_true")
   args = parser.parse_args()
+  if args.quick:
+    args.shapes = "quick"
   dtypes = args.dtypes or DTYPES[args.shapes]
 
   ceilings = common.measure_ceilings()
@@ -186,8 +219,10 @@ def main():
         common.print_table(rows[-1:], COLUMNS)
   print()
   common.print_table(rows, COLUMNS)
+  # The quick run proves the script end to end; it must not overwrite a measured table.
   path = common.write_results(
-      "wkv7", rows, shapes=args.shapes, ceilings=ceilings, peers_run=sorted(peers), peers_missing=missing,
+      "wkv7-quick" if args.shapes == "quick" else "wkv7", rows, shapes=args.shapes, ceilings=ceilings,
+      peers_run=sorted(peers), peers_missing=missing, peer_versions=peers_lib.versions(PEER_PACKAGES),
       note=("shape is BxTxCxN; ms are medians; floor_x = time / max(bytes / copy rate, FLOPs / bf16 matmul rate); "
             "bytes count the six inputs and y (+ dy and six gradients) once; FLOPs are 9 N^2 per token-head forward, "
             "3x for forward+backward; rel_err = max|y - y_scan_f32| / max|y_scan_f32|. On CPU the pallas backend runs "

@@ -1,0 +1,145 @@
+"""The peers the benchmarks compare against: which are importable here, their versions, and the wheels that bring them
+(and the ltm_jax dependencies the GPU image lacks) to a GPU machine that cannot reach a package index.
+
+  python benchmarks/peers.py                  # one line per peer: importable or why not, version, benchmarks
+  python benchmarks/peers.py --json           # the same as JSON
+  python benchmarks/peers.py --download .whl  # WHEELS for the GPU image (CPython 3.12, x86-64 manylinux) into .whl/;
+                                              # carry the folder there and run gpu_sweep.py --wheels .whl
+
+Peer code is only ever imported from its installed package, never copied here. This module imports no JAX, so the
+sweep driver can use it without touching the accelerator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import importlib.metadata
+import importlib.util
+import json
+import pathlib
+import subprocess
+import sys
+from collections.abc import Iterable
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Peer:
+  """module: what must import for the peer to run; dists: distributions whose installed version identifies it (the
+  first one found); benchmarks: the scripts that run it; what: the function(s) they call."""
+  module: str
+  dists: tuple[str, ...]
+  benchmarks: tuple[str, ...]
+  what: str
+
+
+PEERS = {
+    "rwkv": Peer("rwkv", ("rwkv",), ("wkv4", "decode"),
+                 "the official RWKV-4 CUDA kernel (rwkv/cuda/, built with torch.utils.cpp_extension.load) and the "
+                 "official model's forward"),
+    "fla-core": Peer("fla", ("fla-core", "flash-linear-attention"), ("wkv4", "wkv7"),
+                     "flash-linear-attention's Triton kernels fla.ops.rwkv4.fused_recurrent_rwkv4 and "
+                     "fla.ops.rwkv7.chunk_rwkv7"),
+    "jax-linear-attention": Peer("jla", ("jax-linear-attention",), ("wkv7", "attention"),
+                                 "Pallas Mosaic GPU kernels: jla.ops.mosaic_gpu.rwkv7.rwkv7 and "
+                                 "jla.layers.attention.attention(implementation='mosaic_gpu')"),
+    "tokamax": Peer("tokamax", ("tokamax",), ("attention",), "tokamax.dot_product_attention"),
+    "rwkv-ops": Peer("rwkv_ops", ("rwkv-ops",), ("wkv7",), "rwkv_ops.generalized_delta_rule (JAX, Triton kernels)"),
+    "torch": Peer("torch", ("torch",), ("wkv4", "wkv7", "attention", "decode"),
+                  "torch.nn.functional.scaled_dot_product_attention; the runtime of the rwkv and fla-core peers"),
+    "cudnn": Peer("jax", ("nvidia-cudnn-cu13", "nvidia-cudnn-cu12"), ("attention",),
+                  "jax.nn.dot_product_attention(implementation='cudnn'), when jax has a CUDA backend"),
+}
+
+# Wheels for the GPU machines' image (Python 3.12, jax 0.11.2, torch 2.11, no package index), installed there with
+# --no-deps: the peers, the imports each needs that the image lacks (found by importing them over a copy of that
+# image's packages), and ltm_jax's own imports the image lacks (grain, tensorboardX). Pinned, so that a sweep on one
+# day compares against the same peers as the next. rwkv-ops is left out: it needs keras, which the image lacks too.
+WHEELS = (
+    # ltm_jax
+    "grain==0.2.18", "array-record==0.8.6", "portpicker==1.6.0", "tensorboardx==2.6.5",
+    # peers
+    "rwkv==0.8.32", "fla-core==0.6.0", "jax-linear-attention==0.1.0", "tokamax==0.0.17",
+    # tokamax's imports (xprof, through tokamax._src.benchmarking, is 32 MB of the ~45 MB)
+    "einshape==1.0", "qwix==0.1.8", "immutabledict==4.3.1", "pydantic==2.14.3", "pydantic-core==2.50.4",
+    "annotated-types==0.8.0", "typing-inspection==0.4.5", "typing-extensions==4.16.0", "xprof==2.24.2",
+    "fire==0.7.1", "termcolor==3.3.0",
+)
+WHEEL_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
+                   "manylinux2014_x86_64", "manylinux1_x86_64")
+
+
+def installed_version(dists: Iterable[str]) -> str | None:
+  """The version of the first of `dists` that is installed, or None."""
+  for dist in dists:
+    try:
+      return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+      continue
+  return None
+
+
+def status(names: Iterable[str] | None = None, *, import_modules: bool = True) -> dict[str, dict[str, Any]]:
+  """{peer: {importable, version, benchmarks[, reason]}} for `names` (default: every peer).
+
+  With `import_modules`, a peer counts as importable only once its module imports (a package whose own imports are
+  missing fails there, e.g. tokamax without xprof); without, finding the module is enough (fast: imports nothing).
+  """
+  out = {}
+  for name in PEERS if names is None else names:
+    peer = PEERS[name]
+    entry: dict[str, Any] = {"version": installed_version(peer.dists), "benchmarks": list(peer.benchmarks)}
+    try:
+      if import_modules:
+        importlib.import_module(peer.module)
+        entry["importable"] = True
+      else:
+        entry["importable"] = importlib.util.find_spec(peer.module) is not None
+        if not entry["importable"]:
+          entry["reason"] = f"no module named {peer.module!r}"
+    except Exception as e:  # noqa: BLE001  (any failure to import means the peer cannot run here)
+      entry["importable"] = False
+      entry["reason"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    if name == "cudnn" and entry["importable"]:
+      # cuDNN attention runs only through a CUDA plugin; whether a GPU is there is the benchmark's to find out.
+      plugin = installed_version(("jax-cuda13-plugin", "jax-cuda12-plugin"))
+      if plugin is None:
+        entry.update(importable=False, reason="no jax CUDA plugin installed")
+    out[name] = entry
+  return out
+
+
+def versions(names: Iterable[str]) -> dict[str, str | None]:
+  """{peer: installed version or None}, from package metadata alone (imports nothing): for results files."""
+  return {name: installed_version(PEERS[name].dists) for name in names}
+
+
+def download(folder: pathlib.Path, wheels: Iterable[str] = WHEELS) -> int:
+  """pip-downloads `wheels` (no dependencies: WHEELS names each one needed) for the GPU image into `folder`."""
+  platforms = [arg for platform in WHEEL_PLATFORMS for arg in ("--platform", platform)]
+  command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
+             "--implementation", "cp", *platforms, "-d", str(folder), *wheels]
+  return subprocess.run(command, check=False).returncode
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--json", action="store_true", help="print the status as JSON")
+  parser.add_argument("--no-import", action="store_true", help="find the modules without importing them")
+  parser.add_argument("--download", type=pathlib.Path, metavar="DIR", help="download WHEELS for the GPU image")
+  args = parser.parse_args()
+  if args.download is not None:
+    sys.exit(download(args.download))
+  result = status(import_modules=not args.no_import)
+  if args.json:
+    print(json.dumps(result))
+    return
+  for name, entry in result.items():
+    found = "importable" if entry["importable"] else f"missing ({entry.get('reason', '')})"
+    print(f"{name:22s} {entry['version'] or '-':12s} {found}; used by {', '.join(entry['benchmarks'])}")
+
+
+if __name__ == "__main__":
+  main()
