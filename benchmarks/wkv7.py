@@ -127,6 +127,24 @@ def bench_fla(inputs, dtype, reference):
           "torch": torch.__version__}
 
 
+def _time_jax_peer(forward, args, dy, reference):
+  """Forward and forward+backward (VJP with `dy`) timings of a JAX peer's `forward(r, w, k, v, a, b)`, with its
+  relative error against `reference`."""
+
+  def forward_backward(*args_and_dy):
+    y, vjp = jax.vjp(forward, *args_and_dy[:-1])
+    return y, vjp(args_and_dy[-1])
+
+  fwd, fwd_compile = common.compile_fn(forward, *args)
+  fwd_t = common.time_fn(fwd, *args)
+  row = {"fwd_ms": fwd_t["median_ms"], "rel_err": _rel_err(fwd(*args), reference), "fwd": fwd_t,
+         "compile_s": fwd_compile}
+  fwd_bwd, bwd_compile = common.compile_fn(forward_backward, *args, dy)
+  fwd_bwd_t = common.time_fn(fwd_bwd, *args, dy)
+  row.update(fwd_bwd_ms=fwd_bwd_t["median_ms"], fwd_bwd=fwd_bwd_t, compile_s=fwd_compile + bwd_compile)
+  return row
+
+
 def bench_rwkv_ops(inputs, dtype, reference):
   """rwkv-ops' JAX Triton kernel (`generalized_delta_rule`, log-space decay) on the same inputs."""
   os.environ.setdefault("KERNEL_BACKEND", "jax")
@@ -135,19 +153,7 @@ def bench_rwkv_ops(inputs, dtype, reference):
 
   r, w, k, v, a, b, dy = (x.astype(dtype) for x in inputs)
   forward = lambda r, w, k, v, a, b: generalized_delta_rule(r, w, k, v, a, b, output_final_state=True)[0]
-
-  def forward_backward(r, w, k, v, a, b, dy):
-    y, vjp = jax.vjp(forward, r, w, k, v, a, b)
-    return y, vjp(dy)
-
-  fwd, fwd_compile = common.compile_fn(forward, r, w, k, v, a, b)
-  fwd_t = common.time_fn(fwd, r, w, k, v, a, b)
-  row = {"fwd_ms": fwd_t["median_ms"], "rel_err": _rel_err(fwd(r, w, k, v, a, b), reference), "fwd": fwd_t,
-         "compile_s": fwd_compile}
-  fwd_bwd, bwd_compile = common.compile_fn(forward_backward, r, w, k, v, a, b, dy)
-  fwd_bwd_t = common.time_fn(fwd_bwd, r, w, k, v, a, b, dy)
-  row.update(fwd_bwd_ms=fwd_bwd_t["median_ms"], fwd_bwd=fwd_bwd_t, compile_s=fwd_compile + bwd_compile)
-  return row
+  return _time_jax_peer(forward, (r, w, k, v, a, b), dy, reference)
 
 
 def bench_jla(inputs, dtype, reference):
@@ -157,19 +163,7 @@ def bench_jla(inputs, dtype, reference):
 
   r, w, k, v, a, b, dy = (x.astype(dtype) for x in inputs)
   forward = lambda r, w, k, v, a, b: jla_rwkv7(r, k, v, w, a, b, scale=1.0, lower_bound=-0.61)[0]
-
-  def forward_backward(r, w, k, v, a, b, dy):
-    y, vjp = jax.vjp(forward, r, w, k, v, a, b)
-    return y, vjp(dy)
-
-  fwd, fwd_compile = common.compile_fn(forward, r, w, k, v, a, b)
-  fwd_t = common.time_fn(fwd, r, w, k, v, a, b)
-  row = {"fwd_ms": fwd_t["median_ms"], "rel_err": _rel_err(fwd(r, w, k, v, a, b), reference), "fwd": fwd_t,
-         "compile_s": fwd_compile}
-  fwd_bwd, bwd_compile = common.compile_fn(forward_backward, r, w, k, v, a, b, dy)
-  fwd_bwd_t = common.time_fn(fwd_bwd, r, w, k, v, a, b, dy)
-  row.update(fwd_bwd_ms=fwd_bwd_t["median_ms"], fwd_bwd=fwd_bwd_t, compile_s=fwd_compile + bwd_compile)
-  return row
+  return _time_jax_peer(forward, (r, w, k, v, a, b), dy, reference)
 
 
 PEERS = {"fla.chunk_rwkv7": ("fla", bench_fla), "rwkv_ops": ("rwkv_ops", bench_rwkv_ops),
