@@ -45,6 +45,8 @@ Builder = Callable[..., tuple[Callable[..., Any], tuple[Any, ...]]]
 WKV4_KERNELS_SEQUENTIAL = ("wkv4_forward", "wkv4_backward")
 WKV4_KERNELS_PARALLEL = ("wkv4_chunk_summary", "wkv4_chunk_output", "wkv4_chunk_adjoint", "wkv4_chunk_grads")
 WKV7_KERNELS = ("wkv7_forward", "wkv7_backward")
+# Under remat the forward pass runs the primal kernel (no state checkpoints), the recomputation the full forward.
+WKV7_REMAT_KERNELS = ("wkv7_forward_primal",) + WKV7_KERNELS
 ATTENTION_KERNELS = ("flash_attention_forward", "flash_attention_dq", "flash_attention_dkv")
 # Entry names the compiled program gives the kernels of this package (a suffix _1, _2, ... tells copies apart).
 KERNEL_PREFIXES = ("wkv4_", "wkv7_", "flash_attention_")
@@ -114,7 +116,7 @@ def _wkv7(batch: int, length: int, heads: int, size: int, dtype) -> Builder:
     del block_sizes
     seq = abstract((batch, length, heads, size), dtype)
     primals = (seq,) * 6 + (abstract((batch, heads, size, size), jnp.float32),)
-    return _vjp_program(functools.partial(wkv7.wkv7, interpret=False), primals, abstract, 7)
+    return _vjp_program(jax.checkpoint(functools.partial(wkv7.wkv7, interpret=False)), primals, abstract, 7)
 
   return build
 
@@ -154,15 +156,16 @@ def _kernel_cases() -> list[Case]:
            _wkv4(1, 1024, 512, bf16)),
       Case("wkv4_par_f32", "wkv4 fwd+bwd f32 B32 T128 C128 (time-parallel; tiny)", WKV4_KERNELS_PARALLEL,
            _wkv4(32, 128, 128, f32), dtype="float32"),
-      # WKV-7 at configs/small_rwkv7.py's training shape (8 heads of 64), and the same width in heads of 128.
-      Case("wkv7_n64_bf16", "wkv7 fwd+bwd bf16 B32 T1024 H8 N64 (small_rwkv7)", WKV7_KERNELS,
+      # WKV-7 at configs/small_rwkv7.py's training shape (8 heads of 64), and the same width in heads of 128, under
+      # jax.checkpoint so that the primal kernel (inference, and the forward pass under remat) is compiled too.
+      Case("wkv7_n64_bf16", "wkv7 fwd+bwd bf16 B32 T1024 H8 N64 (small_rwkv7)", WKV7_REMAT_KERNELS,
            _wkv7(32, 1024, 8, 64, bf16), head_dim=64),
-      Case("wkv7_n64_f32", "wkv7 fwd+bwd f32 B32 T1024 H8 N64", WKV7_KERNELS, _wkv7(32, 1024, 8, 64, f32),
+      Case("wkv7_n64_f32", "wkv7 fwd+bwd f32 B32 T1024 H8 N64", WKV7_REMAT_KERNELS, _wkv7(32, 1024, 8, 64, f32),
            dtype="float32", head_dim=64),
-      Case("wkv7_n128_bf16", "wkv7 fwd+bwd bf16 B32 T1024 H4 N128", WKV7_KERNELS, _wkv7(32, 1024, 4, 128, bf16),
-           head_dim=128),
-      Case("wkv7_n128_f32", "wkv7 fwd+bwd f32 B32 T1024 H4 N128", WKV7_KERNELS, _wkv7(32, 1024, 4, 128, f32),
-           dtype="float32", head_dim=128),
+      Case("wkv7_n128_bf16", "wkv7 fwd+bwd bf16 B32 T1024 H4 N128", WKV7_REMAT_KERNELS,
+           _wkv7(32, 1024, 4, 128, bf16), head_dim=128),
+      Case("wkv7_n128_f32", "wkv7 fwd+bwd f32 B32 T1024 H4 N128", WKV7_REMAT_KERNELS,
+           _wkv7(32, 1024, 4, 128, f32), dtype="float32", head_dim=128),
   ]
   # Flash attention. Head dim 64: base_125m (B64 T2048, 12 query heads on 4 key/value heads) and small_rwkv7 /
   # small (B32 T1024, 8 heads, window 512); head dim 32: tiny (float32). Head dims 128 and 256: B * T = 16k tokens and
@@ -294,7 +297,8 @@ def _model_cases() -> list[Case]:
       # Decoding steps take the reference paths (one token: scan, cache attention: xla); the prefill takes the
       # forward kernels (its padding is a segment id).
       Case("generate_small_rwkv7", "small_rwkv7 prefill B8 T512 + 64-token decode loop",
-           ("wkv7_forward", "flash_attention_forward"), _generation("small_rwkv7"), group="models", head_dim=64),
+           ("wkv7_forward_primal", "flash_attention_forward"), _generation("small_rwkv7"), group="models",
+           head_dim=64),
       Case("generate_base_125m", "base_125m prefill B8 T512 + 64-token decode loop", ("flash_attention_forward",),
            _generation("base_125m"), group="models", head_dim=64),
   ]

@@ -53,7 +53,10 @@ def _load_token(refs, t, v_ref):
   return r, w, k, v_ref[t].astype(jnp.float32), a, b
 
 
-def _forward_kernel(r_ref, w_ref, k_ref, v_ref, a_ref, b_ref, s0_ref, y_ref, ckpt_ref, s_out_ref, *, chunk):
+def _forward_kernel(r_ref, w_ref, k_ref, v_ref, a_ref, b_ref, s0_ref, y_ref, *state_refs, chunk):
+  """Outputs y and, with checkpoints, the state at every chunk start (what the backward replays from); then the final
+  state. Without them (the primal, also run as the forward pass under remat) nothing is written but y and the state."""
+  ckpt_ref, s_out_ref = state_refs if len(state_refs) == 2 else (None, state_refs[0])
   num_chunks = r_ref.shape[0] // chunk
   keys = (r_ref, w_ref, k_ref, a_ref, b_ref)
 
@@ -64,7 +67,8 @@ def _forward_kernel(r_ref, w_ref, k_ref, v_ref, a_ref, b_ref, s0_ref, y_ref, ckp
     return s
 
   def one_chunk(c, s):
-    ckpt_ref[c] = s
+    if ckpt_ref is not None:
+      ckpt_ref[c] = s
     start = c * chunk
     return jax.lax.fori_loop(start, start + chunk, token, s)
 
@@ -134,25 +138,24 @@ def _value_block(size: int, block: int) -> int:
   return block
 
 
-def _forward(r, w, k, v, a, b, state, *, chunk, block, interpret):
+def _forward(r, w, k, v, a, b, state, *, chunk, block, interpret, checkpoints=True):
+  """(y, checkpoints [B, H, T / chunk, N, N] float32 or None when not asked for, final state)."""
   batch, length, heads, size = r.shape
   num_chunks = length // chunk
   seq, seq_block, state_spec, ckpt_spec = _specs(length, size, block, num_chunks)
-  y, ckpt, final = backend.call(
+  ckpt_shape = jax.ShapeDtypeStruct((batch, heads, num_chunks, size, size), jnp.float32)
+  outputs = backend.call(
       functools.partial(_forward_kernel, chunk=chunk),
-      out_shape=(
-          jax.ShapeDtypeStruct(v.shape, v.dtype),
-          jax.ShapeDtypeStruct((batch, heads, num_chunks, size, size), jnp.float32),
-          jax.ShapeDtypeStruct((batch, heads, size, size), jnp.float32),
-      ),
+      out_shape=(jax.ShapeDtypeStruct(v.shape, v.dtype),) + ((ckpt_shape,) if checkpoints else ())
+      + (jax.ShapeDtypeStruct((batch, heads, size, size), jnp.float32),),
       grid=(batch, heads, size // block),
       in_specs=[seq, seq, seq, seq_block, seq, seq, state_spec],
-      out_specs=[seq_block, ckpt_spec, state_spec],
+      out_specs=[seq_block] + ([ckpt_spec] if checkpoints else []) + [state_spec],
       num_warps=_num_warps(block, size),
       interpret=interpret,
-      name="wkv7_forward",
+      name="wkv7_forward" if checkpoints else "wkv7_forward_primal",
   )(r, w, k, v, a, b, state)
-  return y, ckpt, final
+  return (outputs[0], outputs[1], outputs[2]) if checkpoints else (outputs[0], None, outputs[1])
 
 
 def _backward(r, w, k, v, a, b, ckpt, dy, ds_out, *, chunk, block, interpret):
@@ -187,7 +190,8 @@ def _fused(chunk: int, forward_block: int, backward_block: int, interpret: bool 
 
   @jax.custom_vjp
   def run(r, w, k, v, a, b, state):
-    y, _, final = _forward(r, w, k, v, a, b, state, chunk=chunk, block=forward_block, interpret=interpret)
+    y, _, final = _forward(r, w, k, v, a, b, state, chunk=chunk, block=forward_block, interpret=interpret,
+                           checkpoints=False)
     return y, final
 
   def run_fwd(r, w, k, v, a, b, state):
@@ -202,7 +206,9 @@ def _fused(chunk: int, forward_block: int, backward_block: int, interpret: bool 
     *dinputs, ds0 = grads
     return (*(g.astype(x.dtype) for g, x in zip(dinputs, inputs)), ds0)  # The state is always float32 here.
 
-  run.defvjp(run_fwd, run_bwd)
+  # Under jax.checkpoint the forward pass then runs the primal (no checkpoints written) and only the recomputation in
+  # the backward pass runs run_fwd (jax#21303: otherwise both write them).
+  run.defvjp(run_fwd, run_bwd, optimize_remat=True)
   return run
 
 

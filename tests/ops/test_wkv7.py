@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -187,6 +189,18 @@ def test_checkpointed_gradients_agree(impl):
   expected = _JITTED[impl](inputs, cot)
   checkpointed = jax.jit(_outputs_and_grads(impl, jax.checkpoint))(inputs, cot)
   jax.tree.map(lambda x, y: _assert_close(x, y, F32_RTOL, "checkpoint"), checkpointed, expected)
+
+
+def test_pallas_under_remat_writes_checkpoints_once():
+  """Under jax.checkpoint the forward pass runs the kernel without state checkpoints (the primal) and only the
+  recomputation writes them; without remat the forward writes them once, as the backward needs."""
+  inputs, cot = _inputs(6), _cotangents(6)
+  loss = lambda *inputs: _weighted(cot, *pallas.wkv7.wkv7(*inputs, interpret=True))
+  kernels = lambda fn: sorted(re.findall(r"name=(wkv7_\w+)", str(jax.make_jaxpr(jax.grad(fn, argnums=0))(*inputs))))
+  assert kernels(loss) == ["wkv7_backward", "wkv7_forward"]
+  assert kernels(jax.checkpoint(loss)) == ["wkv7_backward", "wkv7_forward", "wkv7_forward_primal"]
+  plain, rematted = jax.grad(loss, argnums=0)(*inputs), jax.jit(jax.grad(jax.checkpoint(loss), argnums=0))(*inputs)
+  np.testing.assert_array_equal(plain, rematted)
 
 
 @pytest.mark.parametrize("impl", AVAILABLE)
