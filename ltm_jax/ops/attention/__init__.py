@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from ltm_jax.ops import backend, sharding
 from ltm_jax.ops.attention import cudnn, pallas, xla
+from pallas import backend as kernel_backend
 
 IMPLS = ("xla", "cudnn", "pallas")
 # Compiled for a GPU, "auto" resolves per call through `GPU_AUTO` (see `_auto_gpu`); elsewhere it is the xla
@@ -100,7 +101,8 @@ def attention(
       "pallas": lambda: pallas.unsupported_reason(d, q.dtype, has_positions=has_positions),
   }
   if impl == "auto":  # xla unless compiled for a GPU, where the shape class picks (see _auto_gpu).
-    gpu = _auto_gpu(mask_kind(causal, window, s), d, reasons)
+    # The shape-class choice (device queries included) only where a GPU compilation can happen.
+    gpu = _auto_gpu(mask_kind(causal, window, s), d, reasons) if kernel_backend.may_compile_for_gpu() else "xla"
     names = {"xla": "xla", gpu: gpu}
   else:
     reason = reasons[impl]() if impl in reasons else None
