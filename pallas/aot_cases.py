@@ -43,6 +43,9 @@ Abstract = Callable[[tuple[int, ...], Any], Any]
 Builder = Callable[..., tuple[Callable[..., Any], tuple[Any, ...]]]
 
 WKV4_KERNELS_SEQUENTIAL = ("wkv4_forward", "wkv4_backward")
+# Under remat the sequential path's forward pass runs the primal kernel (no checkpoints), the recomputation the full
+# forward. The time-parallel path's primal runs its forward kernels (they write nothing the backward alone reads).
+WKV4_REMAT_KERNELS_SEQUENTIAL = ("wkv4_forward_primal",) + WKV4_KERNELS_SEQUENTIAL
 WKV4_KERNELS_PARALLEL = ("wkv4_chunk_summary", "wkv4_chunk_output", "wkv4_chunk_adjoint", "wkv4_chunk_grads")
 WKV7_KERNELS = ("wkv7_forward", "wkv7_backward")
 # Under remat the forward pass runs the primal kernel (no state checkpoints), the recomputation the full forward.
@@ -99,14 +102,17 @@ def _vjp_program(fn: Callable[..., Any], primals: tuple[Any, ...], abstract: Abs
 # Kernel cases.
 
 
-def _wkv4(batch: int, length: int, channels: int, dtype) -> Builder:
+def _wkv4(batch: int, length: int, channels: int, dtype, *, remat: bool = False) -> Builder:
+  """fwd+bwd of `wkv4`; with `remat`, under jax.checkpoint (the forward pass runs the primal)."""
+
   def build(abstract: Abstract, block_sizes=None):
     del block_sizes
     f32 = jnp.float32
     state = tuple(abstract((batch, channels), f32) for _ in range(3))
     seq = abstract((batch, length, channels), dtype)
     primals = (abstract((channels,), f32), abstract((channels,), f32), seq, seq, state)
-    return _vjp_program(functools.partial(wkv4.wkv4, interpret=False), primals, abstract, 5)
+    fn = functools.partial(wkv4.wkv4, interpret=False)
+    return _vjp_program(jax.checkpoint(fn) if remat else fn, primals, abstract, 5)
 
   return build
 
@@ -148,10 +154,11 @@ def _kernel_cases() -> list[Case]:
   cases = [
       # WKV-4 at configs/small.py's training shape (B32 T1024 C512: B·C = PARALLEL_BELOW, the sequential path), at
       # one prompt of its prefill (B1: time-parallel), and at configs/tiny.py's float32 training shape (parallel).
-      Case("wkv4_seq_bf16", "wkv4 fwd+bwd bf16 B32 T1024 C512 (sequential; small)", WKV4_KERNELS_SEQUENTIAL,
-           _wkv4(32, 1024, 512, bf16)),
-      Case("wkv4_seq_f32", "wkv4 fwd+bwd f32 B32 T1024 C512 (sequential)", WKV4_KERNELS_SEQUENTIAL,
-           _wkv4(32, 1024, 512, f32), dtype="float32"),
+      # The sequential cases run under jax.checkpoint so that the primal kernel is compiled too.
+      Case("wkv4_seq_bf16", "wkv4 fwd+bwd bf16 B32 T1024 C512 (sequential; small)", WKV4_REMAT_KERNELS_SEQUENTIAL,
+           _wkv4(32, 1024, 512, bf16, remat=True)),
+      Case("wkv4_seq_f32", "wkv4 fwd+bwd f32 B32 T1024 C512 (sequential)", WKV4_REMAT_KERNELS_SEQUENTIAL,
+           _wkv4(32, 1024, 512, f32, remat=True), dtype="float32"),
       Case("wkv4_par_bf16", "wkv4 fwd+bwd bf16 B1 T1024 C512 (time-parallel; small prefill)", WKV4_KERNELS_PARALLEL,
            _wkv4(1, 1024, 512, bf16)),
       Case("wkv4_par_f32", "wkv4 fwd+bwd f32 B32 T128 C128 (time-parallel; tiny)", WKV4_KERNELS_PARALLEL,

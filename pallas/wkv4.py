@@ -11,17 +11,22 @@ drift by one rounding per token. Arithmetic is float32 whatever the dtype of k a
 Kernels (grid over batch rows and blocks of `block_c` channels; time is split into chunks of `chunk` tokens):
   forward:   one pass over T per program, reads k, v; writes y and the state at every chunk boundary
              (num, den, anchor, n: four [B, T/chunk + 1, C] arrays, the last row the final state).
+  forward primal: the same pass writing y and the final state only (four [B, C] arrays). It is the custom_vjp's
+             primal: inference, and the forward pass under jax.checkpoint, where the backward's recomputation runs
+             the checkpointing forward (`optimize_remat`; jax#21303: otherwise both would write checkpoints).
   backward:  one reverse pass over the chunks per program. Inside a chunk it recomputes the forward states from the
              chunk's checkpoint (kept in a [chunk, block_c] register tile), then walks the chunk backwards carrying
              the adjoint of (a, b) on the same log-scale. It reads k, v, dy and writes dk, dv; y is recomputed in
              float32 rather than read. dw, du are per-(batch, channel) partial sums reduced outside.
   time-parallel (`parallel=True`, for small B·C): the forward becomes chunk summaries (each chunk from an empty
              state, grid over chunks too), a short `lax.scan` over chunks giving every chunk's incoming state, and
-             a second pass producing y; the backward likewise computes each chunk's adjoint contribution, scans
+             a second pass producing y (the incoming states it reads are the backward's checkpoints, so the
+             primal runs the same kernels); the backward likewise computes each chunk's adjoint contribution, scans
              them in reverse, and recomputes dk, dv per chunk.
 
 Bytes per element of [B, T, C] (s = itemsize of k, v): forward reads k, v and writes y, 3s, plus 16/chunk for the
-checkpoints; backward reads k, v, dy and writes dk, dv, 5s, plus 16/chunk. bfloat16, chunk 16: 7 and 11 bytes.
+checkpoints (the primal: none); backward reads k, v, dy and writes dk, dv, 5s, plus 16/chunk. bfloat16, chunk 16: 7
+and 11 bytes.
 
 Lowering: through `pallas.backend.call`, i.e. Triton on GPU (jax 0.10.2 and 0.11.x; the Triton backend is deprecated
 from 0.11 and `pallas/backend.py` is where a Mosaic GPU or jax-triton path replaces it) and `interpret=True` on CPU.
@@ -109,18 +114,27 @@ def _run_chunk_forward(c, carry, w, u, k_ref, v_ref, y_ref, *, chunk, length, ro
   return jax.lax.fori_loop(0, chunk, token, carry)
 
 
-def _forward_kernel(w_ref, u_ref, k_ref, v_ref, num0_ref, den0_ref, max0_ref, *refs, chunk, length, n_chunks):
-  """Grid (B, C/block_c): the whole sequence of one batch row and channel block, checkpointing every chunk."""
+def _forward_kernel(w_ref, u_ref, k_ref, v_ref, num0_ref, den0_ref, max0_ref, *refs, chunk, length, n_chunks,
+                    checkpoints):
+  """Grid (B, C/block_c): the whole sequence of one batch row and channel block.
+
+  Writes y and the state (num, den, anchor, n): with `checkpoints`, into [T/chunk + 1, block_c] refs at every chunk
+  boundary, the last row the final state; without, the final state only, into [block_c] refs.
+  """
   y_ref, num_ref, den_ref, anchor_ref, n_ref = refs[-5:]  # Leading refs, if any, are poisoned aliases of these.
   w, u = w_ref[...], u_ref[...]
 
   def chunk_body(c, carry):
-    num_ref[c, :], den_ref[c, :], anchor_ref[c, :], n_ref[c, :] = carry
+    if checkpoints:
+      num_ref[c, :], den_ref[c, :], anchor_ref[c, :], n_ref[c, :] = carry
     return _run_chunk_forward(c, carry, w, u, k_ref, v_ref, y_ref, chunk=chunk, length=length, row0=c * chunk)
 
   init = (num0_ref[...], den0_ref[...], max0_ref[...], jnp.zeros(w.shape, jnp.int32))
   final = jax.lax.fori_loop(0, n_chunks, chunk_body, init)
-  num_ref[n_chunks, :], den_ref[n_chunks, :], anchor_ref[n_chunks, :], n_ref[n_chunks, :] = final
+  if checkpoints:
+    num_ref[n_chunks, :], den_ref[n_chunks, :], anchor_ref[n_chunks, :], n_ref[n_chunks, :] = final
+  else:
+    num_ref[...], den_ref[...], anchor_ref[...], n_ref[...] = final
 
 
 def _chunk_summary_kernel(w_ref, k_ref, v_ref, *refs, chunk, length):
@@ -310,18 +324,22 @@ class _Specs:
       self.chunk_rows = lambda rows: pl.BlockSpec((sq, rows, block_c), lambda b, c: (b, 0, c))
 
 
-def _forward_sequential(w, u, k, v, state, *, length, chunk, block_c, poison=False, interpret=None):
-  """y [B, T, C] and the checkpoints (num, den, anchor, n), each [B, T/chunk + 1, C], the last row the final state."""
+def _forward_sequential(w, u, k, v, state, *, length, chunk, block_c, checkpoints=True, poison=False,
+                        interpret=None):
+  """y [B, T, C] and the state (num, den, anchor, n): with `checkpoints`, the checkpoints, each [B, T/chunk + 1, C],
+  the last row the final state; without, the final state only, each [B, C]."""
   batch, t, channels = k.shape
   n_chunks = t // chunk
   specs = _Specs(t, block_c, chunk, per_chunk=False)
-  ckpt = jax.ShapeDtypeStruct((batch, n_chunks + 1, channels), jnp.float32)
-  out_shape = [jax.ShapeDtypeStruct(k.shape, v.dtype), ckpt, ckpt, ckpt, ckpt.update(dtype=jnp.int32)]
-  kernel = functools.partial(_forward_kernel, chunk=chunk, length=length, n_chunks=n_chunks)
-  y, *ckpts = _call(kernel, [w, u, k, v, *state], [specs.vec, specs.vec, specs.seq, specs.seq] + [specs.row] * 3,
-                    out_shape, [specs.seq] + [specs.chunk_rows(n_chunks + 1)] * 4, (batch, channels // block_c),
-                    poison=poison, interpret=interpret, name="wkv4_forward")
-  return y, tuple(ckpts)
+  rows, spec = ((batch, n_chunks + 1, channels), specs.chunk_rows(n_chunks + 1)) if checkpoints else (
+      (batch, channels), specs.row)
+  state_out = jax.ShapeDtypeStruct(rows, jnp.float32)
+  out_shape = [jax.ShapeDtypeStruct(k.shape, v.dtype)] + [state_out] * 3 + [state_out.update(dtype=jnp.int32)]
+  kernel = functools.partial(_forward_kernel, chunk=chunk, length=length, n_chunks=n_chunks, checkpoints=checkpoints)
+  y, *states = _call(kernel, [w, u, k, v, *state], [specs.vec, specs.vec, specs.seq, specs.seq] + [specs.row] * 3,
+                     out_shape, [specs.seq] + [spec] * 4, (batch, channels // block_c), poison=poison,
+                     interpret=interpret, name="wkv4_forward" if checkpoints else "wkv4_forward_primal")
+  return y, tuple(states)
 
 
 def _combine_chunks(w, summaries, state, counts):
@@ -475,18 +493,33 @@ class _Layout:
             (self.pad_channels(num0, 0.0), self.pad_channels(den0, 1.0), self.pad_channels(max0, 0.0)))
 
 
-def _forward(w, u, k, v, state, layout, interpret):
+def _forward(w, u, k, v, state, layout, interpret, checkpoints=True):
+  """(y, final state (num, den, max), checkpoints for the backward or None when not asked for).
+
+  Without `checkpoints` the sequential path runs the primal kernel, which writes the final state alone. The
+  time-parallel path computes every chunk's incoming state either way (the second pass reads them) and returns them
+  only when asked for.
+  """
   w_p, u_p, state_p = layout.pad_params(w, u, state)
-  run = _forward_parallel if layout.parallel else _forward_sequential
-  y, ckpts = run(w_p, u_p, layout.pad_seq(k), layout.pad_seq(v), state_p, interpret=interpret, **layout.kwargs())
+  k_p, v_p = layout.pad_seq(k), layout.pad_seq(v)
+  if layout.parallel:
+    y, ckpts = _forward_parallel(w_p, u_p, k_p, v_p, state_p, interpret=interpret, **layout.kwargs())
+    last = tuple(x[:, -1] for x in ckpts)
+  elif checkpoints:
+    y, ckpts = _forward_sequential(w_p, u_p, k_p, v_p, state_p, interpret=interpret, **layout.kwargs())
+    last = tuple(x[:, -1] for x in ckpts)
+  else:
+    y, last = _forward_sequential(w_p, u_p, k_p, v_p, state_p, checkpoints=False, interpret=interpret,
+                                  **layout.kwargs())
   c = layout.channels
-  final = (ckpts[0][:, -1, :c], ckpts[1][:, -1, :c], _scale(ckpts[2][:, -1], ckpts[3][:, -1], w_p)[:, :c])
-  return y[:, :layout.length, :c], final, ckpts
+  num, den, anchor, n = last
+  final = (num[:, :c], den[:, :c], _scale(anchor, n, w_p)[:, :c])
+  return y[:, :layout.length, :c], final, ckpts if checkpoints else None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _wkv4(w, u, k, v, state, layout, interpret):
-  y, final, _ = _forward(w, u, k, v, state, layout, interpret)
+  y, final, _ = _forward(w, u, k, v, state, layout, interpret, checkpoints=False)
   return y, final
 
 
@@ -509,7 +542,9 @@ def _wkv4_bwd(layout, interpret, residuals, cotangents):
           dstate)
 
 
-_wkv4.defvjp(_wkv4_fwd, _wkv4_bwd)
+# Under jax.checkpoint the forward pass then runs the primal (no checkpoints written) and only the recomputation in
+# the backward pass runs _wkv4_fwd (jax#21303: otherwise both write them).
+_wkv4.defvjp(_wkv4_fwd, _wkv4_bwd, optimize_remat=True)
 
 
 def wkv4(

@@ -8,6 +8,7 @@ end in a partial one; a channel block of 4 makes C = 5 span two blocks, the seco
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -189,6 +190,36 @@ def test_checkpoint_vmap_and_ops_entry_point():
   jax.tree.map(lambda a, b: _assert_close(a, b, F32_RTOL, "ops state"), tuple(s), tuple(state_ref))
 
 
+# The Pallas kernels in the gradient's jaxpr, without and with jax.checkpoint, per path.
+KERNELS = {
+    "sequential": (["wkv4_backward", "wkv4_forward"],
+                   ["wkv4_backward", "wkv4_forward", "wkv4_forward_primal"]),
+    "parallel": (["wkv4_chunk_adjoint", "wkv4_chunk_grads", "wkv4_chunk_output", "wkv4_chunk_summary"],
+                 ["wkv4_chunk_adjoint", "wkv4_chunk_grads", "wkv4_chunk_output", "wkv4_chunk_output",
+                  "wkv4_chunk_summary", "wkv4_chunk_summary"]),
+}
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_pallas_under_remat_writes_checkpoints_once(path):
+  """Under jax.checkpoint the forward pass runs the primal and only the recomputation writes checkpoints: on the
+  sequential path the primal is the forward kernel without them; on the time-parallel one, whose forward writes
+  nothing the second pass does not read, the same kernels. Without remat the forward writes them once."""
+  inputs, cot = _inputs(8), _cotangents(8)
+  forward = functools.partial(kernel.wkv4, chunk=CHUNK, block_c=BLOCK_C, parallel=PATHS[path], interpret=True)
+
+  def loss(*inputs):
+    y, state = forward(*inputs)
+    return _loss(cot, y, *state), (y, state)
+
+  grad = lambda fn: jax.grad(fn, argnums=2, has_aux=True)
+  kernels = lambda fn: sorted(re.findall(r"name=(wkv4_\w+)", str(jax.make_jaxpr(grad(fn))(*inputs))))
+  assert (kernels(loss), kernels(jax.checkpoint(loss))) == KERNELS[path]
+  # Equal gradients, and equal outputs: under remat they come from the primal, without it from the forward rule.
+  plain, rematted = (jax.jit(grad(fn))(*inputs) for fn in (loss, jax.checkpoint(loss)))
+  jax.tree.map(np.testing.assert_array_equal, plain, rematted)
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_every_output_element_is_written(path):
   # Every pallas_call runs with its outputs aliased to NaN-filled buffers (int outputs: INT_MIN), on the padded
@@ -208,6 +239,11 @@ def test_every_output_element_is_written(path):
     for leaf in jax.tree.leaves(x):
       assert np.all(np.isfinite(np.asarray(leaf))), name
   assert np.all(np.asarray(ckpts[3]) >= 0), "n"
+  if not PATHS[path]:  # The primal kernel: y and the final state, equal to the last checkpoint (finite, checked).
+    y_primal, final = jax.jit(functools.partial(forward, checkpoints=False, poison=True, **layout.kwargs()))(
+        w_p, u_p, k_p, v_p, state_p)
+    np.testing.assert_array_equal(y_primal, y)
+    jax.tree.map(lambda f, c: np.testing.assert_array_equal(f, c[:, -1]), final, ckpts)
   # The poison really reaches the outputs: a kernel that writes nothing leaves every element NaN.
   nothing = lambda *refs: None
   spec = kernel.pl.BlockSpec((4,), lambda i: (i,))
