@@ -39,10 +39,12 @@ class LanguageModel:
   `step` and the generation methods take them explicitly, so decoding and the full forward pass can be compared under
   one z. `quantize("int8")` gives the same model with int8 matmul weights, dequantised inside every jitted call."""
 
-  def __init__(self, config: Config, params, trained_steps: int = 0):
+  def __init__(self, config: Config, params, trained_steps: int = 0, workdir: str | pathlib.Path | None = None):
     self.config = config
     self.params = params
     self.trained_steps = trained_steps  # Optimizer steps behind these parameters (0 for a fresh model).
+    self.workdir = None if workdir is None else pathlib.Path(workdir)  # Where it was loaded from (its prior's home).
+    self._prior = None
     self.model = model_lib.LM(config.model, config.latent)
     self.tokenizer = data_lib.get_tokenizer(config.data.tokenizer)
     self._apply = jax.jit(functools.partial(generation.run_model, self.model))
@@ -68,7 +70,10 @@ class LanguageModel:
     if self.quantized:
       raise LtmError("this model is already quantized")
     axes = model_lib.param_axes(self.config.model, self.config.latent)
-    return LanguageModel(self.config, quantize_lib.quantize_params(self.params, axes), self.trained_steps)
+    quantized = LanguageModel(self.config, quantize_lib.quantize_params(self.params, axes), self.trained_steps,
+                              self.workdir)
+    quantized._prior = self._prior
+    return quantized
 
   def latent_shape(self, batch: int) -> tuple[int, int, int, int]:
     self._need_latents()
@@ -82,6 +87,35 @@ class LanguageModel:
   def prior_latents(self, batch: int, seed: int = 0) -> jax.Array:
     """z ~ p(z) = N(0, I): [B, n_layers, n_per_layer, d_model] float32."""
     return jax.random.normal(inputs.key(seed), self.latent_shape(batch), jnp.float32)
+
+  @property
+  def prior(self):
+    """The learned prior over z (`ltm_jax.prior.LatentPrior`) trained in this model's workdir, loaded on first use;
+    assign one to use a prior from elsewhere."""
+    self._need_latents()
+    if self._prior is None:
+      if self.workdir is None:
+        raise LtmError("this model was not loaded from a workdir, so it has no learned prior: load it with "
+                       "ltm_jax.load(workdir) or assign lm.prior")
+      from ltm_jax.prior.model import load_prior
+      self._prior = load_prior(self.workdir, self.config)
+    return self._prior
+
+  @prior.setter
+  def prior(self, prior) -> None:
+    self._need_latents()
+    expected = self.latent_shape(1)[1:]
+    if tuple(prior.latent_shape) != expected:
+      raise LtmError(f"the prior was trained for latents of shape {list(prior.latent_shape)}, but this model's are "
+                     f"{list(expected)}")
+    self._prior = prior
+
+  def dit_latents(self, batch: int, seed: int = 0, *, sampler: str | None = None,
+                  steps: int | None = None) -> jax.Array:
+    """z from the learned prior (`prior`): [B, n_layers, n_per_layer, d_model] float32, drawn by `sampler`
+    ("dpm++" or "ddpm"; default prior.sampler) in `steps` denoiser evaluations (default prior.sampler_steps)."""
+    inputs.check_int("batch", batch, low=1)
+    return self.prior.sample(batch, inputs.key(seed), sampler, steps)
 
   def fit_latents(self, tokens, *, steps: int | None = None, seed: int = 0) -> latent_lib.FitResult:
     """Fits q(z|x) to each row of tokens [B, T] (T >= 2: every token after the first is a target) with
@@ -137,7 +171,8 @@ class LanguageModel:
     """tokens [B, T] (or [T]) int -> float32 logits [B, T, vocab_size] (or [T, vocab_size]).
 
     Latent models need `latents`: z [B, n_layers, n_per_layer, d_model] (without B for a single sequence),
-    "posterior" (the posterior mean fitted to these tokens, using `seed`) or "prior" (a draw from N(0, I))."""
+    "posterior" (the posterior mean fitted to these tokens, using `seed`), "prior" (a draw from N(0, I)) or "dit"
+    (a draw from the learned prior, `dit_latents`)."""
     tokens = inputs.token_ids(tokens, self.config.model.vocab_size, "forward")
     single = tokens.ndim == 1
     tokens = jnp.asarray(tokens[None] if single else tokens)
@@ -191,7 +226,7 @@ class LanguageModel:
     prompts runs as one batch, however different their lengths.
 
     Latent models condition on `latents`: "posterior" (z inferred from each prompt by the inner loop; the default
-    when every prompt has 2+ tokens), "prior" (z ~ N(0, I): unconditional) or an array z [B, n_layers, n_per_layer,
+    when every prompt has 2+ tokens), "prior" (z ~ N(0, I): unconditional), "dit" (z from the learned prior: unconditional) or an array z [B, n_layers, n_per_layer,
     d_model], e.g. `fit_latents(other_text).posterior.mu` to continue a prompt under another text's thoughts."""
     prompts = [prompt] if isinstance(prompt, str) else list(prompt)
     ids = [self._prompt_ids(text) for text in prompts]
@@ -240,7 +275,7 @@ class LanguageModel:
     it after; the loop ends once every row has ended.
 
     `latents` (latent models only): an array z [B, n_layers, n_per_layer, d_model], "posterior" (the posterior mean
-    fitted to each prompt) or "prior" (a draw from N(0, I)); None picks "posterior" when every prompt has 2+
+    fitted to each prompt), "prior" (a draw from N(0, I)) or "dit" (a draw from the learned prior); None picks "posterior" when every prompt has 2+
     tokens."""
     chunks = list(self.stream_tokens(prompt, max_new_tokens, key=key, chunk=max_new_tokens, temperature=temperature,
                                      top_k=top_k, top_p=top_p, stop_at_eos=stop_at_eos, stop_tokens=stop_tokens,
@@ -299,8 +334,10 @@ class LanguageModel:
     shortest = int(np.min(lengths))
     if latents is None:
       latents = "posterior" if shortest >= 2 else "prior"
-    if latents not in ("prior", "posterior"):
-      raise ValueError(f"latents must be 'posterior', 'prior', an array or None; got {latents!r}")
+    if latents not in ("prior", "posterior", "dit"):
+      raise ValueError(f"latents must be 'posterior', 'prior', 'dit', an array or None; got {latents!r}")
+    if latents == "dit":
+      _ = self.prior  # Loaded (or refused) before any device work.
     if latents == "posterior" and shortest < 2:
       raise ValueError("latents='posterior' needs prompts of at least 2 tokens to infer from; use 'prior'")
     return latents
@@ -311,6 +348,8 @@ class LanguageModel:
       return plan
     if plan == "prior":
       return jax.random.normal(key, self.latent_shape(tokens.shape[0]), jnp.float32)
+    if plan == "dit":
+      return self.prior.sample(tokens.shape[0], key)
     fitted, _ = _fit(self.model, self.params, tokens, lengths, key, self._inner_steps(None))
     return fitted.posterior.mu
 
@@ -369,5 +408,5 @@ def load(workdir: str | pathlib.Path, step: int | None = None, overrides: Sequen
       step, (config, state), _ = checkpointer.newest_readable(read)
   finally:
     checkpointer.close()
-  lm = LanguageModel(config, state.params, step)
+  lm = LanguageModel(config, state.params, step, workdir)
   return lm if quantize is None else lm.quantize(quantize)

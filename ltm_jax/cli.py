@@ -1,4 +1,4 @@
-"""The `ltm` command: train, eval, generate, info, convert-rwkv. Bad input prints one line `error: ...` and exits
+"""The `ltm` command: train, eval, generate, fit-prior, train-prior, info, convert-rwkv. Bad input prints one line `error: ...` and exits
 with status 2 (set LTM_DEBUG=1 for the traceback)."""
 
 from __future__ import annotations
@@ -71,12 +71,17 @@ def _generate(args) -> int:
   lm = load(args.workdir, args.step, args.overrides)
   if args.latents is not None and not lm.has_latents:
     raise ValueError("--latents needs a model trained with latents (latent.enabled=true)")
+  if (args.sampler is not None or args.sampler_steps is not None) and args.latents != "dit":
+    raise ValueError("--sampler and --sampler-steps choose how --latents dit draws z; add --latents dit")
   before = lm.param_bytes
+  latents = args.latents
+  if latents == "dit":  # One z per prompt from the learned prior (refused here if the workdir has none).
+    latents = lm.dit_latents(len(args.prompt or [""]), args.seed, sampler=args.sampler, steps=args.sampler_steps)
   if args.quantize:
     lm = lm.quantize(args.quantize)
   prompts = args.prompt or [""]
   options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                 latents=args.latents)
+                 latents=latents)
   # Every input is checked (by stream, or by the whole batch's generate) before anything is printed, so a refusal
   # is the only output.
   if len(prompts) == 1:
@@ -94,6 +99,32 @@ def _generate(args) -> int:
     return 0
   for i, (prompt, text) in enumerate(zip(prompts, texts)):
     print(("\n" if i else "") + f"--- {i}\n{prompt}{text}")  # One batch: ragged prompts decode together.
+  return 0
+
+
+def _fit_prior(args) -> int:
+  from ltm_jax.api import load
+  from ltm_jax.prior import posteriors
+  _check_workdir(args.workdir)
+  lm = load(args.workdir, args.step, args.overrides)
+  started = time.time()
+  report = lambda done, total: print(f"shard {done}/{total} ({time.time() - started:.0f}s)", file=sys.stderr)
+  folder = posteriors.collect(lm, args.workdir, sequences=args.sequences, heldout_fraction=args.heldout_fraction,
+                              batch_size=args.batch_size, shard_size=args.shard_size, seed=args.seed, on_shard=report)
+  collected = posteriors.PosteriorSet(folder)
+  print(f"wrote {folder}: {collected.num_records} posteriors of z {list(collected.latent_shape)} "
+        f"({collected.num_train} to train the prior, {collected.num_records - collected.num_train} held out)")
+  return 0
+
+
+def _train_prior(args) -> int:
+  from ltm_jax.prior.train import train_prior
+  _check_workdir(args.workdir)
+  result = train_prior(args.workdir, args.overrides)
+  if result.interrupted_by is not None:
+    return 128 + result.interrupted_by
+  print(f"done: prior step {result.step} in {result.seconds:.0f}s; " +
+        " ".join(f"{k} {v:.4f}" for k, v in result.metrics.items() if isinstance(v, float)))
   return 0
 
 
@@ -190,11 +221,35 @@ def parser() -> argparse.ArgumentParser:
                    help="int8: matmul weights stored as int8 with per-output-channel scales, dequantised on the fly")
   gen.add_argument("--chunk", type=_positive_int, default=16,
                    help="tokens per on-device decode loop between streamed prints (one prompt)")
-  gen.add_argument("--latents", choices=("posterior", "prior"), default=None,
-                   help="latent models: z inferred from the prompt (default for prompts of 2+ tokens) or drawn from "
-                        "the prior")
+  gen.add_argument("--latents", choices=("posterior", "prior", "dit"), default=None,
+                   help="latent models: z inferred from the prompt (default for prompts of 2+ tokens), drawn from "
+                        "N(0, I) (prior) or from the learned prior trained by `ltm train-prior` (dit)")
+  gen.add_argument("--sampler", choices=("dpm++", "ddpm"), default=None,
+                   help="with --latents dit: DPM-Solver++(2M) or ancestral DDPM (default prior.sampler)")
+  gen.add_argument("--sampler-steps", type=_positive_int, default=None,
+                   help="with --latents dit: denoiser evaluations (default prior.sampler_steps)")
   gen.add_argument("overrides", nargs="*", metavar="key=value", help="runtime changes, e.g. latent.inner_steps=8")
   gen.set_defaults(run=_generate)
+
+  fit = sub.add_parser("fit-prior", help="stage 2 of a learned prior: the decoder's posteriors over its training "
+                                         "windows, written to WORKDIR/prior/posteriors (resumable)")
+  fit.add_argument("--workdir", required=True)
+  fit.add_argument("--step", type=int, default=None, help="decoder checkpoint step (default: latest)")
+  fit.add_argument("--sequences", type=_positive_int, default=None,
+                   help="training windows to fit (default: all), taken in an order drawn from --seed")
+  fit.add_argument("--heldout-fraction", type=_probability, default=0.2,
+                   help="the share of windows kept out of the prior's training, to evaluate it on")
+  fit.add_argument("--batch-size", type=_positive_int, default=32)
+  fit.add_argument("--shard-size", type=_positive_int, default=256, help="records per shard (a multiple of the batch)")
+  fit.add_argument("--seed", type=int, default=0)
+  fit.add_argument("overrides", nargs="*", metavar="key=value", help="runtime changes, e.g. model.attention_impl=xla")
+  fit.set_defaults(run=_fit_prior)
+
+  tp = sub.add_parser("train-prior", help="train (or resume) the DiT prior over z on WORKDIR/prior/posteriors; "
+                                          "checkpoints in WORKDIR/prior/checkpoints")
+  tp.add_argument("--workdir", required=True)
+  tp.add_argument("overrides", nargs="*", metavar="prior.key=value", help="e.g. prior.steps=2000 prior.depth=6")
+  tp.set_defaults(run=_train_prior)
 
   info = sub.add_parser("info", help="parameter count, FLOPs per token and estimated memory of a config")
   info.add_argument("--config", required=True)

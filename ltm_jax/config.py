@@ -181,6 +181,35 @@ class LatentConfig:
   continuation_fraction: float = 0.0
 
 
+SAMPLERS = ("dpm++", "ddpm")
+
+
+@dataclasses.dataclass(frozen=True)
+class PriorConfig:
+  """The learned prior over latent thoughts (`ltm_jax/prior`), trained as a second stage on the frozen decoder's
+  posteriors: a DiT over the latent slots of every layer, epsilon-prediction under the continuous-time linear VP
+  schedule log alpha_t = -beta_min t / 2 - (beta_max - beta_min) t^2 / 4, t in [t_min, 1]."""
+  width: int = 256
+  depth: int = 4
+  n_heads: int = 4
+  mlp_ratio: int = 4
+  beta_min: float = 0.1
+  beta_max: float = 20.0
+  t_min: float = 1e-3
+  steps: int = 3000
+  batch_size: int = 128
+  lr: float = 5e-4
+  warmup_steps: int = 200
+  weight_decay: float = 0.0
+  grad_clip: float = 1.0
+  ema_decay: float = 0.999  # Sampling uses the exponential moving average of the weights.
+  checkpoint_every: int = 500
+  log_every: int = 50
+  seed: int = 0
+  sampler: str = "dpm++"  # The default of `latents="dit"`: dpm++ (DPM-Solver++ 2M) or ddpm (ancestral).
+  sampler_steps: int = 20
+
+
 MESH_AXES = ("data", "fsdp", "tensor")
 
 
@@ -239,6 +268,7 @@ class Config:
   train: TrainConfig = TrainConfig()
   latent: LatentConfig = LatentConfig()
   mesh: MeshConfig = MeshConfig()
+  prior: PriorConfig = PriorConfig()
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -248,7 +278,7 @@ class Config:
 
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "latent": LatentConfig,
-            "mesh": MeshConfig}
+            "mesh": MeshConfig, "prior": PriorConfig}
 
 
 # ----------------------------------------------------------------------------------------------------------- loading
@@ -463,6 +493,18 @@ def validate(config: Config) -> Config:
   has_full_attention = "A" in m.layer_pattern and m.window is None
   need(not has_full_attention or t.seq_len <= m.max_seq_len,
        f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+
+  p = config.prior
+  for key in ("width", "depth", "n_heads", "mlp_ratio", "steps", "batch_size", "checkpoint_every", "log_every",
+              "sampler_steps"):
+    need(getattr(p, key) > 0, f"prior.{key} must be positive, got {getattr(p, key)}")
+  need(p.width % p.n_heads == 0, f"prior.width={p.width} is not divisible by prior.n_heads={p.n_heads}")
+  need(0 < p.beta_min < p.beta_max, f"prior needs 0 < beta_min < beta_max, got {p.beta_min}, {p.beta_max}")
+  need(0 < p.t_min < 1, f"prior.t_min must be in (0, 1), got {p.t_min}")
+  need(p.lr > 0 and p.warmup_steps >= 0 and p.weight_decay >= 0 and p.grad_clip >= 0,
+       "prior.lr must be > 0; prior.warmup_steps, weight_decay, grad_clip >= 0")
+  need(0 <= p.ema_decay < 1, f"prior.ema_decay must be in [0, 1), got {p.ema_decay}")
+  need(p.sampler in SAMPLERS, f"prior.sampler={p.sampler!r} is not one of {', '.join(SAMPLERS)}")
 
   z = config.latent
   need(z.n_per_layer >= 1, f"latent.n_per_layer must be >= 1, got {z.n_per_layer}")

@@ -141,6 +141,11 @@ class Checkpointer:
       restored = self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
       return config_lib.from_dict(restored["config"])
 
+  def restore_data(self, step: int) -> dict[str, Any]:
+    """The "data" item of `step` alone (JSON), e.g. to check what a checkpoint was saved for before restoring it."""
+    with self._reading(step):
+      return self._manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"]
+
   def restore(self, step: int, abstract_state) -> tuple[Any, dict[str, Any]]:
     """Restores step `step` into the structure/shapes of `abstract_state` (e.g. from jax.eval_shape), after checking
     its files against their checksums; DamagedCheckpointError when it cannot be read."""

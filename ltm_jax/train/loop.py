@@ -37,7 +37,7 @@ class TrainResult:
   seconds: float
 
 
-class _StopFlag:
+class StopFlag:
   """Turns the first SIGINT/SIGTERM into a request to stop after the current step; a second one kills as usual."""
 
   def __init__(self):
@@ -149,7 +149,7 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = N
     step, tokens_per_step = start, t.batch_size * t.seq_len
     first_nonfinite = jnp.full((2,), -1, jnp.int32)  # The first steps whose loss / grad_norm were not finite.
     interval_start, interval_steps = time.time(), 0
-    with _StopFlag().installed() as stop:
+    with StopFlag().installed() as stop:
       while step < t.steps and stop.signum is None:
         batch = next(loader)
         if sharded is not None:
