@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import importlib.util
 import json
 import os
 import pathlib
@@ -22,6 +23,12 @@ from typing import Any
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
   sys.path.insert(0, str(ROOT))
+if importlib.util.find_spec("ltm_pallas") is None:
+  # An uninstalled checkout (a GPU machine without network): pallas/ is the package that installs as ltm_pallas.
+  _spec = importlib.util.spec_from_file_location("ltm_pallas", ROOT / "pallas" / "__init__.py",
+                                                 submodule_search_locations=[str(ROOT / "pallas")])
+  sys.modules["ltm_pallas"] = importlib.util.module_from_spec(_spec)
+  _spec.loader.exec_module(sys.modules["ltm_pallas"])
 
 import jax  # noqa: E402  (after the path fix, like every ltm_jax import in the scripts)
 import jaxlib  # noqa: E402

@@ -24,7 +24,7 @@ Each case compiles in its own process with its own dump directory and timeout, `
 
 Writes benchmarks/results/gpu-aot-h100.json when every case ran (or to --json). Exit status 1 when a case fails to
 compile, a kernel is missing from its program, a kernel spills (except in the cases marked as known spills, whose
-default settings are listed in pallas.attention.config.SPILLING_DEFAULTS), or a control does not fail as it must; 2
+default settings are listed in ltm_pallas.attention.config.SPILLING_DEFAULTS), or a control does not fail as it must; 2
 when the environment lacks the plugin or ptxas.
 """
 
@@ -110,7 +110,7 @@ def _worker(name: str, block_sizes: str | None) -> int:
     from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
     from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
 
-    from pallas import aot_cases  # pylint: disable=g-import-not-at-top
+    from ltm_pallas import aot_cases  # pylint: disable=g-import-not-at-top
 
     case = aot_cases.all_cases()[name]
     topology = topologies.get_topology_desc(platform="cuda", target_config=H100_TARGET_CONFIG, topology="1x1x1")
@@ -119,7 +119,7 @@ def _worker(name: str, block_sizes: str | None) -> int:
     abstract = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
     tiles = None
     if block_sizes:
-      from pallas.attention import BlockSizes  # pylint: disable=g-import-not-at-top
+      from ltm_pallas.attention import BlockSizes  # pylint: disable=g-import-not-at-top
       tiles = BlockSizes(**json.loads(block_sizes))
     result["stage"] = "build"
     fn, args = case.build(abstract, block_sizes=tiles)
@@ -158,7 +158,7 @@ def _launches(dump: str) -> dict[str, dict]:
 
 
 def _is_ours(entry: str) -> bool:
-  from pallas.aot_cases import KERNEL_PREFIXES  # pylint: disable=g-import-not-at-top
+  from ltm_pallas.aot_cases import KERNEL_PREFIXES  # pylint: disable=g-import-not-at-top
   return entry.startswith(KERNEL_PREFIXES)
 
 
@@ -362,7 +362,7 @@ def main() -> int:
   if args.worker:
     return _worker(args.worker, args.block_sizes)
 
-  from pallas import aot_cases  # pylint: disable=g-import-not-at-top
+  from ltm_pallas import aot_cases  # pylint: disable=g-import-not-at-top
   groups = {"kernels", "models", "controls"} if args.group == "all" else set(args.group.split(","))
   cases = [c for c in aot_cases.all_cases().values()
            if c.group in groups and (args.cases is None or re.search(args.cases, c.name))]

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 import peers as peers_lib
 from ltm_jax.ops.wkv4 import AVAILABLE, wkv4
-from pallas import wkv4 as pallas_wkv4
+from ltm_pallas import wkv4 as pallas_wkv4
 
 # (B, T, C). CPU: the training shapes the auto choice is for. GPU: a long, wide batch and one very long sequence.
 SHAPES = {

@@ -9,7 +9,7 @@ Kernel cases ("kernels") run forward and backward in one program, so one compila
   WKV-7: head sizes 64 and 128, bfloat16 and float32.
   flash attention (forward, dq, dk/dv): head dims 32, 64, 128 and 256; causal, sliding window, segment ids,
     non-causal; grouped (GQA) and single (MQA) key/value heads; bfloat16 and float32 (and float16 once). Where the
-    default settings are listed in `pallas.attention.config.SPILLING_DEFAULTS` (float32 at head dims 128 and 256)
+    default settings are listed in `ltm_pallas.attention.config.SPILLING_DEFAULTS` (float32 at head dims 128 and 256)
     the case must compile and may spill.
 Model cases ("models") compile the whole `small_rwkv7` and `base_125m` train steps and their generation (prefill and
 the decode loop) as configured: `impl="auto"` takes what it takes when compiled for a GPU (`ltm_jax.ops.backend`
@@ -32,8 +32,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallas import wkv4, wkv7
-from pallas.attention import BlockSizes, config, flash_attention
+from ltm_pallas import wkv4, wkv7
+from ltm_pallas.attention import BlockSizes, config, flash_attention
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -68,7 +68,7 @@ class Case:
       sets the attention settings it names, the rest keeping their defaults (attention cases other than the
       controls; other cases ignore it).
     group: "kernels", "models" or "controls".
-    expect: "ok"; "known_spill" where the default settings are known to spill (`pallas.attention.config
+    expect: "ok"; "known_spill" where the default settings are known to spill (`ltm_pallas.attention.config
       .SPILLING_DEFAULTS`: it must compile, and may spill); for a control the failure it must show:
       "compile_error" or "spill".
     dtype, head_dim: for the results table (head_dim: WKV-7 head size, attention head dim; None for WKV-4).

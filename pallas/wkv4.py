@@ -28,7 +28,7 @@ Bytes per element of [B, T, C] (s = itemsize of k, v): forward reads k, v and wr
 checkpoints (the primal: none); backward reads k, v, dy and writes dk, dv, 5s, plus 16/chunk. bfloat16, chunk 16: 7
 and 11 bytes.
 
-Lowering: through `pallas.backend.call`, i.e. Triton on GPU (jax 0.10.2 and 0.11.x; the Triton backend is deprecated
+Lowering: through `ltm_pallas.backend.call`, i.e. Triton on GPU (jax 0.10.2 and 0.11.x; the Triton backend is deprecated
 from 0.11 and `pallas/backend.py` is where a Mosaic GPU or jax-triton path replaces it) and `interpret=True` on CPU.
 Triton constraints honoured here: every loaded or stored value is a power-of-two [block_c] row or [chunk, block_c]
 tile, loops are `lax.fori_loop`, and rows of a register tile are selected by a one-hot mask (Triton cannot index a
@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas import backend
+from ltm_pallas import backend
 
 # An empty state's log-scale: e^{EMPTY_MAX - x} is exactly 0 and no inf - inf can make a NaN.
 EMPTY_MAX = -1e38
@@ -568,7 +568,7 @@ def wkv4(
     chunk: tokens per checkpoint (a power of two): the backward keeps a [chunk, block_c] tile per state variable.
     block_c: channels per program (a power of two; clipped to C rounded up to one).
     parallel: parallelise over T as well; None decides by B·C (see PARALLEL_BELOW).
-    interpret: None lets `pallas.backend` choose (interpret unless on GPU).
+    interpret: None lets `ltm_pallas.backend` choose (interpret unless on GPU).
 
   Returns:
     y [B, T, C] in v's dtype and the state after the last token, (num, den, max) each [B, C] float32.

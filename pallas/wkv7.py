@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas import backend
+from ltm_pallas import backend
 
 
 def _step(s, r_t, w_t, k_t, v_t, a_t, b_t):

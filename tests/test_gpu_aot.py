@@ -15,7 +15,7 @@ import subprocess
 import jax
 import pytest
 
-from pallas import aot_cases
+from ltm_pallas import aot_cases
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 AOT_VENV = ROOT / ".venv-aot"

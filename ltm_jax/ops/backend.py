@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 import jax
 from jax import lax
 
-from pallas import backend as kernel_backend
+from ltm_pallas import backend as kernel_backend
 
 # `auto` tables name platforms as jax.default_backend() does; lax.platform_dependent names them by lowering platform.
 _LOWERING_NAMES = {"gpu": "cuda"}

@@ -9,7 +9,7 @@ Knows nothing of models; `ltm_jax.ops.attention` reaches it as impl="pallas".
 
 from __future__ import annotations
 
-from pallas.attention.config import BlockSizes
-from pallas.attention.flash import flash_attention, raw_outputs
+from ltm_pallas.attention.config import BlockSizes
+from ltm_pallas.attention.flash import flash_attention, raw_outputs
 
 __all__ = ["BlockSizes", "flash_attention", "raw_outputs"]

@@ -7,8 +7,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas.attention import kernels
-from pallas.attention.config import BlockSizes, Static, default_block_sizes, fit_block, next_power_of_two
+from ltm_pallas.attention import kernels
+from ltm_pallas.attention.config import BlockSizes, Static, default_block_sizes, fit_block, next_power_of_two
 
 Segments = tuple[jax.Array, jax.Array] | None
 

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas import backend
-from pallas.attention.config import LOG2E, Static, key_block_range, query_block_range, visible
+from ltm_pallas import backend
+from ltm_pallas.attention.config import LOG2E, Static, key_block_range, query_block_range, visible
 
 
 def _dot(a, b, contract: tuple[int, int], st: Static) -> jax.Array:

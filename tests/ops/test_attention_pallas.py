@@ -20,7 +20,7 @@ from attention_reference import value_and_grads as _value_and_grads
 from jax.experimental import pallas as pl
 
 from ltm_jax.ops.attention import attention
-from pallas.attention import (
+from ltm_pallas.attention import (
   BlockSizes,
   config,
   flash,

@@ -14,7 +14,7 @@ from jax import export
 
 from conftest import ROOT
 from ltm_jax import ops
-from pallas import backend as kernel_backend
+from ltm_pallas import backend as kernel_backend
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 

@@ -1,4 +1,4 @@
-"""Numerics of the Pallas WKV-4 kernels (`pallas.wkv4`, interpreted on CPU) against a float64 recurrence written here.
+"""Numerics of the Pallas WKV-4 kernels (`ltm_pallas.wkv4`, interpreted on CPU) against a float64 recurrence written here.
 
 Both paths are checked, the sequential one (grid over batch and channel blocks, a loop over T) and the time-parallel
 one (chunk summaries, a scan over chunks, a second pass). A chunk of 4 tokens makes small T span several chunks and
@@ -17,7 +17,7 @@ import pytest
 
 from ltm_jax.ops.wkv4 import EMPTY_MAX
 from ltm_jax.ops.wkv4 import wkv4 as ops_wkv4
-from pallas import wkv4 as kernel
+from ltm_pallas import wkv4 as kernel
 
 # Tolerances relative to the largest magnitude in the compared array (atol = rtol·max|expected|). float32 over a few
 # dozen tokens lands near 1e-7..1e-6 (the running-max form rescales at every token); bfloat16 inputs: y within one

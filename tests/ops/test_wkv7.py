@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import pallas.wkv7
+import ltm_pallas.wkv7
 from ltm_jax.ops.wkv7 import AVAILABLE, empty_state, wkv7
 
 # Tolerances, each relative to the largest magnitude in the compared array (atol = rtol * max|expected|), so that
@@ -195,7 +195,7 @@ def test_pallas_under_remat_writes_checkpoints_once():
   """Under jax.checkpoint the forward pass runs the kernel without state checkpoints (the primal) and only the
   recomputation writes them; without remat the forward writes them once, as the backward needs."""
   inputs, cot = _inputs(6), _cotangents(6)
-  loss = lambda *inputs: _weighted(cot, *pallas.wkv7.wkv7(*inputs, interpret=True))
+  loss = lambda *inputs: _weighted(cot, *ltm_pallas.wkv7.wkv7(*inputs, interpret=True))
   kernels = lambda fn: sorted(re.findall(r"name=(wkv7_\w+)", str(jax.make_jaxpr(jax.grad(fn, argnums=0))(*inputs))))
   assert kernels(loss) == ["wkv7_backward", "wkv7_forward"]
   assert kernels(jax.checkpoint(loss)) == ["wkv7_backward", "wkv7_forward", "wkv7_forward_primal"]
@@ -221,7 +221,7 @@ def test_pallas_block_and_chunk_options(chunk, forward_block, backward_block):
   inputs, cot = _inputs(8), _cotangents(8)
 
   def loss(inputs):
-    out = pallas.wkv7.wkv7(*inputs, chunk=chunk, forward_block=forward_block, backward_block=backward_block,
+    out = ltm_pallas.wkv7.wkv7(*inputs, chunk=chunk, forward_block=forward_block, backward_block=backward_block,
                            interpret=True)
     return _weighted(cot, *out), out
 
@@ -242,7 +242,7 @@ def test_pallas_kernels_lower_to_triton():
     state = jax.ShapeDtypeStruct((2, 2, size, size), jnp.float32)
 
     def loss(*args):
-      y, final = pallas.wkv7.wkv7(*args, forward_block=blocks[0], backward_block=blocks[1], interpret=False)
+      y, final = ltm_pallas.wkv7.wkv7(*args, forward_block=blocks[0], backward_block=blocks[1], interpret=False)
       return jnp.sum(y.astype(jnp.float32)) + jnp.sum(final)
 
     lowered = jax.jit(jax.grad(loss, argnums=tuple(range(7)))).trace(*[seq] * 6, state).lower(

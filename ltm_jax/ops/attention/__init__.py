@@ -3,8 +3,8 @@ explicit positions for key/value caches.
 
 Backends: "xla" (reference, any platform, every option; sliding windows much shorter than the sequence run
 blockwise in O(T * window), `xla.local_attention`), "cudnn" (fused flash attention on NVIDIA GPUs, for the
-calls `cudnn.unsupported_reason` accepts) and "pallas" (the flash-attention kernels of the top-level `pallas`
-package: every option but explicit positions; interpreted, so slow, off GPU). `impl="auto"` is xla off GPU; on GPU it
+calls `cudnn.unsupported_reason` accepts) and "pallas" (the flash-attention kernels of `ltm_pallas`, the
+pallas/ folder: every option but explicit positions; interpreted, so slow, off GPU). `impl="auto"` is xla off GPU; on GPU it
 picks per shape class from `GPU_AUTO` among the fused backends that accept the call, and xla when neither does
 (explicit positions, which only xla takes; float64).
 """
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from ltm_jax.ops import backend, sharding
 from ltm_jax.ops.attention import cudnn, pallas, xla
-from pallas import backend as kernel_backend
+from ltm_pallas import backend as kernel_backend
 
 IMPLS = ("xla", "cudnn", "pallas")
 # Compiled for a GPU, "auto" resolves per call through `GPU_AUTO` (see `_auto_gpu`); elsewhere it is the xla

@@ -1,4 +1,4 @@
-"""Flash attention from the top-level `pallas.attention` kernels (Triton lowering on GPU, interpreted on CPU).
+"""Flash attention from the top-level `ltm_pallas.attention` kernels (Triton lowering on GPU, interpreted on CPU).
 
 Takes every mask of `ltm_jax.ops.attention.attention` that is defined by indices: causal (end-aligned when T != S),
 sliding windows, segment ids (self or cross), non-causal attention of any T and S, grouped key/value heads, any head
@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallas.attention import flash_attention
+from ltm_pallas.attention import flash_attention
 
 _DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
 # Beyond this the f32 accumulator tiles no longer fit a GPU program's registers at useful block sizes.

@@ -1,4 +1,4 @@
-"""Pallas backend of the RWKV-4 WKV op: the fused forward and backward kernels of `pallas.wkv4`.
+"""Pallas backend of the RWKV-4 WKV op: the fused forward and backward kernels of `ltm_pallas.wkv4`.
 
 Triton on GPU, the Pallas interpreter elsewhere (slow: the CPU suite uses it to check numerics, not for speed).
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import jax
 
-from pallas import wkv4 as kernel
+from ltm_pallas import wkv4 as kernel
 
 
 def wkv4(

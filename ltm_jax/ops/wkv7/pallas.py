@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax
 
-from pallas import wkv7 as kernels
+from ltm_pallas import wkv7 as kernels
 
 
 def wkv7(

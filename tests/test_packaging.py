@@ -1,0 +1,31 @@
+"""What `pip install` ships: every package folder, and the kernels under the project's own name `ltm_pallas`."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import pathlib
+import tomllib
+
+import ltm_pallas
+from conftest import ROOT
+
+
+def _pyproject() -> dict:
+  return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_every_package_folder_is_listed():
+  setuptools = _pyproject()["tool"]["setuptools"]
+  folders = {"ltm_jax": ROOT / "ltm_jax", **{name: ROOT / path for name, path in setuptools["package-dir"].items()}}
+  found = set()
+  for name, folder in folders.items():
+    for init in folder.rglob("__init__.py"):
+      relative = init.parent.relative_to(folder)
+      found.add(".".join([name, *relative.parts]))
+  assert sorted(found) == sorted(setuptools["packages"])
+
+
+def test_kernels_install_as_ltm_pallas_from_the_pallas_folder():
+  assert pathlib.Path(ltm_pallas.__file__).resolve() == ROOT / "pallas" / "__init__.py"
+  assert _pyproject()["tool"]["setuptools"]["package-dir"] == {"ltm_pallas": "pallas"}
+  assert importlib.metadata.version("ltm-jax")  # Installed (editable), which is what maps the name.
