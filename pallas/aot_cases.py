@@ -9,8 +9,8 @@ Kernel cases ("kernels") run forward and backward in one program, so one compila
   WKV-7: head sizes 64 and 128, bfloat16 and float32.
   flash attention (forward, dq, dk/dv): head dims 32, 64, 128 and 256; causal, sliding window, segment ids,
     non-causal; grouped (GQA) and single (MQA) key/value heads; bfloat16 and float32 (and float16 once). Where the
-    default settings are listed in `ltm_pallas.attention.config.SPILLING_DEFAULTS` (float32 at head dims 128 and 256)
-    the case must compile and may spill.
+    default settings are listed in `ltm_pallas.attention.config.SPILLING_DEFAULTS` (none today) the case must
+    compile and may spill.
 Model cases ("models") compile the whole `small_rwkv7` and `base_125m` train steps and their generation (prefill and
 the decode loop) as configured: `impl="auto"` takes what it takes when compiled for a GPU (`ltm_jax.ops.backend`
 dispatches on the platform being compiled for). They catch lowering failures outside the kernels too.

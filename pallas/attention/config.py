@@ -36,6 +36,11 @@ class BlockSizes:
     dkv_k, dkv_q: dk/dv kernel: key rows per program, query rows per inner step.
     fwd_warps, dq_warps, dkv_warps: Triton warps per program of each kernel.
     fwd_stages, dq_stages, dkv_stages: Triton software-pipelining depth of each kernel's inner loop.
+    dkv_stream_kv: dk/dv kernel: read the program's key and value tiles again at every inner step instead of once
+      before the loop. Held across the loop, they stay in the layout of the products that read them; for float32
+      (IEEE products on the CUDA cores, each thread holding whole rows of the contraction) that is 2 x D values per
+      thread, which at D >= 128 cannot fit 255 registers. Read per step (from L1/L2), only the step's working set is
+      live.
   """
 
   fwd_q: int | None = None
@@ -50,12 +55,15 @@ class BlockSizes:
   fwd_stages: int | None = None
   dq_stages: int | None = None
   dkv_stages: int | None = None
+  dkv_stream_kv: bool | None = None
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
       value = getattr(self, field.name)
       if value is None:
         continue
+      if field.name == "dkv_stream_kv" and not isinstance(value, bool):
+        raise ValueError(f"BlockSizes.dkv_stream_kv must be a bool, got {value!r}")
       if field.name.endswith("_warps") and value not in (1, 2, 4, 8, 16):
         raise ValueError(f"BlockSizes.{field.name} must be 1, 2, 4, 8 or 16, got {value}")
       if field.name.endswith("_stages") and value < 1:
@@ -69,11 +77,11 @@ class BlockSizes:
 
 
 def _tiles(fwd: tuple[int, int, int, int], dq: tuple[int, int, int, int],
-           dkv: tuple[int, int, int, int]) -> BlockSizes:
+           dkv: tuple[int, int, int, int], dkv_stream_kv: bool = False) -> BlockSizes:
   """BlockSizes from (rows per program, rows per inner step, warps, stages) of each kernel."""
   return BlockSizes(fwd_q=fwd[0], fwd_k=fwd[1], fwd_warps=fwd[2], fwd_stages=fwd[3],
                     dq_q=dq[0], dq_k=dq[1], dq_warps=dq[2], dq_stages=dq[3],
-                    dkv_k=dkv[0], dkv_q=dkv[1], dkv_warps=dkv[2], dkv_stages=dkv[3])
+                    dkv_k=dkv[0], dkv_q=dkv[1], dkv_warps=dkv[2], dkv_stages=dkv[3], dkv_stream_kv=dkv_stream_kv)
 
 
 # Default settings by padded head dim (the 64 row serves 16 to 64) and operand width in bytes (2: bfloat16 and
@@ -89,23 +97,32 @@ def _tiles(fwd: tuple[int, int, int, int], dq: tuple[int, int, int, int],
 # fewer registers, the more stages. The 2-byte rows keep at least 64 rows per program (one Hopper warpgroup MMA) and
 # 32 per step, since tensor-core throughput and not occupancy alone sets their speed; the float32 rows, whose IEEE
 # products run on the CUDA cores, keep no such floor. Every case of pallas/aot_cases.py was then compiled with the
-# result: nothing spills outside SPILLING_DEFAULTS, and the most registers is 228 (head dim 256, dk/dv). Occupancy
-# is an estimate and these tiles are untimed: a GPU run of benchmarks/attention.py is what ranks them.
+# result: nothing spills, and the most registers is 228 (head dim 256, dk/dv). Occupancy is an estimate and these
+# tiles are untimed: a GPU run of benchmarks/attention.py is what ranks them.
 DEFAULT_BLOCK_SIZES: dict[tuple[int, int], BlockSizes] = {
     (64, 2): _tiles(fwd=(64, 32, 8, 2), dq=(64, 32, 8, 2), dkv=(64, 128, 8, 1)),
     (128, 2): _tiles(fwd=(128, 32, 8, 3), dq=(128, 32, 8, 2), dkv=(64, 128, 8, 1)),
     (256, 2): _tiles(fwd=(64, 64, 8, 2), dq=(64, 32, 8, 2), dkv=(64, 32, 8, 1)),
     (64, 4): _tiles(fwd=(32, 16, 8, 3), dq=(32, 16, 8, 1), dkv=(32, 16, 8, 1)),
-    (128, 4): _tiles(fwd=(16, 32, 8, 2), dq=(16, 32, 8, 1), dkv=(16, 16, 8, 1)),
-    (256, 4): _tiles(fwd=(16, 16, 8, 1), dq=(32, 16, 8, 1), dkv=(16, 16, 8, 1)),
+    (128, 4): _tiles(fwd=(16, 32, 8, 2), dq=(16, 32, 8, 1), dkv=(32, 16, 16, 1), dkv_stream_kv=True),
+    (256, 4): _tiles(fwd=(16, 16, 8, 1), dq=(32, 16, 8, 1), dkv=(16, 32, 8, 1), dkv_stream_kv=True),
 }
+# The float32 dk/dv kernel at head dims 128 and 256 reads its key/value tiles at every step (dkv_stream_kv): Triton
+# multiplies IEEE float32 tiles on the CUDA cores with each thread holding whole rows of the contraction (over D for
+# q k^T and do v^T), so k and v held across the loop take 2 x D registers per thread, and every setting spilled
+# (tiles 16 to 64, 2 to 16 warps, 1 to 3 stages: 0.7 to 63 KB). Streamed, a dozen settings compile without spills;
+# ptxas then trades registers for occupancy on its own, spilling a little in some mask variants of a setting and not
+# others, so the best of them (three at head dim 128, four at 256) were also compiled at window + segment, non-causal
+# segment, cross-length padded, windowed MQA and unaligned head-dim shapes; these two spill at none of them: (32, 16)
+# on 16 warps at head dim 128 (64 registers, 25% occupancy, bound by its 114 KiB of shared memory), (16, 32) on 8
+# warps at head dim 256 (105 to 171 registers, 12%, bound by its 162 KiB of shared memory). (16, 32) on 16 warps
+# would estimate 50% at head dim 128, and (16, 16) or (32, 16) on 16 warps 25% at head dim 256, but they spill at some
+# of those shapes.
 
 
-# Rows whose defaults still spill registers: the dk/dv kernel of float32 at head dims 128 and 256 spills at every
-# setting tried (tiles 16 to 32, 1 to 16 warps, 1 or 2 stages; also with 6-pass bfloat16 products), since Triton
-# multiplies IEEE float32 tiles on the CUDA cores with each thread's operand rows held across the whole contraction.
-# Their rows take the setting that spills least; the kernels compile and run, slower than their FLOPs suggest.
-SPILLING_DEFAULTS = frozenset({(128, 4), (256, 4)})
+# Rows whose defaults are known to spill registers on an H100; `benchmarks/gpu_aot.py` lets their cases spill. None
+# since the float32 dk/dv kernel streams its key/value tiles (above).
+SPILLING_DEFAULTS: frozenset[tuple[int, int]] = frozenset()
 
 
 def _row(head_dim_pad: int, dtype) -> tuple[int, int]:
@@ -160,6 +177,7 @@ class Static:
   fwd_stages: int
   dq_stages: int
   dkv_stages: int
+  dkv_stream_kv: bool
   interpret: bool | None
   float32_inputs: bool
 

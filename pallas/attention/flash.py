@@ -99,6 +99,7 @@ def _prepare(q, k, v, segment_ids, *, causal, window, scale, block_sizes, interp
   k_tiles = {name: fit_block(getattr(blocks, name), s) for name in ("fwd_k", "dq_k", "dkv_k")}
   launch = {name: getattr(blocks, name) for name in ("fwd_warps", "dq_warps", "dkv_warps", "fwd_stages", "dq_stages",
                                                      "dkv_stages")}
+  launch["dkv_stream_kv"] = bool(blocks.dkv_stream_kv)
   st = Static(
       causal=bool(causal), window=None if window is None else int(window),
       scale=float(d**-0.5 if scale is None else scale), t=t, s=s,

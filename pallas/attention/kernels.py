@@ -128,8 +128,8 @@ def _dkv_kernel(*refs, st: Static):
   r = _split(refs, st, ("q", "k", "v", "q_segment", "kv_segment", "do", "lse", "delta", "dk", "dv"))
   bq, bk = st.dkv_q, st.dkv_k
   k_block = pl.program_id(2)
-  k = r["k"][...]
-  v = r["v"][...]
+  # Held across the loop unless st.dkv_stream_kv, which reads them at every step (config.BlockSizes).
+  kv = None if st.dkv_stream_kv else (r["k"][...], r["v"][...])
   k_index = k_block * bk + jnp.arange(bk, dtype=jnp.int32)[None, :]
   kv_segment = r["kv_segment"][...] if st.has_segments else None
   logit_scale = st.scale * LOG2E
@@ -145,6 +145,7 @@ def _dkv_kernel(*refs, st: Static):
       do = r["do"][rows, g, :]
       lse = r["lse"][g, rows]
       delta = r["delta"][g, rows]
+      k, v = (r["k"][...], r["v"][...]) if kv is None else kv
       s = _dot(q, k, (1, 1), st) * logit_scale
       if masked:
         q_index = q_block * bq + jnp.arange(bq, dtype=jnp.int32)[:, None]

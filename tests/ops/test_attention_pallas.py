@@ -45,11 +45,12 @@ def _mask(t, s, *, b=1, **masks):
   return reference_mask(b, t, s, **masks)
 
 
-def _check(rng, q, k, v, mask, *, atol=F32_ATOL, grad_atol=F32_GRAD_ATOL, segment_ids=None, **kwargs):
+def _check(rng, q, k, v, mask, *, atol=F32_ATOL, grad_atol=F32_GRAD_ATOL, segment_ids=None, blocks=BLOCKS,
+           **kwargs):
   """Output and q/k/v gradients of flash_attention against the float64 reference; returns them."""
   scale = kwargs.get("scale") or q.shape[-1] ** -0.5
   cotangent = jnp.asarray(rng.standard_normal(q.shape), q.dtype)
-  fn = lambda q, k, v: flash_attention(q, k, v, segment_ids, block_sizes=BLOCKS, **kwargs)
+  fn = lambda q, k, v: flash_attention(q, k, v, segment_ids, block_sizes=blocks, **kwargs)
   out, grads = _value_and_grads(fn, q, k, v, cotangent)
   ref_out, ref_grads = _reference_value_and_grads(q, k, v, mask, scale, cotangent)
   assert out.shape == q.shape and out.dtype == q.dtype
@@ -73,6 +74,19 @@ def test_masks_and_groups(b, t, s, hq, hkv, d, causal, window):
   rng = np.random.default_rng(t * 100 + s + (window or 0))
   q, k, v = _inputs(rng, b, t, s, hq, hkv, d)
   _check(rng, q, k, v, _mask(t, s, causal=causal, window=window, b=b), causal=causal, window=window)
+
+
+@pytest.mark.parametrize("causal,window", [(True, 7), (False, None)])
+def test_dkv_reading_k_and_v_at_every_step(causal, window):
+  """dkv_stream_kv (the float32 defaults at head dims 128 and 256, where holding k and v across the loop would
+  spill): the same numbers against the float64 reference, with segments and grouped heads."""
+  rng = np.random.default_rng(5 + (window or 0))
+  b, t = 2, 37
+  q, k, v = _inputs(rng, b, t, t, 4, 2, 16)
+  seg = _packed(rng, b, t)
+  mask = _mask(t, t, causal=causal, window=window, q_seg=seg, kv_seg=seg, b=b)
+  _check(rng, q, k, v, mask, causal=causal, window=window, segment_ids=(jnp.asarray(seg), jnp.asarray(seg)),
+         blocks=dataclasses.replace(BLOCKS, dkv_stream_kv=True))
 
 
 def test_causal_more_queries_than_keys_gives_zero_rows():
