@@ -87,12 +87,12 @@ def main() -> None:
   args = parser.parse_args()
 
   lm = load(args.workdir)
-  prior = lm.prior
+  prior, cfg = lm.prior, lm.config
+  splits = data_lib.load_splits(cfg.data, cfg.model.vocab_size, cfg.train.seq_len)
+  windows = data_lib.eval_batches(splits.val, cfg.train.batch_size, cfg.train.seq_len, args.val_batches)
+  bytes_per_token = lm.tokenizer.bytes_per_token
   if args.elbo:
-    cfg = lm.config
-    splits = data_lib.load_splits(cfg.data, cfg.model.vocab_size, cfg.train.seq_len)
-    windows = data_lib.eval_batches(splits.val, cfg.train.batch_size, cfg.train.seq_len, args.val_batches)
-    rows = elbo_rows(lm, windows, lm.tokenizer.bytes_per_token, args.bound_samples)
+    rows = elbo_rows(lm, windows, bytes_per_token, args.bound_samples)
     common.print_table(rows, ["prior", "nll_per_byte", "kl_per_byte", "elbo_ppl_per_byte_bound"])
     path = common.write_results(args.name or "latent-prior-elbo", rows, workdir=args.workdir,
                                 prior_step=prior.step, bound_samples=args.bound_samples,
@@ -115,11 +115,6 @@ def main() -> None:
   }
   for sampler, steps in DIT_SOURCES:
     sources[f"DiT {sampler} {steps}"] = (lambda s, k: lambda key, b: prior.sample(b, key, s, k))(sampler, steps)
-
-  cfg = lm.config
-  splits = data_lib.load_splits(cfg.data, cfg.model.vocab_size, cfg.train.seq_len)
-  windows = data_lib.eval_batches(splits.val, cfg.train.batch_size, cfg.train.seq_len, args.val_batches)
-  bytes_per_token = lm.tokenizer.bytes_per_token
 
   def fitted(i, inputs, targets, roll=0):
     result, _ = _infer(lm.model, lm.params, inputs, targets, jax.random.key(100 + i))

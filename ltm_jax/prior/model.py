@@ -17,7 +17,7 @@ from ltm_jax import config as config_lib
 from ltm_jax.config import Config, PriorConfig
 from ltm_jax.errors import CheckpointError, ConfigError
 from ltm_jax.prior import samplers
-from ltm_jax.prior.diffusion import nll_bound, schedule_of
+from ltm_jax.prior.diffusion import Denoiser, nll_bound, schedule_of
 from ltm_jax.prior.dit import DiT
 
 
@@ -35,6 +35,12 @@ class PriorState(NamedTuple):
   std: jax.Array
 
 
+def denoiser(cfg: PriorConfig, params) -> Denoiser:
+  """eps_theta(x_t [B, *latent_shape], t [B]) of the DiT with `params`, on standardised latents."""
+  model = DiT(cfg)
+  return lambda x, t: model.apply({"params": params}, x, t)
+
+
 def init_params(cfg: PriorConfig, latent_shape: tuple[int, int, int], key: jax.Array):
   x = jnp.ones((1, *latent_shape), jnp.float32)
   return DiT(cfg).init(key, x, jnp.ones((1,), jnp.float32))["params"]
@@ -48,11 +54,6 @@ class LatentPrior:
     self.mean, self.std = jnp.asarray(mean, jnp.float32), jnp.asarray(std, jnp.float32)
     self.latent_shape = tuple(self.mean.shape)
 
-  def eps_fn(self, params=None):
-    """The denoiser eps_theta(x_t [B, *latent_shape], t [B]) on standardised latents."""
-    model, params = DiT(self.cfg), self.params if params is None else params
-    return lambda x, t: model.apply({"params": params}, x, t)
-
   def sample(self, batch: int, key: jax.Array, sampler: str | None = None, steps: int | None = None) -> jax.Array:
     """z [batch, *latent_shape] float32 from `sampler` ("dpm++" or "ddpm"; default prior.sampler) in `steps`
     denoiser evaluations (default prior.sampler_steps)."""
@@ -60,7 +61,6 @@ class LatentPrior:
     steps = self.cfg.sampler_steps if steps is None else steps
     samplers.check(sampler, steps)
     return _sample(self.cfg, self.params, self.mean, self.std, key, batch, sampler, int(steps))
-
 
   def nll_bound(self, z: jax.Array, key: jax.Array, samples: int = 16) -> jax.Array:
     """An upper bound [B] on -log p(z) in nats for z [B, *latent_shape] (`diffusion.nll_bound` on the standardised
@@ -71,8 +71,7 @@ class LatentPrior:
 
 @functools.partial(jax.jit, static_argnames=("cfg", "samples"))
 def _nll_bound(cfg, params, mean, std, z, key, samples):
-  eps_fn = lambda x, t: DiT(cfg).apply({"params": params}, x, t)
-  bound = nll_bound(eps_fn, (z - mean) / std, key, schedule_of(cfg), samples)
+  bound = nll_bound(denoiser(cfg, params), (z - mean) / std, key, schedule_of(cfg), samples)
   return bound + jnp.sum(jnp.log(std))
 
 
@@ -80,8 +79,7 @@ def _nll_bound(cfg, params, mean, std, z, key, samples):
 def _sample(cfg, params, mean, std, key, batch, sampler, steps):
   noise_key, sampler_key = jax.random.split(key)
   x_T = jax.random.normal(noise_key, (batch, *mean.shape), jnp.float32)
-  eps_fn = lambda x, t: DiT(cfg).apply({"params": params}, x, t)
-  x = samplers.sample(sampler, eps_fn, x_T, schedule_of(cfg), steps, sampler_key)
+  x = samplers.sample(sampler, denoiser(cfg, params), x_T, schedule_of(cfg), steps, sampler_key)
   return mean + std * x
 
 

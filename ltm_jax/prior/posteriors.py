@@ -205,9 +205,7 @@ class PosteriorSet:
 
   def read(self, indices) -> np.ndarray:
     """float32 [N, 3, n_layers, n_per_layer, d_model] (z, mu, logvar) of the records at `indices`."""
-    indices = list(indices)
-    return np.stack([decode_record(r) for r in self.source.__getitems__(indices)]) if indices else np.zeros(
-        (0, 3, *self.latent_shape), np.float32)
+    return np.stack([decode_record(r) for r in self.source.__getitems__(list(indices))])
 
   def heldout(self) -> np.ndarray:
     return self.read(range(self.num_train, self.num_records))

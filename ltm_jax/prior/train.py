@@ -27,8 +27,7 @@ from ltm_jax.config import Config, PriorConfig
 from ltm_jax.errors import ConfigError, LtmError
 from ltm_jax.prior import posteriors as posteriors_lib
 from ltm_jax.prior.diffusion import denoising_loss, schedule_of
-from ltm_jax.prior.dit import DiT
-from ltm_jax.prior.model import PriorState, abstract_state, folder_of, init_params, prior_config
+from ltm_jax.prior.model import PriorState, abstract_state, denoiser, folder_of, init_params, prior_config
 from ltm_jax.train import checkpoint as ckpt_lib
 from ltm_jax.train import workdir as workdir_lib
 from ltm_jax.train.loop import StopFlag
@@ -62,10 +61,10 @@ def batches(posteriors: posteriors_lib.PosteriorSet, batch_size: int, seed: int)
 
 
 def make_train_step(cfg: PriorConfig, optimizer):
-  model, schedule = DiT(cfg), schedule_of(cfg)
+  schedule = schedule_of(cfg)
 
   def loss_fn(params, x0, key):
-    return denoising_loss(lambda x, t: model.apply({"params": params}, x, t), x0, key, schedule).mean()
+    return denoising_loss(denoiser(cfg, params), x0, key, schedule).mean()
 
   @jax.jit
   def step(state: PriorState, mu_logvar: jax.Array, key: jax.Array):

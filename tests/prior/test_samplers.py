@@ -246,6 +246,8 @@ def test_ddpm_matches_gaussian_marginal():
   assert np.all(np.abs(mean - law_mean) < 5 * se_mean), (mean - law_mean) / se_mean
   assert np.all(np.abs(covariance - law_cov) < 5 * se_cov), (covariance - law_cov) / se_cov
 
+  # A check of the float64 reference itself, on which the tolerance below rests: its chain converges at first
+  # order, as ancestral sampling does, so `bias` is the discretisation error and not a transcription error.
   bias = np.abs(law_cov - s_0).max()
   half_bias = np.abs(np_ddpm_law(schedule, m, cov, steps // 2)[1] - s_0).max()
   assert 1.7 < half_bias / bias < 2.3, (half_bias, bias)
