@@ -22,6 +22,7 @@ from ltm_jax import model as model_lib
 from ltm_jax import config as config_lib
 from ltm_jax.config import Config
 from ltm_jax.errors import CheckpointError, LtmError
+from ltm_jax.inference import diagnostics
 from ltm_jax.inference import generate as generation
 from ltm_jax.inference import inputs
 from ltm_jax.inference import quantize as quantize_lib
@@ -183,6 +184,20 @@ class LanguageModel:
       latents = self._resolve_latents(tokens, lengths, latents, inputs.key(seed))
     logits, _ = self._apply(self.params, tokens, None, self._latents_for(tokens, latents))
     return logits[0] if single else logits
+
+  def memory_stats(self, tokens, latents=None, *, seed: int = 0) -> dict[str, dict[str, np.ndarray]]:
+    """The Titans memory layers' statistics over tokens [B, T] (`diagnostics.memory_statistics`): per layer, the
+    surprise and the gates per token and head, and the norms of the memory's weights and momentum at the end.
+    `latents` as for `forward`."""
+    tokens = jnp.asarray(inputs.token_ids(tokens, self.config.model.vocab_size, "memory_stats", single=False))
+    if isinstance(latents, str):
+      lengths = jnp.full(tokens.shape[:1], tokens.shape[1], jnp.int32)
+      latents = self._resolve_latents(tokens, lengths, latents, inputs.key(seed))
+    try:
+      return diagnostics.memory_statistics(self.config.model, self.config.latent, self.params, tokens,
+                                           self._latents_for(tokens, latents))
+    except ValueError as e:
+      raise LtmError(str(e)) from None
 
   def init_state(self, batch: int, capacity: int | None = None):
     """The per-layer state before any token (empty caches, zero recurrent states). Full-attention caches hold

@@ -25,7 +25,7 @@ def _train(args) -> int:
     return 128 + result.interrupted_by
   if not parallel.is_main_process():
     return 0
-  val = {k: v for k, v in result.metrics.items() if k.startswith("val_")}
+  val = {k: v for k, v in result.metrics.items() if k.startswith(("val_", "test_"))}
   print(f"done: step {result.step} in {result.seconds:.0f}s; " + " ".join(f"{k} {v:.4f}" for k, v in val.items()
                                                                         if isinstance(v, float)))
   return 0
@@ -35,7 +35,7 @@ def _eval(args) -> int:
   from ltm_jax import data as data_lib
   from ltm_jax.api import load
   from ltm_jax.train.evaluation import full_evaluation
-  _check_workdir(args.workdir)
+  _check_lm_workdir(args.workdir, "eval")
   lm = load(args.workdir, args.step, args.overrides)
   t = lm.config.train
   batch_size = args.batch_size or t.batch_size
@@ -67,7 +67,7 @@ def _eval(args) -> int:
 
 def _generate(args) -> int:
   from ltm_jax.api import load
-  _check_workdir(args.workdir)
+  _check_lm_workdir(args.workdir, "generate")
   lm = load(args.workdir, args.step, args.overrides)
   if args.latents is not None and not lm.has_latents:
     raise ValueError("--latents needs a model trained with latents (latent.enabled=true)")
@@ -105,7 +105,7 @@ def _generate(args) -> int:
 def _fit_prior(args) -> int:
   from ltm_jax.api import load
   from ltm_jax.prior import posteriors
-  _check_workdir(args.workdir)
+  _check_lm_workdir(args.workdir, "fit-prior")
   lm = load(args.workdir, args.step, args.overrides)
   started = time.time()
   report = lambda done, total: print(f"shard {done}/{total} ({time.time() - started:.0f}s)", file=sys.stderr)
@@ -141,6 +141,7 @@ def _info(args) -> int:
   from ltm_jax import config as config_lib
   from ltm_jax.info import compiled_memory, format_info, model_info
   cfg = config_lib.load_config(args.config, args.overrides)
+  _refuse_timeseries(cfg, "info")
   info = model_info(cfg)
   if args.compile:
     info.update(compiled_memory(cfg))
@@ -152,6 +153,21 @@ def _check_workdir(workdir: str) -> None:
   from ltm_jax.errors import LtmError
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     raise LtmError(f"--workdir {workdir} is a file, not a directory")
+
+
+def _refuse_timeseries(cfg, command: str) -> None:
+  """The commands other than train read decoder LMs; a time-series config would be read as one."""
+  from ltm_jax.errors import LtmError
+  if cfg.timeseries.enabled:
+    raise LtmError(f"ltm {command} works on decoder LMs; this is a time-series model (timeseries.enabled): its "
+                   "val_* and final test_* metrics are in the workdir's metrics.jsonl")
+
+
+def _check_lm_workdir(workdir: str, command: str) -> None:
+  from ltm_jax.train import checkpoint as ckpt_lib
+  _check_workdir(workdir)
+  if os.path.isfile(os.path.join(workdir, "config.json")):
+    _refuse_timeseries(ckpt_lib.read_config_json(workdir), command)
 
 
 def _positive_int(text: str) -> int:

@@ -18,7 +18,9 @@ from typing import Any
 
 from ltm_jax.errors import ConfigError, first_line
 
-MIXERS = {"A": "attention", "R": "rwkv4", "W": "rwkv7"}
+MIXERS = {"A": "attention", "R": "rwkv4", "W": "rwkv7", "M": "titans_mal", "G": "titans_mag"}
+ATTENTION_LETTERS = "AMG"  # Letters whose layers run (windowed) attention, with RoPE and a key/value cache.
+MEMORY_IMPLS = ("auto", "scan", "chunked")
 FFNS = ("auto", "swiglu", "channel_mix", "channel_mix7")
 DECODER_OBJECTIVES = ("final", "iterates")
 NORMS = ("rmsnorm", "layernorm")
@@ -35,8 +37,9 @@ VOCAB_MULTIPLE = 128
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """The decoder. `layer_pattern` letters: A = causal attention, R = RWKV-4 time-mix, W = RWKV-7 (x070) time-mix;
-  tiled over `n_layers`."""
+  """The decoder. `layer_pattern` letters: A = causal attention, R = RWKV-4 time-mix, W = RWKV-7 (x070) time-mix,
+  M = Titans memory as a layer (neural memory, then attention), G = Titans memory as a gate (attention and neural
+  memory mixed by a learned gate); tiled over `n_layers`."""
   vocab_size: int = 259
   d_model: int = 128
   n_layers: int = 4
@@ -68,6 +71,15 @@ class ModelConfig:
   rwkv7_iclr_lora: int | None = None
   rwkv7_value_lora: int | None = None
   rwkv7_gate_lora: int | None = None
+  # Titans neural memory (M, G layers): an MLP of memory_depth layers (hidden width memory_expansion * head_dim) per
+  # head, trained at test time with gradients taken at the start of each chunk of memory_chunk tokens (1: exact
+  # online gradient descent), learning rate up to memory_max_lr / memory_chunk per token (so up to memory_max_lr
+  # summed over a chunk); memory_impl picks the op's backend.
+  memory_depth: int = 2
+  memory_expansion: int = 2
+  memory_chunk: int = 16
+  memory_max_lr: float = 0.5
+  memory_impl: str = "auto"
   remat: str = "none"  # One of REMAT_POLICIES: what each block saves for the backward pass (a runtime choice).
   # Stack the blocks of each repeat of layer_pattern's smallest repeating unit under nn.scan (compile time flat in
   # depth); parameters then carry a leading "layers" axis, so this changes the checkpoint layout.
@@ -148,6 +160,9 @@ class TrainConfig:
   grad_clip: float = 1.0  # Global-norm clipping; 0 disables.
   eval_every: int = 200
   eval_batches: int = 16
+  # Titans models: every evaluation also logs the memory layers' statistics (surprise, gates, weight and momentum
+  # norms; ltm_jax.inference.diagnostics), averaged over the first validation batch.
+  memory_stats: bool = False
   checkpoint_every: int = 500
   keep_checkpoints: int = 3
   async_checkpoint: bool = True
@@ -210,6 +225,37 @@ class PriorConfig:
   sampler_steps: int = 20
 
 
+TS_TASKS = ("classification", "regression")
+TS_POOLS = ("mean", "last")
+TS_BRANCHES = ("spectrum", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class TimeSeriesConfig:
+  """A time-series model instead of the decoder LM (ltm_jax/timeseries): real-valued series [B, T, F] embedded per
+  patch of `patch` steps, the block stack of the model section (layer_pattern, d_model, ...) run over the patches,
+  pooled over time, fused with a second branch and read by a classification or regression head. With it enabled,
+  train.seq_len and the data section's source and tokenizer are unused: series, lengths and classes come from
+  `source`."""
+  enabled: bool = False
+  # aeon:<name>, a dataset the aeon package ships (e.g. aeon:GunPoint; its own train/test split), or a file: .npz
+  # (x [N, T] or [N, T, F], y [N], optional mask [N, T]) or .csv/.tsv in the UCR layout (label, then the values).
+  source: str = "aeon:GunPoint"
+  test_source: str | None = None  # The test split of a file source (None: no test metrics).
+  task: str = "classification"
+  val_fraction: float = 0.2  # Of the training split held out (stratified by class) for val_* metrics; 0: none.
+  normalize: bool = True  # Z-normalise every series (each feature over its valid steps).
+  patch: int = 1  # Steps per embedded token.
+  pool: str = "mean"  # mean: masked mean of the final hidden states over time; last: the last valid step's.
+  # spectrum: log-magnitudes of the series' discrete-time Fourier transform at `spectrum_bins` fixed frequencies
+  # (periods geometric from 2 to spectrum_max_period steps), embedded and fused with the pooled time features;
+  # none: the time branch alone.
+  branch: str = "spectrum"
+  spectrum_bins: int = 32
+  spectrum_max_period: float = 512.0
+  head_hidden: int | None = None  # Width of the fused head's hidden layer (None: model.d_model).
+
+
 MESH_AXES = ("data", "fsdp", "tensor")
 
 
@@ -239,6 +285,9 @@ class MeshConfig:
   norm: str | None = None
   lora: str | None = None
   latent: str | None = None
+  memory_in: str | None = None  # The Titans memory MLP's input and output axes (its learned initial weights).
+  memory_out: str | None = None
+  conv: str | None = None  # The taps of short convolutions.
   layers: str | None = None  # The stacked-layer axis of scanned layers.
 
   def sizes(self) -> dict[str, int]:
@@ -269,6 +318,7 @@ class Config:
   latent: LatentConfig = LatentConfig()
   mesh: MeshConfig = MeshConfig()
   prior: PriorConfig = PriorConfig()
+  timeseries: TimeSeriesConfig = TimeSeriesConfig()
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -278,7 +328,8 @@ class Config:
 
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "latent": LatentConfig,
-            "mesh": MeshConfig, "prior": PriorConfig}
+            "mesh": MeshConfig, "prior": PriorConfig,
+            "timeseries": TimeSeriesConfig}
 
 
 # ----------------------------------------------------------------------------------------------------------- loading
@@ -444,7 +495,7 @@ def validate(config: Config) -> Config:
   need(m.d_model % m.n_heads == 0, f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}")
   need(m.kv_heads > 0 and m.n_heads % m.kv_heads == 0,
        f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}")
-  need("A" not in m.layer_pattern or m.head_dim % 2 == 0,
+  need(not set(ATTENTION_LETTERS) & set(m.layer_pattern) or m.head_dim % 2 == 0,
        f"head dimension d_model/n_heads={m.head_dim} must be even for RoPE")
   need(len(m.layer_pattern) > 0, "model.layer_pattern is empty")
   bad = sorted(set(m.layer_pattern) - set(MIXERS))
@@ -461,13 +512,17 @@ def validate(config: Config) -> Config:
     for name, dim in m.rwkv7_lora_dims().items():
       need(dim > 0, f"model.rwkv7_{name}_lora must be positive or none, got {dim}")
   need(m.window is None or m.window > 0, f"model.window must be positive or none, got {m.window}")
-  need(m.window is None or "A" not in m.layer_pattern or m.window <= config.train.seq_len,
+  need(m.window is None or not set(ATTENTION_LETTERS) & set(m.layer_pattern) or m.window <= config.train.seq_len,
        f"model.window={m.window} is longer than train.seq_len={config.train.seq_len}, so it limits nothing; "
        "use model.window=none for full attention")
   need(m.rope_theta > 0 and m.norm_eps > 0 and m.init_std > 0, "model.rope_theta, norm_eps, init_std must be > 0")
   for key, choices in (("ffn", FFNS), ("norm", NORMS), ("dtype", DTYPES), ("remat", REMAT_POLICIES),
-                       ("wkv_impl", WKV_IMPLS), ("attention_impl", ATTENTION_IMPLS), ("wkv7_impl", WKV7_IMPLS)):
+                       ("wkv_impl", WKV_IMPLS), ("attention_impl", ATTENTION_IMPLS), ("wkv7_impl", WKV7_IMPLS),
+                       ("memory_impl", MEMORY_IMPLS)):
     need(getattr(m, key) in choices, f"model.{key}={getattr(m, key)!r} is not one of {', '.join(choices)}")
+  for key in ("memory_depth", "memory_expansion", "memory_chunk"):
+    need(getattr(m, key) >= 1, f"model.{key} must be >= 1, got {getattr(m, key)}")
+  need(0 < m.memory_max_lr <= 1, f"model.memory_max_lr must be in (0, 1], got {m.memory_max_lr}")
 
   need(d.tokenizer in TOKENIZERS, f"data.tokenizer={d.tokenizer!r} is not one of {', '.join(TOKENIZERS)}")
   need(d.bin_dtype in ("uint16", "uint32"), f"data.bin_dtype={d.bin_dtype!r} is not one of uint16, uint32")
@@ -490,7 +545,9 @@ def validate(config: Config) -> Config:
   need(t.warmup_steps >= 0 and t.weight_decay >= 0 and t.grad_clip >= 0,
        "train.warmup_steps, weight_decay and grad_clip must be >= 0")
   need(0 <= t.b1 < 1 and 0 <= t.b2 < 1 and t.eps > 0, "train.b1 and train.b2 must be in [0, 1), train.eps > 0")
-  has_full_attention = "A" in m.layer_pattern and m.window is None
+  need(not t.memory_stats or bool(set("MG") & set(m.layer_pattern)),
+       f"train.memory_stats needs a Titans memory layer (M or G) in model.layer_pattern={m.layer_pattern!r}")
+  has_full_attention = bool(set(ATTENTION_LETTERS) & set(m.layer_pattern)) and m.window is None
   need(not has_full_attention or t.seq_len <= m.max_seq_len,
        f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
 
@@ -522,8 +579,23 @@ def validate(config: Config) -> Config:
   need(z.decoder_objective == "final" or z.continuation_fraction == 0,
        "latent.decoder_objective=iterates scores the tokens z is fitted on; it cannot be combined with "
        "latent.continuation_fraction > 0")
+  _validate_timeseries(config.timeseries)
   _validate_mesh(config)
   return config
+
+
+def _validate_timeseries(ts: TimeSeriesConfig) -> None:
+  def need(ok: bool, message: str):
+    if not ok:
+      raise ConfigError(message)
+
+  need(bool(ts.source), "timeseries.source is empty")
+  for key, choices in (("task", TS_TASKS), ("pool", TS_POOLS), ("branch", TS_BRANCHES)):
+    need(getattr(ts, key) in choices, f"timeseries.{key}={getattr(ts, key)!r} is not one of {', '.join(choices)}")
+  need(0 <= ts.val_fraction < 1, f"timeseries.val_fraction must be in [0, 1), got {ts.val_fraction}")
+  need(ts.patch >= 1 and ts.spectrum_bins >= 1, "timeseries.patch and timeseries.spectrum_bins must be >= 1")
+  need(ts.spectrum_max_period > 2, f"timeseries.spectrum_max_period must be > 2 steps, got {ts.spectrum_max_period}")
+  need(ts.head_hidden is None or ts.head_hidden > 0, f"timeseries.head_hidden must be positive, got {ts.head_hidden}")
 
 
 def _validate_mesh(config: Config) -> None:
@@ -555,9 +627,9 @@ def model_dims(config: Config) -> dict[str, list[tuple[str, int]]]:
       "embed": [(f"model.d_model={m.d_model}", m.d_model)],
       "vocab": [(f"the padded vocabulary {m.padded_vocab_size}", m.padded_vocab_size)],
       "heads": [], "kv_heads": [], "mlp": [], "wkv": []}
-  if "A" in m.layer_pattern or config.latent.enabled:
+  if set(ATTENTION_LETTERS) & set(m.layer_pattern) or config.latent.enabled:
     dims["heads"].append((f"model.n_heads={m.n_heads}", m.n_heads))
-  if "A" in m.layer_pattern:
+  if set(ATTENTION_LETTERS) & set(m.layer_pattern):
     dims["kv_heads"].append((f"the key/value heads {m.kv_heads}", m.kv_heads))
   if "R" in m.layer_pattern:
     dims["wkv"].append((f"model.d_model={m.d_model} (RWKV-4 channels)", m.d_model))

@@ -22,9 +22,20 @@ def _visible_keys(seq_len: int, window: int | None) -> float:
 
 
 def _per_token(path) -> bool:
-  """Whether a matrix multiplies every token (not the embedding lookup, not the latents' own key/value projections)."""
+  """Whether a matrix multiplies every token (not the embedding lookup, not the latents' own key/value projections,
+  not the Titans memory's initial weights, whose per-token work `_memory_flops` counts)."""
   name = jax.tree_util.keystr(path)
-  return "['embed']" not in name and not ("['cross_attention']" in name and ("['k']" in name or "['v']" in name))
+  return ("['embed']" not in name and "['memory_" not in name
+          and not ("['cross_attention']" in name and ("['k']" in name or "['v']" in name)))
+
+
+def _memory_flops(m) -> float:
+  """Forward FLOPs per token of one Titans memory (the chunked op): per head and memory layer of d_in x d_out
+  weights, the reads through W_0 and S_0, the forward and backward at the anchor that give the gradient factors, and
+  the chunk's state update are each a d_in x d_out product (6 in all), and the read against the chunk's C factor
+  pairs costs C (d_in + d_out)."""
+  dims = [m.head_dim] + [m.memory_expansion * m.head_dim] * (m.memory_depth - 1) + [m.head_dim]
+  return m.n_heads * sum(2 * (6 * i * o + m.memory_chunk * (i + o)) for i, o in zip(dims, dims[1:]))
 
 
 def model_info(cfg: Config) -> dict[str, Any]:
@@ -39,10 +50,11 @@ def model_info(cfg: Config) -> dict[str, Any]:
                  if len(x.shape) - model_lib.is_stacked(path) >= 2 and _per_token(path))
   if m.tie_embeddings:
     n_matmul += m.padded_vocab_size * m.d_model
-  n_attention = sum(kind == "attention" for kind in m.mixers)
+  n_attention = sum(kind in ("attention", "titans_mal", "titans_mag") for kind in m.mixers)
+  n_memory = sum(kind in ("titans_mal", "titans_mag") for kind in m.mixers)
   # Forward: 2 FLOPs per multiply-add; QK^T and AV each cost 2*d per visible key. Training = 3x forward.
   attention_fwd = n_attention * 4 * m.d_model * _visible_keys(t.seq_len, m.window)
-  flops_fwd = 2 * n_matmul + attention_fwd
+  flops_fwd = 2 * n_matmul + attention_fwd + n_memory * _memory_flops(m)
   tokens = t.batch_size * t.seq_len
   # Training = 3x forward (forward, gradients of activations and of weights). With latents, each inner step is a
   # forward and a backward to z only (~2x forward; no weight gradients), plus one forward scoring the fitted z.
@@ -56,8 +68,10 @@ def model_info(cfg: Config) -> dict[str, Any]:
   # Activations kept for the backward pass, per token and layer, in units of d_model-sized vectors (approximate).
   per_layer = 0.0
   for kind in m.mixers:
-    kv = 2 * m.kv_heads * m.head_dim / m.d_model
-    per_layer += (4 + 1 + kv) if kind == "attention" else 9  # norm in/out, q, k/v, attn out | shifts, r, k, v, wkv
+    attention = 4 + 1 + 2 * m.kv_heads * m.head_dim / m.d_model  # Norm in/out, q, k/v, attention out.
+    # RWKV: shifts, r, k, v, wkv. Titans: the attention's, and the memory's q, k, v before and after the
+    # convolution, its read and output.
+    per_layer += {"attention": attention, "titans_mal": attention + 7, "titans_mag": attention + 7}.get(kind, 9)
     ffn = m.ffn_kind(kind)
     per_layer += 2 + (3 if ffn == "swiglu" else 2) * m.ffn_dim(ffn) / m.d_model
   activation_bytes = tokens / t.grad_accum * m.d_model * per_layer * compute_bytes

@@ -27,7 +27,8 @@ from jax import lax
 
 from ltm_jax.config import LatentConfig, ModelConfig
 from ltm_jax.layers import Attention, ChannelMix, ChannelMixState, CrossAttention, KVCache, SwiGLU, TimeMix, TimeMixState
-from ltm_jax.layers import ChannelMix7, TimeMix7, TimeMix7State
+from ltm_jax.layers import ChannelMix7, MemoryAsGate, MemoryAsLayer, NeuralMemoryState, TimeMix7, TimeMix7State
+from ltm_jax.layers import TitansState
 from ltm_jax.layers.common import init, norm
 
 SCANNED = "blocks"  # The parameter (and module) name of the scanned stack of blocks.
@@ -35,7 +36,7 @@ LAYER_AXIS = "layers"  # The logical name of the stacked parameters' leading axi
 
 
 class BlockState(NamedTuple):
-  mixer: Any  # KVCache for attention, TimeMixState for RWKV-4, TimeMix7State for RWKV-7.
+  mixer: Any  # KVCache for attention, TimeMixState for RWKV-4, TimeMix7State for RWKV-7, TitansState for M and G.
   ffn: Any  # ChannelMixState for both channel-mixes, None for SwiGLU.
 
 
@@ -112,11 +113,21 @@ class Block(nn.Module):
   def __call__(self, x, state: BlockState | None = None, z=None, positions=None, v_first=None, valid=None):
     cfg, mixer_kind = self.cfg, self.cfg.mixers[self.layer]
     std, out_std = _std(cfg)
+    attention = dict(n_heads=cfg.n_heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, window=cfg.window,
+                     capacity=cache_capacity(cfg, self.capacity), rope_theta=cfg.rope_theta, std=std,
+                     out_std=out_std, impl=cfg.attention_impl)
     if mixer_kind == "attention":
-      mixer = self._sublayer(Attention, "mixer")(
-          n_heads=cfg.n_heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, window=cfg.window,
-          capacity=cache_capacity(cfg, self.capacity), rope_theta=cfg.rope_theta, std=std, out_std=out_std,
-          impl=cfg.attention_impl, dtype=cfg.dtype, name="mixer")
+      mixer = self._sublayer(Attention, "mixer")(**attention, dtype=cfg.dtype, name="mixer")
+    elif mixer_kind in ("titans_mal", "titans_mag"):
+      memory = dict(n_heads=cfg.n_heads, head_dim=cfg.head_dim, depth=cfg.memory_depth,
+                    expansion=cfg.memory_expansion, chunk=cfg.memory_chunk, max_lr=cfg.memory_max_lr, std=std,
+                    out_std=out_std, impl=cfg.memory_impl)
+      if mixer_kind == "titans_mal":
+        mixer = self._sublayer(MemoryAsLayer, "mixer")(memory=memory, attention=attention, norm_kind=cfg.norm,
+                                                       norm_eps=cfg.norm_eps, dtype=cfg.dtype, name="mixer")
+      else:
+        mixer = self._sublayer(MemoryAsGate, "mixer")(memory=memory, attention=attention, std=std, dtype=cfg.dtype,
+                                                      name="mixer")
     elif mixer_kind == "rwkv7":
       lora = cfg.rwkv7_lora_dims()
       mixer = self._sublayer(TimeMix7, "mixer")(
@@ -254,16 +265,8 @@ class LM(nn.Module):
     x = embed(tokens)
     if cfg.ln0:  # In float32: it feeds the residual stream.
       x = norm(cfg.norm, cfg.norm_eps, jnp.float32, "embed_norm")(x)
-    layout = scan_layout(cfg)
-    block_cls, new_state, v_first = _block_class(cfg, scanned=False), [], None
-    for i in range(layout.prefix_layers):
-      z = None if latent is None else latents[:, i]
-      x, block_state, v_first = block_cls(cfg, i, latent, capacity=self.cache_capacity, name=f"block_{i}")(
-          x, None if state is None else state[i], z, positions, v_first, valid)
-      new_state.append(block_state)
-    if layout.scanned_units:
-      x, v_first, scanned_state = self._scanned(layout, x, v_first, state, latents, positions, valid)
-      new_state.extend(scanned_state)
+    x, new_state = run_blocks(cfg, x, state, latent=latent, latents=latents, positions=positions, valid=valid,
+                              capacity=self.cache_capacity)
     if last_only:  # A prefill needs the next token's logits only: skip the [B, T, vocab] head product.
       x = x[:, -1:]
     x = norm(cfg.norm, cfg.norm_eps, cfg.dtype, "final_norm")(x)
@@ -274,20 +277,41 @@ class LM(nn.Module):
     else:
       logits = nn.Dense(cfg.padded_vocab_size, use_bias=False, dtype=cfg.dtype, param_dtype=jnp.float32,
                         kernel_init=init(cfg.init_std, ("embed", "vocab")), dot_general=_float32_dot, name="head")(x)
-    return logits[..., :cfg.vocab_size], tuple(new_state)
+    return logits[..., :cfg.vocab_size], new_state
 
-  def _scanned(self, layout: ScanLayout, x, v_first, state, latents, positions, valid):
-    """Runs the scanned repeats; v_first rides in the carry (made by a separate layer or None without RWKV-7)."""
-    start, units, period = layout.prefix_layers, layout.scanned_units, layout.period
-    states = None if state is None else tuple(state[start:])
-    z = None
-    if latents is not None:  # [B, n_layers, n, d] -> [units, B, period, n, d]: repeat u's blocks are its layers.
-      z = latents[:, start:].reshape(latents.shape[0], units, period, *latents.shape[2:]).swapaxes(0, 1)
-    scan = nn.scan(_Unit, variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=(0, 0, nn.broadcast, nn.broadcast),
-                   length=units, metadata_params={nn.PARTITION_NAME: LAYER_AXIS})
-    (x, v_first), new_states = scan(self.cfg, start, uses_latents(self.latent), self.cache_capacity, name=SCANNED)(
-        (x, v_first), states, z, positions, valid)
-    return x, v_first, new_states
+
+def run_blocks(cfg: ModelConfig, x, state: tuple[BlockState, ...] | None = None, *, latent: LatentConfig | None = None,
+               latents=None, positions=None, valid=None, capacity: int | None = None):
+  """The block stack of `cfg` over x [B, T, d_model] -> (x [B, T, d_model] before the final norm, new state in
+  `init_state`'s layout). Arguments as `LM` takes them (`latent` already filtered by `uses_latents`).
+
+  Called inside a compact method, the blocks become the caller's submodules (`block_{i}`, and `blocks` when
+  scanned), so a model with its own input embedding and head (ltm_jax/timeseries) runs the same layers with the same
+  parameter layout, state API and padding rules as the decoder."""
+  layout = scan_layout(cfg)
+  block_cls, new_state, v_first = _block_class(cfg, scanned=False), [], None
+  for i in range(layout.prefix_layers):
+    z = None if latent is None else latents[:, i]
+    x, block_state, v_first = block_cls(cfg, i, latent, capacity=capacity, name=f"block_{i}")(
+        x, None if state is None else state[i], z, positions, v_first, valid)
+    new_state.append(block_state)
+  if layout.scanned_units:
+    x, v_first, scanned_state = _scanned(cfg, latent, capacity, layout, x, v_first, state, latents, positions, valid)
+    new_state.extend(scanned_state)
+  return x, tuple(new_state)
+
+
+def _scanned(cfg: ModelConfig, latent, capacity, layout: ScanLayout, x, v_first, state, latents, positions, valid):
+  """Runs the scanned repeats; v_first rides in the carry (made by a separate layer or None without RWKV-7)."""
+  start, units, period = layout.prefix_layers, layout.scanned_units, layout.period
+  states = None if state is None else tuple(state[start:])
+  z = None
+  if latents is not None:  # [B, n_layers, n, d] -> [units, B, period, n, d]: repeat u's blocks are its layers.
+    z = latents[:, start:].reshape(latents.shape[0], units, period, *latents.shape[2:]).swapaxes(0, 1)
+  scan = nn.scan(_Unit, variable_axes={"params": 0}, split_rngs={"params": True},
+                 in_axes=(0, 0, nn.broadcast, nn.broadcast), length=units, metadata_params={nn.PARTITION_NAME: LAYER_AXIS})
+  (x, v_first), new_states = scan(cfg, start, latent, capacity, name=SCANNED)((x, v_first), states, z, positions, valid)
+  return x, v_first, new_states
 
 
 def uses_latents(latent: LatentConfig | None) -> LatentConfig | None:
@@ -301,8 +325,13 @@ def latent_shape(cfg: ModelConfig, latent: LatentConfig, batch: int) -> tuple[in
 
 
 def _layer_state(cfg: ModelConfig, mixer_kind: str, batch: int, capacity: int | None) -> BlockState:
+  cache = lambda: KVCache.empty(batch, cache_capacity(cfg, capacity), cfg.kv_heads, cfg.head_dim,
+                               jnp.dtype(cfg.dtype))
   if mixer_kind == "attention":
-    mixer = KVCache.empty(batch, cache_capacity(cfg, capacity), cfg.kv_heads, cfg.head_dim, jnp.dtype(cfg.dtype))
+    mixer = cache()
+  elif mixer_kind in ("titans_mal", "titans_mag"):
+    memory = NeuralMemoryState.empty(batch, cfg.n_heads, cfg.head_dim, cfg.memory_depth, cfg.memory_expansion)
+    mixer = TitansState(memory, cache())
   elif mixer_kind == "rwkv7":
     mixer = TimeMix7State.empty(batch, cfg.d_model, cfg.rwkv7_head_size)
   else:

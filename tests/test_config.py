@@ -61,6 +61,11 @@ def test_bad_overrides_name_the_problem(override, message):
     (["train.lr=-1"], r"train.lr must be positive"),
     (["model.n_kv_heads=0"], r"not divisible by model.n_kv_heads=0"),
     (["train.seq_len=4096"], r"exceeds model.max_seq_len"),
+    (["model.memory_chunk=0"], r"model.memory_chunk must be >= 1, got 0"),
+    (["model.memory_depth=0"], r"model.memory_depth must be >= 1, got 0"),
+    (["model.memory_max_lr=1.5"], r"model.memory_max_lr must be in \(0, 1\], got 1.5"),
+    (["model.memory_impl=pallas"], r"model.memory_impl='pallas' is not one of auto, scan, chunked"),
+    (["model.layer_pattern=G", "model.d_model=12", "model.n_heads=4"], r"d_model/n_heads=3 must be even for RoPE"),
 ])
 def test_validation_rejects_inconsistent_values(overrides, message):
   with pytest.raises(ConfigError, match=message):

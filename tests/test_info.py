@@ -37,6 +37,30 @@ def test_params_and_flops_match_hand_counts(pattern, window):
   assert info["flops_per_token_train"] == pytest.approx(3 * info["flops_per_token_forward"])
 
 
+@pytest.mark.parametrize("pattern", ["M", "G"])
+def test_titans_flops_match_hand_counts(pattern):
+  cfg = micro_config(layer_pattern=pattern, window=8, n_kv_heads=2, memory_depth=2, memory_chunk=4)
+  cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seq_len=32))
+  m, d, T = cfg.model, cfg.model.d_model, 32
+  info = model_info(cfg)
+  assert info["params"] == model_lib.count_params(model_lib.init_params(m, jax.random.key(0)))
+  matmul = m.padded_vocab_size * d
+  visible = sum(min(i + 1, 8) for i in range(T)) / T
+  per_layer_memory = 0.0
+  n, hidden = m.head_dim, 2 * m.head_dim  # Memory MLP N -> 2N -> N per head.
+  for i, o in ((n, hidden), (hidden, n)):
+    # Reads through W_0 and S_0, forward and backward at the anchor, the state update; the chunk's factor reads.
+    per_layer_memory += m.n_heads * 2 * (6 * i * o + 4 * (i + o))
+  for _ in m.mixers:
+    matmul += 4 * d * d + 3 * d * m.n_heads  # Memory q, k, v, out; the three gates.
+    matmul += 3 * 4 * d  # The 4-tap convolutions of q, k, v: one multiply-add per tap and channel.
+    matmul += d * d * 2 + 2 * d * m.kv_heads * m.head_dim  # Attention q, out; k, v.
+    matmul += d * d if pattern == "G" else 0  # The mixing gate.
+    matmul += 3 * d * m.ffn_dim("swiglu")
+  expected = 2 * matmul + m.n_layers * (2 * 2 * d * visible + per_layer_memory)
+  assert info["flops_per_token_forward"] == pytest.approx(expected)
+
+
 def test_scanned_model_has_the_same_counts():
   cfg = micro_config(layer_pattern="RA", n_layers=4)
   scanned = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, scan_layers=True))

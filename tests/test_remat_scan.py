@@ -26,8 +26,10 @@ def _random_params(cfg, latent, seed=1):
   """Every parameter random (RWKV-7 starts with zero output projections, which would hide a wrong v_first)."""
   shapes = jax.eval_shape(lambda: model_lib.init_params(cfg, jax.random.key(0), latent))
   leaves, tree = jax.tree.flatten(shapes)
-  keys = jax.random.split(jax.random.key(seed), len(leaves))
-  return tree.unflatten([0.3 * jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)])
+  # One jitted draw: drawing leaf by leaf eagerly compiles a program per distinct shape.
+  draw = lambda key: tree.unflatten([0.3 * jax.random.normal(k, x.shape)
+                                     for k, x in zip(jax.random.split(key, len(leaves)), leaves)])
+  return jax.jit(draw)(jax.random.key(seed))
 
 
 def _batch(cfg, batch=2, length=12, seed=2):
@@ -49,7 +51,7 @@ def _loss_fn(cfg, latent, inputs, targets):
 # Pattern, layers, remat policy of the scanned model (against the unscanned model without remat, so these also check
 # that remat changes no value), with or without latents. "WA" keeps its first unit (the first RWKV-7 layer) separate.
 SCAN_CASES = [("RA", 4, "full", True), ("A", 3, "minimal", True), ("WA", 6, "save_mixer", True),
-              ("WA", 6, "save_ffn", False)]
+              ("WA", 6, "save_ffn", False), ("G", 2, "save_mixer", True)]
 
 
 @pytest.mark.parametrize("pattern, n_layers, remat, with_latents", SCAN_CASES)

@@ -17,7 +17,6 @@ import numpy as np
 
 from ltm_jax.errors import DataError
 
-_STATE_FORMAT = "ltm_jax.TrainLoader/1"
 
 
 def _num_windows(num_tokens: int, seq_len: int) -> int:
@@ -48,7 +47,72 @@ class _WindowStarts:
     return window * self.seq_len + _epoch_offset(self.seed, self.slack, index // self.num_windows)
 
 
-class TrainLoader:
+class ResumableLoader:
+  """An endless stream of batches read from `batches`, a deterministic grain MapDataset indexed by batch number,
+  with `read_options` threads assembling batches ahead of the caller. Its position is the next batch number, so
+  `get_state` is that counter plus `stream_keys()` (what the stream depends on), and `set_state` checks those and
+  restarts the pipeline at the saved batch."""
+  STATE_FORMAT = ""
+
+  def __init__(self, batches, read_options):
+    self._batches, self._read_options = batches, read_options
+    self._next_batch, self._iterator = 0, None
+    self._restart()
+
+  def stream_keys(self) -> dict[str, Any]:
+    raise NotImplementedError
+
+  def _restart(self) -> None:
+    if self._iterator is not None:
+      self._iterator.close()
+    # Slicing the deterministic MapDataset (rather than restoring grain's own iterator state) keeps checkpoints
+    # independent of grain's internal state format, which grain may change between versions.
+    self._iterator = iter(self._batches[self._next_batch:].to_iter_dataset(self._read_options))
+    # Begin assembling batches now, so the first ones are ready by the time the model has compiled.
+    self._iterator.start_prefetch()
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    batch = next(self._iterator)
+    self._next_batch += 1
+    return batch
+
+  def get_state(self) -> dict[str, Any]:
+    """JSON-serialisable position in the stream: the next batch index plus what the stream depends on."""
+    return {"format": self.STATE_FORMAT, "next_batch": self._next_batch, **self.stream_keys()}
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    """Continues from `state` (from `get_state`); the following batches equal those of the uninterrupted loader.
+
+    Raises DataError if the state belongs to a stream with other data, seed, batch size or sequence length.
+    """
+    if state.get("format") != self.STATE_FORMAT:
+      raise DataError(f"data loader state has format {state.get('format')!r}, expected {self.STATE_FORMAT!r}")
+    for key, value in self.stream_keys().items():
+      if state.get(key) != value:
+        raise DataError(f"data loader state was saved with {key}={state.get(key)!r} but the loader has "
+                        f"{key}={value!r}; the resumed batches would not continue the saved run")
+    next_batch = state.get("next_batch")
+    if isinstance(next_batch, bool) or not isinstance(next_batch, numbers.Integral) or next_batch < 0:
+      raise DataError(f"data loader state has an invalid next_batch={next_batch!r}")
+    self._next_batch = int(next_batch)
+    self._restart()
+
+  def close(self) -> None:
+    """Stops the background threads. Idempotent."""
+    if self._iterator is not None:
+      self._iterator.close()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+class TrainLoader(ResumableLoader):
   """Endless stream of shuffled training batches {"inputs", "targets"}: np.int32 [batch_size, seq_len].
 
   Each epoch visits every window once in an order drawn from (seed, epoch); batches run across epoch boundaries.
@@ -60,6 +124,7 @@ class TrainLoader:
   every global batch (the rows this process's devices hold); the stream and its state are the global ones, so every
   process agrees on the position and together they read exactly the single-process batches.
   """
+  STATE_FORMAT = "ltm_jax.TrainLoader/1"
 
   def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, worker_threads: int = 2,
                prefetch: int = 4, shard: tuple[int, int] = (0, 1)):
@@ -81,17 +146,18 @@ class TrainLoader:
     # seed into two unrelated 32-bit words avoids that and gives the offsets their own stream.
     shuffle_seed, offset_seed = (int(w) for w in np.random.SeedSequence(self.seed % 2**64).generate_state(2))
     slack = len(tokens) - 1 - self.num_windows * seq_len
-    self._read_options = grain.ReadOptions(num_threads=worker_threads, prefetch_buffer_size=prefetch)
-    self._batches = (
+    batches = (
         grain.MapDataset.range(self.num_windows)
         .shuffle(seed=shuffle_seed)
         .repeat()  # Infinite; reseeds the shuffle every epoch.
         .map_with_index(_WindowStarts(self.num_windows, seq_len, slack, offset_seed))
         .batch(batch_size)
         .map(functools.partial(_gather, tokens, seq_len=seq_len, rows=rows)))
-    self._next_batch = 0
-    self._iterator = None
-    self._restart()
+    super().__init__(batches, grain.ReadOptions(num_threads=worker_threads, prefetch_buffer_size=prefetch))
+
+  def stream_keys(self) -> dict[str, Any]:
+    return {"seed": self.seed, "batch_size": self.batch_size, "seq_len": self.seq_len,
+            "num_tokens": len(self._tokens)}
 
   @property
   def batches_per_epoch(self) -> float:
@@ -101,63 +167,6 @@ class TrainLoader:
   def epoch(self) -> float:
     """Fractional epochs consumed so far."""
     return self._next_batch * self.batch_size / self.num_windows
-
-  def _restart(self) -> None:
-    if self._iterator is not None:
-      self._iterator.close()
-    # Slicing the deterministic MapDataset (rather than restoring grain's own iterator state) keeps checkpoints
-    # independent of grain's internal state format, which grain may change between versions.
-    self._iterator = iter(self._batches[self._next_batch:].to_iter_dataset(self._read_options))
-    # Begin assembling batches now, so the first ones are ready by the time the model has compiled.
-    self._iterator.start_prefetch()
-
-  def __iter__(self) -> TrainLoader:
-    return self
-
-  def __next__(self) -> dict[str, np.ndarray]:
-    batch = next(self._iterator)
-    self._next_batch += 1
-    return batch
-
-  def get_state(self) -> dict[str, Any]:
-    """JSON-serialisable position in the stream: the next batch index plus what the stream depends on."""
-    return {
-        "format": _STATE_FORMAT,
-        "next_batch": self._next_batch,
-        "seed": self.seed,
-        "batch_size": self.batch_size,
-        "seq_len": self.seq_len,
-        "num_tokens": len(self._tokens),
-    }
-
-  def set_state(self, state: dict[str, Any]) -> None:
-    """Continues from `state` (from `get_state`); the following batches equal those of the uninterrupted loader.
-
-    Raises DataError if the state belongs to a stream with other data, seed, batch size or sequence length.
-    """
-    if state.get("format") != _STATE_FORMAT:
-      raise DataError(f"data loader state has format {state.get('format')!r}, expected {_STATE_FORMAT!r}")
-    for key, value in (("seed", self.seed), ("batch_size", self.batch_size), ("seq_len", self.seq_len),
-                       ("num_tokens", len(self._tokens))):
-      if state.get(key) != value:
-        raise DataError(f"data loader state was saved with {key}={state.get(key)!r} but the loader has "
-                        f"{key}={value!r}; the resumed batches would not continue the saved run")
-    next_batch = state.get("next_batch")
-    if isinstance(next_batch, bool) or not isinstance(next_batch, numbers.Integral) or next_batch < 0:
-      raise DataError(f"data loader state has an invalid next_batch={next_batch!r}")
-    self._next_batch = int(next_batch)
-    self._restart()
-
-  def close(self) -> None:
-    """Stops the background threads. Idempotent."""
-    if self._iterator is not None:
-      self._iterator.close()
-
-  def __enter__(self) -> TrainLoader:
-    return self
-
-  def __exit__(self, *exc) -> None:
-    self.close()
 
 
 def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int, n_batches: int) -> list[dict[str, np.ndarray]]:

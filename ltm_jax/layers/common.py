@@ -4,7 +4,8 @@ Logical axis names used by every parameter (the sharding issue maps them to mesh
   vocab, embed, heads, kv_heads, head_dim, mlp, wkv (RWKV-4 channels), norm, and embed_out (the output axis of a
   square d_model x d_model gate, named apart from `embed` so the two axes can map to different mesh axes), and lora (the
   narrow inner axis of RWKV-7's low-rank projections, meant to stay replicated), and layers (the leading axis that
-  model.scan_layers stacks the scanned blocks' parameters along; meant to stay unsharded).
+  model.scan_layers stacks the scanned blocks' parameters along; meant to stay unsharded), memory_in and memory_out (the
+  Titans memory MLP's weight axes) and conv (the taps of a short convolution).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "wkv", "norm", "embed_out", "lora",
-                "layers")
+                "layers", "memory_in", "memory_out", "conv")
 
 
 def init(std: float, axes: Sequence[str]):

@@ -229,16 +229,25 @@ RUNTIME_MODEL_KEYS = ("dtype", "wkv_impl", "wkv7_impl", "attention_impl", "max_s
 # Latent keys that shape the parameters or what they compute; the inner-loop settings stay free (e.g. more eval steps).
 STRUCTURAL_LATENT_KEYS = ("enabled", "n_per_layer", "rope", "rope_span")
 
+# Time-series keys of the model itself; the data keys (source, split, normalisation) are checked by the data
+# stream's fingerprint when a run resumes.
+STRUCTURAL_TIMESERIES_KEYS = ("enabled", "task", "patch", "pool", "branch", "spectrum_bins", "spectrum_max_period",
+                              "head_hidden")
+
 
 def check_compatible(saved: config_lib.Config, current: config_lib.Config, where: str) -> None:
-  """Raises CheckpointError naming every model key (other than runtime choices) and structural latent key that
-  differs from the checkpoint's."""
+  """Raises CheckpointError naming every model key (other than runtime choices) and structural latent and
+  time-series key that differs from the checkpoint's."""
   a, b = saved.model.__dict__, current.model.__dict__
   diffs = [f"model.{k}: checkpoint {a[k]!r}, config {b[k]!r}" for k in a
            if a[k] != b[k] and k not in RUNTIME_MODEL_KEYS]
   a, b = saved.latent.__dict__, current.latent.__dict__
   if a["enabled"] or b["enabled"]:  # Without latents the other latent keys mean nothing.
     diffs += [f"latent.{k}: checkpoint {a[k]!r}, config {b[k]!r}" for k in STRUCTURAL_LATENT_KEYS if a[k] != b[k]]
+  a, b = saved.timeseries.__dict__, current.timeseries.__dict__
+  if a["enabled"] or b["enabled"]:
+    diffs += [f"timeseries.{k}: checkpoint {a[k]!r}, config {b[k]!r}" for k in STRUCTURAL_TIMESERIES_KEYS
+              if a[k] != b[k]]
   if diffs:
     raise CheckpointError(f"{where} holds a checkpoint of a different model ({'; '.join(diffs)}); "
                           "use another workdir or the same model config")

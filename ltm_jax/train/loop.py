@@ -15,18 +15,15 @@ import jax
 import jax.numpy as jnp
 import tqdm
 
-from ltm_jax import data as data_lib
-from ltm_jax import info as info_lib
-from ltm_jax import model as model_lib
 from ltm_jax import parallel
 from ltm_jax.config import Config
 from ltm_jax.errors import ConfigError, TrainingError
 from ltm_jax.train import checkpoint as ckpt_lib
+from ltm_jax.train import task as task_lib
 from ltm_jax.train import workdir as workdir_lib
 from ltm_jax.train.metrics import MetricsWriter, read_metrics, throughput
 from ltm_jax.train.optimizer import learning_rate, make_optimizer
-from ltm_jax.train.evaluation import make_batch_metrics, validation_metrics
-from ltm_jax.train.step import create_train_state, make_train_step
+from ltm_jax.train.step import make_train_step
 
 
 @dataclasses.dataclass
@@ -67,6 +64,8 @@ class StopFlag:
 
 def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = None) -> TrainResult:
   """Trains `cfg` in `workdir`, resuming from its latest checkpoint. `progress=None` shows a bar only on a terminal.
+  What is trained (the decoder LM on tokens, or with timeseries.enabled a time-series model on labelled series)
+  comes from `ltm_jax.train.task`; everything else here is shared.
 
   Everything that can refuse the run (bad data, a mesh that does not fit the devices or the model, another run
   holding the workdir's lock, a checkpoints folder that cannot be written, a checkpoint of another model, train.steps
@@ -81,23 +80,11 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = N
   """
   started = time.time()
   workdir = pathlib.Path(workdir)
-  m, t = cfg.model, cfg.train
-  tokenizer = data_lib.get_tokenizer(cfg.data.tokenizer)
-  splits = data_lib.load_splits(cfg.data, m.vocab_size, t.seq_len)
-  bytes_per_token = None if splits.is_token_file else tokenizer.bytes_per_token
-  model = model_lib.LM(m, cfg.latent)
+  t = cfg.train
   optimizer = make_optimizer(t)
-  layout = parallel.make_layout(cfg, optimizer)  # ConfigError on a mesh that does not fit, before any compilation.
-  sharded = parallel.sharded_if_multi_device(layout)
-  if sharded is None:
-    state = create_train_state(model_lib.init_params(m, jax.random.key(t.seed), cfg.latent), optimizer, t.seed)
-  else:
-    state = parallel.init_state(cfg, optimizer, sharded)
+  task = task_lib.make_task(cfg, optimizer)  # Reads and checks the data: refusals come before any write.
+  state, sharded = task.state, task.sharded
   main = parallel.is_main_process()
-  # This process loads only the rows of each batch its devices hold (all of them on one process).
-  start_row, stop_row = parallel.process_rows(layout.batch, t.batch_size, t.seq_len)
-  shard = (start_row // (stop_row - start_row), t.batch_size // (stop_row - start_row))
-  flops_per_step = info_lib.model_info(cfg)["flops_per_step_train"]
 
   with contextlib.ExitStack() as cleanup:
     if main:
@@ -106,8 +93,7 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = N
       read_metrics(workdir)  # Refuses a metrics.jsonl that the run could not extend.
     checkpointer = ckpt_lib.Checkpointer(workdir, t.keep_checkpoints, t.async_checkpoint)
     cleanup.callback(checkpointer.close)
-    loader = data_lib.TrainLoader(splits.train, t.batch_size, t.seq_len, seed=t.seed,
-                                  worker_threads=cfg.data.worker_threads, prefetch=cfg.data.prefetch, shard=shard)
+    loader = task.make_loader()
     cleanup.callback(loader.close)
     start, saved_step, damaged = 0, None, []
     if checkpointer.all_steps():
@@ -128,12 +114,8 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = N
       if aside is not None:
         print(f"warning: moved unreadable checkpoint(s) {damaged} to {aside}", file=sys.stderr)
       ckpt_lib.write_config_json(workdir, cfg)
-    eval_batches = data_lib.eval_batches(splits.val, t.batch_size, t.seq_len, t.eval_batches)
-    train_step = make_train_step(model, optimizer, learning_rate(t), t.grad_accum, sharded)
-    eval_fn = make_batch_metrics(model, sharded)
-    if sharded is not None:
-      eval_batches = [parallel.put_batch(b, parallel.batch_sharding(layout.mesh, layout.rules, len(b["inputs"])))
-                      for b in eval_batches]
+    train_step = make_train_step(task.model, optimizer, learning_rate(t), t.grad_accum, sharded,
+                                 loss_fn=task.loss_fn)
 
     writer = MetricsWriter(workdir, start) if main else None
     if writer is not None:
@@ -146,14 +128,12 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = N
     if start:
       say(f"resuming from step {start} in {workdir}")
     last: dict[str, Any] = {}
-    step, tokens_per_step = start, t.batch_size * t.seq_len
+    step, unit = start, task.unit
     first_nonfinite = jnp.full((2,), -1, jnp.int32)  # The first steps whose loss / grad_norm were not finite.
     interval_start, interval_steps = time.time(), 0
     with StopFlag().installed() as stop:
       while step < t.steps and stop.signum is None:
-        batch = next(loader)
-        if sharded is not None:
-          batch = parallel.put_batch(batch, sharded.batch, t.batch_size)
+        batch = task.put_batch(next(loader))
         state, metrics = train_step(state, batch)
         first_nonfinite = _track_nonfinite(first_nonfinite, metrics["loss"], metrics["grad_norm"], state.step)
         step, interval_steps = step + 1, interval_steps + 1
@@ -164,20 +144,22 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = N
           metrics = _finite(jax.device_get(metrics), jax.device_get(first_nonfinite), saved_step)
         if log_now:
           elapsed = time.time() - interval_start
-          row.update(metrics, tokens_per_sec=interval_steps * tokens_per_step / elapsed,
-                     step_seconds=elapsed / interval_steps, tokens=step * tokens_per_step,
-                     **throughput(flops_per_step, interval_steps, elapsed, devices, device_kind))
-          bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_sec']:.0f}")
+          row.update(metrics, step_seconds=elapsed / interval_steps,
+                     **{f"{unit}_per_sec": interval_steps * task.units_per_step / elapsed,
+                        unit: step * task.units_per_step},
+                     **throughput(task.flops_per_step, interval_steps, elapsed, devices, device_kind))
+          bar.set_postfix(loss=f"{row['loss']:.3f}", per_s=f"{row[f'{unit}_per_sec']:.0f}")
           if not show_bar:
-            kl = f" kl {row['kl']:.4f}" if "kl" in row else ""
-            say(f"step {step}/{t.steps} loss {row['loss']:.4f}{kl} lr {row['lr']:.2e} "
-                f"grad_norm {row['grad_norm']:.3f} tokens/s {row['tokens_per_sec']:.0f}")
+            extra = "".join(f" {k} {row[k]:.4f}" for k in ("kl", "accuracy", "rmse") if k in row)
+            say(f"step {step}/{t.steps} loss {row['loss']:.4f}{extra} lr {row['lr']:.2e} "
+                f"grad_norm {row['grad_norm']:.3f} {unit}/s {row[f'{unit}_per_sec']:.0f}")
         if step % t.eval_every == 0 or step == t.steps:
-          evaluation = validation_metrics(model, state.params, eval_batches, seed=t.seed,
-                                          bytes_per_token=bytes_per_token, metrics_fn=eval_fn)
-          row.update(evaluation, tokens=step * tokens_per_step)
-          say(f"step {step}: " + " ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
-                                          for k, v in evaluation.items() if k != "val_tokens"))
+          evaluation = task.evaluate(state.params, step == t.steps)  # Empty without validation data.
+          row.update(evaluation, **{unit: step * task.units_per_step})
+          if evaluation:
+            say(f"step {step}: " + " ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+                                            for k, v in evaluation.items()
+                                            if k not in ("val_tokens", "val_series", "test_series")))
         if row:
           if writer is not None:
             writer.write(step, row)

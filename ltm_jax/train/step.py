@@ -101,8 +101,12 @@ def latent_decoder_terms(model: nn.Module, params, batch, key: jax.Array) -> Dec
 
 
 def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
-                    grad_accum: int, layout: Layout | None = None):
-  """Returns jitted `step(state, batch) -> (state, metrics)`; batch leaves are [B, T] with B % grad_accum == 0.
+                    grad_accum: int, layout: Layout | None = None, loss_fn=None):
+  """Returns jitted `step(state, batch) -> (state, metrics)`; batch leaves lead with B, B % grad_accum == 0.
+
+  `loss_fn(params, micro_batch) -> (loss, metrics)` replaces the decoder's token NLL (e.g. a time-series head's
+  loss; its metrics are averaged over micro-batches beside `loss`); None: the token NLL of batches of [B, T]
+  inputs/targets, with latent inference when the model has latents.
 
   With latents (model.latent enabled) each micro-batch first fits its posterior in the inner loop (fast learning),
   then the decoder takes one gradient with z held constant (slow learning; `latent_decoder_terms`): of the NLL
@@ -119,7 +123,10 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, s
   scaled = model.cfg.dtype == "float16"
 
   def loss(params, micro, scored, scale):
-    if scored is None:
+    extra = {}
+    if loss_fn is not None:
+      value, extra = loss_fn(params, micro)
+    elif scored is None:
       value = token_nll(model, params, micro)[0].mean()
     else:
       total = count = 0.0
@@ -128,12 +135,12 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, s
         total, count = (total + nll.sum(), count + size) if mask is None else (total + (nll * mask).sum(),
                                                                               count + mask.sum())
       value = total / count
-    return (loss_scale_lib.scale_loss(scale, value) if scaled else value), value
+    return (loss_scale_lib.scale_loss(scale, value) if scaled else value), (value, extra)
 
   def step(state: TrainState, batch):
     micro = jax.tree.map(lambda x: x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:]), batch)
     # Each micro-batch split over the batch axes like the whole batch (a no-op without a layout's rules).
-    micro = nn.with_logical_constraint(micro, (None, "batch", "length"))
+    micro = jax.tree.map(lambda x: nn.with_logical_constraint(x, (None, "batch", "length", None)[:x.ndim]), micro)
     step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
 
     def accumulate(grads_sum, xs):
@@ -143,8 +150,9 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, s
         terms = latent_decoder_terms(model, state.params, mb, jax.random.fold_in(step_key, index))
       grads, extra = terms.iterates_grad, dict(terms.metrics)
       if grads is None:
-        (_, value), grads = jax.value_and_grad(loss, has_aux=True)(state.params, mb, terms.scored, state.loss_scale)
-        extra["loss"] = value
+        (_, (value, loss_metrics)), grads = jax.value_and_grad(loss, has_aux=True)(
+            state.params, mb, terms.scored, state.loss_scale)
+        extra.update(loss_metrics, loss=value)
       elif scaled:  # The iterates' gradient comes unscaled from the inner loop: scale it like the loss gradient.
         grads = jax.tree.map(lambda g: loss_scale_lib.scale_loss(state.loss_scale, g), grads)
       return jax.tree.map(jnp.add, grads_sum, grads), extra

@@ -23,6 +23,7 @@ KINDS = {  # name: (model overrides, latent)
     "rwkv7_scanned_tied": ({"layer_pattern": "W", "rwkv7_head_size": 16, "n_layers": 3, "scan_layers": True,
                             "tie_embeddings": True}, None),
     "attention_latent_untied": ({"layer_pattern": "A", "tie_embeddings": False}, LATENT),
+    "titans_untied": ({"layer_pattern": "MG", "window": 8, "tie_embeddings": False}, None),
 }
 
 
@@ -51,13 +52,16 @@ def _model(kind: str):
 
 def _expected_contraction(name: str, tied: bool):
   """Independently of the axis rule, by parameter name: which leaves are matmul weights and their contraction
-  axes. Kernels [in..., out...]: `out` has two input axes (heads, head_dim); LoRA matrices are [in, out]; the tied
+  axes. Kernels [in..., out...]: `out` has two input axes (heads, head_dim); LoRA matrices are [in, out], as is the
+  Titans memory's initial MLP, and its convolution taps are reduced over the taps, per channel; the tied
   embedding [vocab, embed] is the head, so it is reduced over embed (one scale per vocabulary row)."""
   shift = 1 if name.startswith(model_lib.SCANNED + "/") else 0
   last = name.split("/")[-1]
   if name.endswith("/out/kernel"):
     axes = (0, 1)
   elif last == "kernel" or last.endswith(("_down", "_up")):
+    axes = (0,)
+  elif last.startswith(("memory_", "conv_")):  # Titans: the initial memory [in, out]; conv taps [tap, heads, N].
     axes = (0,)
   elif name == "embed/embedding" and tied:
     axes = (1,)
