@@ -99,7 +99,8 @@ PLANS = {
                   dtype_models=("rwkv7",)),
 }
 MODELS = {"rwkv7": {"layer_pattern": "W"}, "rwkv4": {"layer_pattern": "R"}, "attention": {"layer_pattern": "A"},
-          "sliding": {"layer_pattern": "A"}}  # sliding gets window=plan.window.
+          "sliding": {"layer_pattern": "A"}, "titans": {"layer_pattern": "MG"}}  # sliding, titans: window=plan.window.
+FLAT_MODELS = ("rwkv7", "rwkv4", "titans")  # States that do not grow: held to RWKV_FLAT.
 SECTIONS = ("position", "batch", "dtype", "official")
 RWKV_FLAT = 1.05  # The issue's bound on t(16k) / t(128) for the RWKV models.
 WARMUP = 1  # Untimed runs of every compiled loop before the timed ones.
@@ -109,7 +110,7 @@ WARMUP = 1  # Untimed runs of every compiled loop before the timed ones.
 
 
 def make_config(plan: Plan, kind: str, dtype: str = "float32") -> Config:
-  window = plan.window if kind == "sliding" else None
+  window = plan.window if kind in ("sliding", "titans") else None
   longest = max(plan.positions) + plan.steps
   return Config(name=f"decode-{kind}", model=ModelConfig(**plan.size, **MODELS[kind], window=window, dtype=dtype,
                                                          max_seq_len=longest))
@@ -239,8 +240,7 @@ def time_round_robin(loops: list[Loop], repeats: int) -> None:
 def section_position(plan: Plan, models: dict[str, ltm_jax.LanguageModel]) -> list[dict]:
   """Batch 1 at every position of the plan, for every model: one row per (model, position)."""
   rows = []
-  for kind in MODELS:
-    lm = models[kind]
+  for kind, lm in models.items():
     prompt = random_prompt(1, plan.prompt, lm.config.model.vocab_size, seed=1)
     loops = []
     for position in plan.positions:
@@ -255,7 +255,7 @@ def section_position(plan: Plan, models: dict[str, ltm_jax.LanguageModel]) -> li
       # Paired within each round (the positions ran back to back), so load that comes and goes cancels.
       row["vs_first"] = statistics.median(t / t0 for t, t0 in zip(loop.times, first.times))
       row["vs_first_min"] = min(loop.times) / min(first.times)
-      if kind.startswith("rwkv"):
+      if kind in FLAT_MODELS:
         row["flat"] = row["vs_first"] <= RWKV_FLAT
       rows.append(row)
       loop.decoding = None  # Frees the caches.
@@ -454,6 +454,8 @@ def main():
   parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS,
                       help="dtype includes the floor table; a partial run writes decode[-quick]-<sections>-<device>")
   parser.add_argument("--official-strategy", default="cpu fp32", help="the rwkv package's strategy string")
+  parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS),
+                      help="the position section's models; a subset adds their names to the results file's name")
   args = parser.parse_args()
   if args.quick:
     args.plan = "quick"
@@ -464,9 +466,14 @@ def main():
   ceilings = common.measure_ceilings()
   bandwidths = {"copy": ceilings["copy_gbps"]}
   print(f"ceilings: {ceilings}; load average {load_start[0]:.2f} on {os.cpu_count()} cores")
-  models = {kind: build(make_config(plan, kind)) for kind in MODELS if kind != "sliding"}
+  needed = set(args.models) | set(plan.batch_models if "batch" in args.sections else ()) | set(
+      plan.dtype_models if "dtype" in args.sections else ())
+  built = {kind: build(make_config(plan, kind)) for kind in MODELS
+           if kind in needed - {"sliding"} or (kind == "attention" and "sliding" in needed)}
   # The window changes no parameter: the sliding-window model is the attention model with a window.
-  models["sliding"] = ltm_jax.LanguageModel(make_config(plan, "sliding"), models["attention"].params)
+  if "sliding" in needed:
+    built["sliding"] = ltm_jax.LanguageModel(make_config(plan, "sliding"), built["attention"].params)
+  models = {kind: built[kind] for kind in MODELS if kind in needed}
   print(f"model size: {plan.size}; params: " + ", ".join(f"{k} {m.num_params / 1e6:.1f}M" for k, m in models.items()))
 
   rows, clock = [], time.perf_counter()
@@ -474,7 +481,7 @@ def main():
   if "position" in args.sections:
     print(f"\n== ms/token at batch 1 vs context position ({plan.steps} tokens per loop; RWKV must stay within "
           f"{RWKV_FLAT}x of position {plan.positions[0]})")
-    rows += section_position(plan, models)
+    rows += section_position(plan, {kind: models[kind] for kind in args.models})
     clock = _lap("position", clock)
   if "batch" in args.sections:
     print(f"\n== throughput vs batch at position {plan.batch_position}")
@@ -508,6 +515,8 @@ def main():
   name = "decode" + ("-quick" if args.plan == "quick" else "")
   if sorted(args.sections) != sorted(SECTIONS):
     name += "-" + "-".join(s for s in SECTIONS if s in args.sections)
+  if sorted(args.models) != sorted(MODELS):
+    name += "-" + "-".join(args.models)
   path = common.write_results(
       name, rows, plan=args.plan, sections=args.sections, size=plan.size,
       layer_patterns={k: v["layer_pattern"] for k, v in MODELS.items()}, window=plan.window,
