@@ -73,9 +73,12 @@ class ModelConfig:
   rwkv7_gate_lora: int | None = None
   # Titans neural memory (M, G layers): an MLP of memory_depth layers (hidden width memory_expansion * head_dim) per
   # head, trained at test time with gradients taken at the start of each chunk of memory_chunk tokens (1: exact
-  # online gradient descent), learning rate up to memory_max_lr / memory_chunk per token (so up to memory_max_lr
-  # summed over a chunk); memory_impl picks the op's backend.
-  memory_depth: int = 2
+  # online gradient descent), learning rate up to (1 - eta) memory_max_lr / memory_chunk per token, eta the
+  # momentum (so a chunk's summed step, momentum included, stays within memory_max_lr); memory_impl picks the op's
+  # backend.
+  # Depth 1 (a linear memory) is the default: with unit keys the bounded rate keeps it contracting. A depth-2 memory
+  # in configs/tiny_titans.py trained to non-finite losses twice (steps 436 and 328 of 450) on the embedded corpus.
+  memory_depth: int = 1
   memory_expansion: int = 2
   memory_chunk: int = 16
   memory_max_lr: float = 0.5

@@ -2,7 +2,7 @@
 
 `NeuralMemory`: q, k, v from linear projections, each through a short causal depthwise convolution and SiLU, q and k
 l2-normalised per head; per-token, per-head gates eta (momentum decay), theta (learning rate, up to
-`max_lr / chunk`) and alpha (forgetting) from sigmoid projections; the memory (an MLP of `depth` layers per head,
+(1 - eta) max_lr / chunk) and alpha (forgetting) from sigmoid projections; the memory (an MLP of `depth` layers per head,
 trained at test time by the `neural_memory` op) is read at q; the reads are RMS-normalised per head and projected
 back to d_model. The convolution comes before the SiLU, as in Mamba-style blocks.
 
@@ -121,11 +121,13 @@ class NeuralMemory(nn.Module):
       return jax.nn.sigmoid(logits + offset)
 
     # Inside a chunk every gradient is taken at the same weights, so C similar tokens add up to C steps at once: the
-    # rate is at most max_lr / C per token, which bounds a chunk's summed step by max_lr whatever C. Momentum
-    # multiplies it by up to 1 / (1 - eta), and unit keys make a linear memory's step contract along k only while
-    # the effective rate stays below 1. Starting points: eta ~0.5, theta ~max_lr / (4 C), ~2% forgotten per token.
+    # rate is at most max_lr / C per token, which bounds a chunk's summed step by max_lr whatever C. Momentum would
+    # multiply a steady gradient's step by 1 / (1 - eta), unbounded as eta -> 1, so theta carries a factor
+    # (1 - eta), as an exponential moving average does. Unit keys make a linear memory's step contract along k only
+    # while the effective rate stays below 1. Starting points: eta ~0.5, theta ~max_lr / (8 C), ~2% forgotten per
+    # token.
     eta, alpha = gate("momentum", 0.0), gate("forget", -4.0)
-    theta = self.max_lr / self.chunk * gate("lr", -1.0)
+    theta = (1 - eta) * self.max_lr / self.chunk * gate("lr", -1.0)
     dims = memory_dims(size, self.depth, self.expansion)
     initial = tuple(self.param(f"memory_{i}", nn.with_logical_partitioning(
         nn.initializers.normal(1 / d_in ** 0.5), ("memory_in", "memory_out")), (d_in, d_out))

@@ -31,7 +31,8 @@ VARIANTS = {
     "rwkv4": dict(layer_pattern="R"),
     "rwkv7": dict(layer_pattern="W", rwkv7_head_size=16),
     "hybrid": dict(layer_pattern="RWA", n_layers=3, rwkv7_head_size=16, window=4),
-    "titans": dict(layer_pattern="MG", window=4, memory_chunk=3),  # Ragged prompts start their chunks apart.
+    # Ragged prompts start their chunks apart; a deep (2-layer) memory.
+    "titans": dict(layer_pattern="MG", window=4, memory_chunk=3, memory_depth=2),
     "latent_scanned": dict(layer_pattern="RA", n_layers=4, scan_layers=True),  # States stacked per unit block.
 }
 

@@ -153,3 +153,12 @@ def test_finished_run_is_not_repeated(uninterrupted):
   before = _tree_digest(workdir / "checkpoints")
   result = train(loop_config(), workdir, progress=False)
   assert result.step == 120 and _tree_digest(workdir / "checkpoints") == before
+
+
+def test_memory_keys_matter_only_to_models_with_memory_layers():
+  plain, titans = loop_config(), loop_config(layer_pattern="MA", window=8)
+  deeper = lambda cfg: apply_overrides(cfg, ["model.memory_depth=2", "model.memory_impl=scan"])
+  ckpt_lib.check_compatible(plain, deeper(plain), "w")  # An RA model has no memory: its memory keys mean nothing.
+  ckpt_lib.check_compatible(titans, apply_overrides(titans, ["model.memory_impl=scan"]), "w")  # A runtime choice.
+  with pytest.raises(CheckpointError, match=r"model.memory_depth: checkpoint 1, config 2"):
+    ckpt_lib.check_compatible(titans, deeper(titans), "w")
