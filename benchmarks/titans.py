@@ -8,9 +8,10 @@ probe beyond the attention window.
 corpus  configs/tiny.py's decoder (d_model 128, 4 layers, byte-level, batch 32 x 128) with each mixer pattern,
         trained by `ltm_jax.train` on the same embedded-corpus batches for `--steps` steps (runs/titans/<name>,
         resumed if present), scored by the run's last evaluation (val bits/byte over the same 16 validation
-        batches); train seconds are the logged step times (evaluations and compilation excluded). configs/tiny_titans.py trims the SwiGLU width of its `MA` pattern to match the others' size.
-probe   associative recall: each 96-byte row starts with 4 pairs "k=vv" (4 distinct letters, 2-letter values), then
-        random letters, and ends with one key of the 4 again and "=" followed by its value. A 2-layer d_model 64
+        batches); train seconds are the logged step times (evaluations and compilation excluded).
+        configs/tiny_titans.py trims the SwiGLU width of its `MA` pattern to match the others' size.
+probe   associative recall: each 97-byte row starts with `--pairs` pairs "k=vv " (distinct letters, 2-letter values),
+        then random letters, and ends with one of the keys again and "=" followed by its value. A 2-layer d_model 64
         model (attention windows of 16 bytes: a plain windowed decoder sees 31 bytes back, so the pairs are out of
         its reach) is trained for `--probe-steps` Adam steps on the cross-entropy of the two value bytes only, then
         scored on 2,048 fresh rows: the share of value bytes predicted exactly (chance: 1/26).
@@ -50,8 +51,10 @@ PROBE = {  # name -> model overrides of the probe's decoder
     "rwkv7": dict(layer_pattern="W", rwkv7_head_size=16),
     "titans_mal": dict(layer_pattern="MA"),
     "titans_mag": dict(layer_pattern="GA"),
+    # Exact online gradient descent with a larger rate: per token up to (1 - eta) x 1 instead of (1 - eta) x 0.5 / 8.
+    "titans_mal_chunk1": dict(layer_pattern="MA", memory_chunk=1, memory_max_lr=1.0),
 }
-PAIRS, PROBE_LEN, PROBE_WINDOW = 4, 96, 16
+PROBE_LEN, PROBE_WINDOW = 96, 16
 LETTERS = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz", np.uint8)
 
 
@@ -72,24 +75,24 @@ def corpus_row(name: str, steps: int, root: pathlib.Path) -> dict:
               val_bpb=[row for row in rows if "val_bpb" in row][-1]["val_bpb"])
 
 
-def recall_rows(rng: np.random.Generator, batch: int) -> tuple[np.ndarray, np.ndarray]:
-  """(tokens [B, PROBE_LEN + 1] bytes, the index of the first value byte to predict). Layout: "k=vv " x PAIRS,
+def recall_rows(rng: np.random.Generator, batch: int, pairs: int) -> tuple[np.ndarray, int]:
+  """(tokens [B, PROBE_LEN + 1] bytes, the index of the first value byte to predict). Layout: "k=vv " x pairs,
   random letters, then "k=vv" for one of the pairs (the last two bytes are the answer)."""
   rows = rng.choice(LETTERS, size=(batch, PROBE_LEN + 1))
   for b in range(batch):
-    keys = rng.choice(LETTERS, PAIRS, replace=False)
-    values = rng.choice(LETTERS, (PAIRS, 2))
-    for i in range(PAIRS):
+    keys = rng.choice(LETTERS, pairs, replace=False)
+    values = rng.choice(LETTERS, (pairs, 2))
+    for i in range(pairs):
       rows[b, 5 * i:5 * i + 5] = [keys[i], ord("="), values[i, 0], values[i, 1], ord(" ")]
-    asked = rng.integers(PAIRS)
+    asked = rng.integers(pairs)
     rows[b, -4:] = [keys[asked], ord("="), values[asked, 0], values[asked, 1]]
-  return rows.astype(np.int32), PROBE_LEN - 2
+  return rows.astype(np.int32), PROBE_LEN - 1  # Rows hold PROBE_LEN + 1 bytes; the value is the last two.
 
 
-def probe_row(name: str, steps: int, seed: int = 0) -> dict:
+def probe_row(name: str, steps: int, pairs: int, seed: int = 0) -> dict:
   cfg = config_lib.validate(dataclasses.replace(config_lib.Config(), model=config_lib.ModelConfig(
       d_model=64, n_layers=2, n_heads=4, window=PROBE_WINDOW, max_seq_len=PROBE_LEN, mlp_dim=128,
-      memory_chunk=8, **PROBE[name]), train=config_lib.TrainConfig(seq_len=PROBE_LEN)))
+      **{"memory_chunk": 8, **PROBE[name]}), train=config_lib.TrainConfig(seq_len=PROBE_LEN)))
   model = model_lib.LM(cfg.model)
   params = model_lib.init_params(cfg.model, jax.random.key(seed))
   optimizer = optax.adamw(optax.warmup_cosine_decay_schedule(0, 3e-3, 50, steps), weight_decay=0.01)
@@ -111,12 +114,14 @@ def probe_row(name: str, steps: int, seed: int = 0) -> dict:
 
   start = time.time()
   for _ in range(steps):
-    tokens, first = recall_rows(rng, 32)
+    tokens, first = recall_rows(rng, 32, pairs)
     params, opt_state, loss = step(params, opt_state, tokens)
   seconds = time.time() - start
   score = jax.jit(lambda p, t: jnp.mean(jnp.argmax(answer_logits(p, t, first)[0], -1) == t[:, first:first + 2]))
-  accuracy = float(np.mean([score(params, recall_rows(np.random.default_rng(10_000 + i), 256)[0]) for i in range(8)]))
-  return dict(section="probe", model=name, pattern=cfg.model.layer_pattern, window=PROBE_WINDOW, steps=steps,
+  accuracy = float(np.mean([score(params, recall_rows(np.random.default_rng(10_000 + i), 256, pairs)[0])
+                            for i in range(8)]))
+  return dict(section="probe", model=name, pattern=cfg.model.layer_pattern, window=PROBE_WINDOW, pairs=pairs,
+              steps=steps,
               final_loss=float(loss), train_seconds=round(seconds), recall_accuracy=accuracy)
 
 
@@ -124,7 +129,8 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--section", choices=("corpus", "probe", "all"), default="all")
   parser.add_argument("--steps", type=int, default=450)
-  parser.add_argument("--probe-steps", type=int, default=600)
+  parser.add_argument("--probe-steps", type=int, default=1500)
+  parser.add_argument("--pairs", type=int, default=1, help="key-value pairs at the start of each probe row")
   parser.add_argument("--only", nargs="*", help="model names to run (default: all of the section)")
   parser.add_argument("--name", default="titans")
   parser.add_argument("--runs", default="runs/titans")
@@ -138,13 +144,14 @@ def main():
   if args.section in ("probe", "all"):
     for name in PROBE:
       if not args.only or name in args.only:
-        rows.append(probe_row(name, args.probe_steps))
+        rows.append(probe_row(name, args.probe_steps, args.pairs))
         print(json.dumps(rows[-1]), flush=True)
-  for section, columns in (("corpus", ("model", "pattern", "window", "params", "tokens", "train_seconds", "val_bpb")),
-                           ("probe", ("model", "pattern", "steps", "train_seconds", "final_loss", "recall_accuracy"))):
+  tables = {"corpus": ("model", "pattern", "window", "params", "tokens", "train_seconds", "val_bpb"),
+            "probe": ("model", "pattern", "pairs", "steps", "train_seconds", "final_loss", "recall_accuracy")}
+  for section, columns in tables.items():
     if any(row["section"] == section for row in rows):
       common.print_table([row for row in rows if row["section"] == section], columns)
-  print(common.write_results(args.name, rows, **vars(args)))
+  print(common.write_results(args.name, rows, **{k: v for k, v in vars(args).items() if k != "name"}))
 
 
 if __name__ == "__main__":
