@@ -20,8 +20,6 @@ VARIANTS = {
     "rwkv4": dict(layer_pattern="R"),
     "hybrid": dict(layer_pattern="RA"),
     "hybrid_swiglu_layernorm_tied": dict(layer_pattern="RA", ffn="swiglu", norm="layernorm", tie_embeddings=True),
-    # Titans memory as a layer and as a gate; segments split inside memory chunks of 3 tokens.
-    "titans": dict(layer_pattern="MG", window=5, memory_chunk=3, memory_depth=1),
 }
 FLOAT32_ATOL = 2e-5  # Different association of the same float32 sums (chunked vs whole).
 

@@ -13,8 +13,7 @@ from conftest import micro_config
 from ltm_jax import api
 from ltm_jax.config import apply_overrides, validate
 from ltm_jax.errors import ConfigError, LtmError
-from ltm_jax.train import train
-from ltm_jax.train.metrics import read_metrics
+from ltm_jax.inference import diagnostics
 from ltm_jax.layers.titans import _causal_conv
 
 
@@ -45,30 +44,25 @@ def test_causal_conv_skips_padding(width):
   np.testing.assert_allclose(new_history, expected_history, rtol=1e-6)  # The history is kept in float32.
 
 
-def test_memory_stats_agree_with_the_returned_state():
+def test_memory_statistics_agree_with_the_state_and_summarise_for_training_logs():
+  """Statistics of the Titans layer only, consistent with the state `step` returns; `memory_summary` (what training
+  logs at each evaluation with train.memory_stats) averages them."""
   lm = api.build(micro_config(layer_pattern="AM", window=4, memory_chunk=3), seed=2)
   tokens = np.random.default_rng(0).integers(0, 259, (2, 11))
   stats = lm.memory_stats(tokens)
-  assert sorted(stats) == ["block_1"]  # Only the Titans layer.
-  _, state = lm.step(lm.init_state(2), tokens)
-  heads = lm.config.model.n_heads
+  assert sorted(stats) == ["block_1"]
   s = stats["block_1"]
-  assert s["surprise"].shape == s["retention"].shape == (2, 11, heads)
+  assert s["surprise"].shape == s["retention"].shape == (2, 11, lm.config.model.n_heads)
   assert np.all(s["surprise"] >= 0) and np.all((s["retention"] > 0) & (s["retention"] < 1))
   assert np.all(s["learning_rate"] <= lm.config.model.memory_max_lr / lm.config.model.memory_chunk)
+  _, state = lm.step(lm.init_state(2), tokens)
   memory = state[1].mixer.memory.memory
   norm = np.sqrt(sum(np.sum(np.asarray(w) ** 2, axis=(-2, -1)) for w in memory.weights))
   np.testing.assert_allclose(s["weight_norm"], norm, rtol=1e-5)
+  summary = diagnostics.memory_summary(lm.config.model, lm.config.latent, lm.params, jnp.asarray(tokens))
+  assert summary["memory_block_1_surprise"] == pytest.approx(float(np.mean(s["surprise"])), rel=1e-6)
+  assert len(summary) == len(s)
   with pytest.raises(LtmError, match="has no Titans memory layer"):
     api.build(micro_config(layer_pattern="A")).memory_stats(tokens)
-
-
-def test_training_logs_memory_statistics(tmp_path):
-  cfg = apply_overrides(micro_config(layer_pattern="G", n_layers=1, window=8),
-                        ["train.steps=2", "train.eval_every=2", "train.memory_stats=true"])
-  train(cfg, tmp_path, progress=False)
-  evaluated = [row for row in read_metrics(tmp_path) if "val_loss" in row]
-  assert evaluated and all(0 < evaluated[-1][f"memory_block_0_{name}"] for name in ("surprise", "weight_norm"))
-  assert 0 < evaluated[-1]["memory_block_0_retention"] < 1
   with pytest.raises(ConfigError, match="train.memory_stats needs a Titans memory layer"):
     validate(apply_overrides(micro_config(), ["train.memory_stats=true"]))

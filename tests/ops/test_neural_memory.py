@@ -180,11 +180,11 @@ def test_gradients_match_the_float64_loop(depth, chunk):
 
 
 def test_check_grads_chunked():
-  inputs, mask, state = _inputs(11, 5, 2, chunk=2, phase=[0, 1])
+  inputs, mask, state = _inputs(11, 5, 1, chunk=2, phase=[0, 1])
   with jax.enable_x64(True):
     inputs, state = _as(jnp.float64, inputs), _as(jnp.float64, state)
-    fn = lambda q, k, v, eta, w0, w1: neural_memory(
-        q, k, v, eta, inputs[4], inputs[5], state._replace(weights=(w0, w1)), mask=jnp.asarray(mask), chunk=2,
+    fn = lambda q, k, v, eta, w0: neural_memory(
+        q, k, v, eta, inputs[4], inputs[5], state._replace(weights=(w0,)), mask=jnp.asarray(mask), chunk=2,
         impl="chunked")[0]
     check_grads(fn, (*inputs[:4], *state.weights), order=1, modes=["rev"], atol=1e-6, rtol=1e-6)
 
