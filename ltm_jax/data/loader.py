@@ -8,6 +8,7 @@ an offset in [0, slack] drawn from (seed, epoch): every token is seen in some ep
 
 from __future__ import annotations
 
+import abc
 import functools
 import numbers
 from typing import Any
@@ -47,7 +48,7 @@ class _WindowStarts:
     return window * self.seq_len + _epoch_offset(self.seed, self.slack, index // self.num_windows)
 
 
-class ResumableLoader:
+class ResumableLoader(abc.ABC):
   """An endless stream of batches read from `batches`, a deterministic grain MapDataset indexed by batch number,
   with `read_options` threads assembling batches ahead of the caller. Its position is the next batch number, so
   `get_state` is that counter plus `stream_keys()` (what the stream depends on), and `set_state` checks those and
@@ -59,8 +60,9 @@ class ResumableLoader:
     self._next_batch, self._iterator = 0, None
     self._restart()
 
+  @abc.abstractmethod
   def stream_keys(self) -> dict[str, Any]:
-    raise NotImplementedError
+    """What the stream depends on besides the batch counter (seed, batch size, a fingerprint of the data)."""
 
   def _restart(self) -> None:
     if self._iterator is not None:
