@@ -31,7 +31,7 @@ ROOT = next(p for p in [pathlib.Path.cwd(), *pathlib.Path.cwd().parents] if (p /
 TESTING = "LTM_NOTEBOOK_STEPS" in os.environ  # The test suite runs this notebook with a few steps in a temp dir.
 # Continuation training on every sequence: see the README's latent results for why and for the alternatives.
 LATENT = ["latent.continuation_fraction=1.0"]
-STEPS = [f"train.steps={os.environ['LTM_NOTEBOOK_STEPS']}", "train.eval_every=6", "train.batch_size=4",
+STEPS = [f"train.steps={os.environ['LTM_NOTEBOOK_STEPS']}", "train.eval_every=12", "train.batch_size=4",
          "train.eval_batches=1"] if TESTING else []
 ltm_cfg = ltm_jax.load_config(ROOT / "configs" / "ltm_window.py", LATENT + STEPS)
 plain_cfg = ltm_jax.load_config(ROOT / "configs" / "ltm_window_plain.py", STEPS)
@@ -71,7 +71,7 @@ inner loop's fixed noise draw). The negative ELBO per token falls as the loop ru
     ("code", """splits = data_lib.load_splits(ltm_cfg.data, ltm_cfg.model.vocab_size, ltm_cfg.train.seq_len)
 length = ltm_cfg.train.seq_len
 windows = np.stack([splits.val[i * 9973: i * 9973 + length + 1] for i in range(4)])
-fit = lm.fit_latents(windows, steps=32)
+fit = lm.fit_latents(windows, steps=4 if TESTING else 32)
 elbo = np.asarray(fit.nll + fit.kl) / length
 fig, ax = plt.subplots(figsize=(6, 3.5))
 for i in range(elbo.shape[1]):
@@ -92,7 +92,7 @@ starts = [blob.find(m) if blob.find(m) >= 200 else (i + 1) * (len(blob) - 2 * le
 docs = np.stack([val[s - 200: s - 200 + length + 1] for s in starts])
 half = length // 2
 fitted = lm.fit_latents(docs[:, :half + 1], seed=0).posterior.mu  # z from each document's first half only.
-prompt, sampling = "\\n", dict(max_new_tokens=120, temperature=0.7, top_p=0.95, seed=1)
+prompt, sampling = "\\n", dict(max_new_tokens=16 if TESTING else 120, temperature=0.7, top_p=0.95, seed=1)
 for i, s in enumerate(starts):
   print(f"--- z from document {i}: ...{lm.decode(docs[i, half - 60:half])!r}")
   print(repr(lm.generate(prompt, latents=fitted[i:i + 1], **sampling)))
@@ -108,6 +108,29 @@ table = np.stack([second_half_nll(lm, docs, np.repeat(fitted[j:j + 1], len(docs)
 print("second-half NLL (nats/byte), rows: z from document j, columns: document scored")
 print(np.round(table, 3))
 print("plain decoder:", np.round(second_half_nll(plain, docs), 3))"""),
+    ("markdown", """## A learned prior over z
+The decoder was trained against the prior N(0, I), but the posteriors it learned to read sit elsewhere (their
+aggregate has a standard deviation near 0.27 per coordinate), so z drawn from N(0, I) is unlike anything it was
+trained on. A learned prior is a second stage on the frozen decoder: `ltm fit-prior` stores the posteriors of its
+training windows, `ltm train-prior` fits a DiT to them by denoising, and `latents="dit"` samples z from it
+(DPM-Solver++, 20 steps). `benchmarks/latent_prior.py` measures how close each source of z comes to held-out
+posteriors; here are unconditional samples (no prompt) under each, same sampling seed."""),
+    ("code", """# The decoder and prior of `benchmarks/latent_prior.py`; without them (and in the test), a prior for `lm` is trained here.
+prior_run = RUNS / "ltm_cont100_500"
+if TESTING or not (prior_run / "prior" / "checkpoints").is_dir():
+  from ltm_jax.prior import posteriors
+  from ltm_jax.prior.train import train_prior
+  prior_run = RUNS / "ltm_cont100"
+  posteriors.collect(lm, prior_run, **(dict(sequences=16, batch_size=4, shard_size=8) if TESTING else {}))
+  train_prior(prior_run, ["prior.steps=4", "prior.width=32", "prior.depth=1", "prior.batch_size=4"] if TESTING else [],
+              log=lambda _: None)
+prior_lm = ltm_jax.load(prior_run)
+sampling = dict(max_new_tokens=16 if TESTING else 160, temperature=0.7, top_p=0.95)
+for seed in range(1 if TESTING else 3):
+  print(f"--- seed {seed}, z ~ N(0, I)")
+  print(repr(prior_lm.generate("", latents="prior", seed=seed, **sampling)))
+  print(f"--- seed {seed}, z from the DiT prior")
+  print(repr(prior_lm.generate("", latents="dit", seed=seed, **sampling)))"""),
 ]
 
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import pathlib
+import shutil
+import tempfile
 
 import jax
 import pytest
@@ -15,6 +18,42 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Ops called outside a model get IEEE float32 matmuls too (a model sets model.matmul_precision itself): the float32
 # tolerances against float64 references assume it, and on GPU XLA's default would be TF32.
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# One persistent compilation cache per test session, shared by the xdist workers and every subprocess the tests start
+# (CLI runs, notebook kernels, simulated-device runs): they compile many identical programs (the micro model's train
+# and decode steps), and on 2 cores compiling is most of the suite's time. A cache loaded program is the same
+# executable, memory and cost analyses included. A cache the caller set is used as it is.
+_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
+_OWN_CACHE = "LTM_TEST_OWNS_COMPILATION_CACHE"
+
+
+def pytest_configure(config):
+  if _CACHE_ENV not in os.environ:  # The controller (or a lone process): workers inherit the environment.
+    os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="ltm-jax-compile-cache-")
+    os.environ[_OWN_CACHE] = os.environ[_CACHE_ENV]
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+  jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_ENV])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                    float(os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", 1.0)))
+
+
+def pytest_unconfigure(config):
+  if os.environ.get(_OWN_CACHE) == os.environ.get(_CACHE_ENV) and "PYTEST_XDIST_WORKER" not in os.environ:
+    shutil.rmtree(os.environ.pop(_OWN_CACHE), ignore_errors=True)
+
+
+# Tests that take 40 s or more (subprocesses, notebooks, 8 simulated devices) start first: xdist hands out tests in
+# collection order, and one of these starting last leaves the other worker idle for its whole run.
+_LONG_FIRST = ("tests/test_notebooks.py::test_notebook_runs[02", "tests/test_gpu_aot.py::test_kernels_compile",
+               "tests/parallel/test_mesh.py::test_meshes_match", "tests/test_notebooks.py::test_notebook_runs[01",
+               "tests/parallel/test_multiprocess.py", "tests/test_latent.py::test_decoder_gradient",
+               "tests/test_latent_training.py::test_iterates_gradient", "tests/test_gpu_sweep.py")
+
+
+def pytest_collection_modifyitems(config, items):
+  rank = lambda item: next((i for i, prefix in enumerate(_LONG_FIRST) if item.nodeid.startswith(prefix)),
+                           len(_LONG_FIRST))
+  items.sort(key=rank)  # Stable: the rest keep their order.
 
 
 def micro_config(**model_overrides) -> Config:
