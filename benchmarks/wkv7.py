@@ -4,16 +4,26 @@
   python benchmarks/wkv7.py --shapes gpu    # the default on an accelerator: the issue's three shapes, bfloat16
   python benchmarks/wkv7.py --quick         # tiny shapes, every backend (pallas interpreted on CPU): proves it runs
 
-Peers, run in the same process when importable (and reported as missing otherwise): flash-linear-attention's
-`chunk_rwkv7` (PyTorch/Triton, `pip install fla-core`, timed with CUDA events), the JAX Triton kernel of
-`rwkv-ops` (`pip install rwkv-ops`, KERNEL_BACKEND=jax) and jax-linear-attention's Mosaic GPU kernel
-(`pip install jax-linear-attention`, jla.ops.mosaic_gpu.rwkv7, Hopper only, in the bounded mode the RWKV-7 layers
-use: lower_bound -0.61). Writes benchmarks/results/wkv7-<device>.json (wkv7-quick-<device>.json with --quick). The
-fastest forward+backward backend per platform goes into `ltm_jax.ops.wkv7.AUTO`.
+  python benchmarks/wkv7.py --quick --aot  # no GPU: the quick run, then the H100 compile report of the kernels
+                                            # (benchmarks/gpu_aot.py in .venv-aot, the wkv7 cases)
 
-Counting. Bytes: the six inputs read and y written once (forward); plus dy read and six gradients written (backward).
-FLOPs: the sequential form's 9·N² per token and head (S a, the rank-1 updates and decay, S r), 3x that forward and
-backward; the chunked forms do more. The floor is max(bytes / copy rate, FLOPs / bf16 matmul rate), both measured.
+Peers, run in the same process when importable (and reported as missing otherwise): flash-linear-attention's
+`chunk_rwkv7` (PyTorch/Triton, `pip install fla-core`, timed with CUDA events), wind_rwkv's chunked bfloat16 CUDA
+kernel (`attn_chunked_cuda`, built on first use by torch.utils.cpp_extension; installed from its git repository,
+not on PyPI), the JAX Triton kernel of `rwkv-ops` (`pip install rwkv-ops`, KERNEL_BACKEND=jax) and
+jax-linear-attention's Mosaic GPU kernel (`pip install jax-linear-attention`, jla.ops.mosaic_gpu.rwkv7, Hopper only,
+in the bounded mode the RWKV-7 layers use: lower_bound -0.61). Writes benchmarks/results/wkv7-<device>.json
+(wkv7-quick-<device>.json with --quick). The fastest forward+backward backend per platform goes into
+`ltm_jax.ops.wkv7.AUTO`.
+
+Counting, per element (one channel of one token), for each row:
+- floor_x: time over the common floor max(minimal bytes / copy rate, sequential FLOPs / bf16 matmul rate), both
+  rates measured. Minimal bytes: the six inputs read and y written once (forward); plus dy read and six gradients
+  written (backward). Sequential FLOPs: 9·N per element forward (S a, the rank-1 updates and decay, S r), 3x that
+  forward and backward.
+- B/el, FLOP/el and roofline_x: the row's own algorithm where this project knows it (its kernels: the chunk states
+  and gradient sums they store and read, the chunked kernels' matrix products; `_model`, `_chunked_flops`), else
+  the minimal bytes and sequential FLOPs; roofline_x = time / max(B/el / copy rate, FLOP/el / matmul rate) x elements.
 Errors: max |y - y_ref| / max |y_ref|, y_ref the scan backend in float32 on the same (pre-rounding) inputs.
 """
 
@@ -21,7 +31,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
+import math
 import os
+import pathlib
+import subprocess
+import tempfile
 
 import common  # First: puts the checkout on sys.path.
 import jax
@@ -30,6 +45,8 @@ import numpy as np
 import peers as peers_lib
 
 from ltm_jax.ops.wkv7 import AVAILABLE, wkv7
+from ltm_pallas import wkv7 as sequential_kernels
+from ltm_pallas import wkv7_chunked
 
 # (B, T, C, N): C = H·N channels. CPU: training-like shapes for the auto choice (small heads, as the tiny configs).
 SHAPES = {
@@ -38,9 +55,11 @@ SHAPES = {
     "quick": [(2, 40, 32, 16)],
 }
 DTYPES = {"cpu": ["float32"], "gpu": ["bfloat16"], "quick": ["float32"]}
-COLUMNS = ("impl", "shape", "dtype", "fwd_ms", "fwd_bwd_ms", "fwd_floor_x", "fwd_bwd_floor_x", "fwd_gbps",
-           "fwd_bwd_gbps", "fwd_tflops", "rel_err", "compile_s")
+COLUMNS = ("impl", "shape", "dtype", "fwd_ms", "fwd_bwd_ms", "fwd_floor_x", "fwd_bwd_floor_x", "fwd_B/el",
+           "fwd_bwd_B/el", "fwd_FLOP/el", "fwd_bwd_FLOP/el", "fwd_roofline_x", "fwd_bwd_roofline_x", "rel_err",
+           "compile_s")
 FLOPS_PER_TOKEN_HEAD = 9  # times N², forward; see the module docstring.
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _inputs(shape, seed=0):
@@ -68,17 +87,73 @@ def _counts(shape, dtype):
           "fwd_flops": flops, "fwd_bwd_flops": 3 * flops}
 
 
-def _rates(row, counts, ceilings):
-  """Achieved bytes/s and FLOP/s, and time as a multiple of the floor, for the row's timings."""
+def _chunked_flops(size, chunk):
+  """Matrix-product FLOPs per token and head of the chunked kernels (head size N, chunk L), forward and backward.
+
+  Forward, per chunk: four [L, N] x [N, L] pair products, the [L, L] inverse (2·(log2 L - 1) products of L³), four
+  [L, N] x [N, N]-sized products (Â S^T, R̂ S^T, U^T B̄, V^T K̄) and four [L, L] x [L, N] (M_ak V, T X, P_rb U,
+  P_rk V). Backward: the same pairs, inverse and U again, then nine [L, N] x [N, N]-sized and eighteen [L, L] x
+  [L, N] products (chunk_backward). Elementwise work (exponentials, masks) is not counted.
+  """
+  inverse = 4 * (max(int(math.log2(chunk)), 1) - 1) * chunk**2
+  forward = 8 * size**2 + 16 * chunk * size + inverse
+  backward = 18 * size**2 + 44 * chunk * size + inverse
+  return forward, backward
+
+
+def _model(impl, shape, dtype):
+  """(bytes, FLOPs) per element of the row's own algorithm, forward and forward+backward: {mode: (B/el, FLOP/el)}.
+
+  The forward alone runs each kernel's primal (no chunk states); forward+backward runs the forward that stores them
+  and the backward that reads them. The chunked backend also reads w once for its range check."""
+  size, item = shape[3], jnp.dtype(dtype).itemsize
+  minimal = {"fwd": 7 * item, "fwd_bwd": 20 * item}
+  flops = {"fwd": FLOPS_PER_TOKEN_HEAD * size, "fwd_bwd": 3 * FLOPS_PER_TOKEN_HEAD * size}
+  operands = wkv7_chunked.operand_dtype(dtype)
+  if impl == "pallas_chunked" and wkv7_chunked.fits(size, operands):
+    chosen = wkv7_chunked.settings(size, operands)
+    states = size / chosen["chunk"] * operands.itemsize  # An [N, N] state per chunk of L tokens, per channel.
+    blocks = size // min(chosen["backward_block"], size)
+    forward, backward = (f / size for f in _chunked_flops(size, chosen["chunk"]))
+  elif impl in ("pallas", "pallas_chunked"):  # pallas_chunked out of its settings runs the sequential kernels.
+    # Float32 states every 16 tokens; the backward's adjoint step costs about two forward steps, and it replays
+    # (16 - 1) / 2 forward steps per token on average from the chunk's stored state.
+    states, blocks = size / 16 * 4, size // min(sequential_kernels.BACKWARD_BLOCK, size)
+    forward, backward = flops["fwd"], (2 + (16 - 1) / 2) * flops["fwd"]
+  else:
+    return {mode: (minimal[mode], flops[mode]) for mode in minimal}
+  # Key-side gradients: written once in the inputs' dtype; or, with several value blocks per head, added atomically
+  # into zeroed float32 buffers (zeroing, one read and one write-back at L2, assuming the blocks of a head meet there,
+  # then read again to convert) for the chunked kernels, and as float32 partial sums per value block that XLA reads
+  # back and adds for the sequential ones.
+  if blocks == 1:
+    key_grads = 5 * item
+  elif impl == "pallas_chunked" and wkv7_chunked.fits(size, operands):
+    key_grads = 5 * (4 * 4 + item)
+  else:
+    key_grads = 5 * (2 * 4 * blocks + item)
+  check = item if impl == "pallas_chunked" else 0
+  backward_bytes = 7 * item + states + item + key_grads  # Inputs and dy, chunk states; dv; key-side gradients.
+  return {"fwd": (7 * item + check, forward),
+          "fwd_bwd": (7 * item + states + check + backward_bytes, forward + backward)}
+
+
+def _rates(row, counts, ceilings, model, elements):
+  """Time as a multiple of the common floor and of the row's own roofline, with the row's counts per element."""
   for mode in ("fwd", "fwd_bwd"):
+    bytes_el, flops_el = model[mode]
+    row[f"{mode}_B/el"], row[f"{mode}_FLOP/el"] = round(bytes_el, 1), round(flops_el)
     ms = row.get(f"{mode}_ms")
     if ms is None:
       continue
     floor_ms = max(counts[f"{mode}_bytes"] / (ceilings["copy_gbps"] * 1e6),
                    counts[f"{mode}_flops"] / (ceilings["matmul_tflops"] * 1e9))
+    roofline_ms = max(bytes_el * elements / (ceilings["copy_gbps"] * 1e6),
+                      flops_el * elements / (ceilings["matmul_tflops"] * 1e9))
     row[f"{mode}_gbps"] = counts[f"{mode}_bytes"] / ms / 1e6
     row[f"{mode}_tflops"] = counts[f"{mode}_flops"] / ms / 1e9
     row[f"{mode}_floor_x"] = ms / floor_ms
+    row[f"{mode}_roofline_x"] = ms / roofline_ms
   return row
 
 
@@ -103,14 +178,13 @@ def bench_ours(impl, inputs, dtype, reference):
           "compile_s": fwd_compile + bwd_compile, "fwd": fwd_t, "fwd_bwd": fwd_bwd_t}
 
 
-def bench_fla(inputs, dtype, reference):
-  """flash-linear-attention's chunk_rwkv7 on the same inputs (its state is [K, V], the transpose of ours)."""
+def _time_torch_peer(forward, inputs, dtype, reference):
+  """Forward and forward+backward (backward of y with dy) timings of a PyTorch peer's `forward(r, w, k, v, a, b)`
+  on CUDA copies of `inputs` (r, w, k, v, a, b, dy), with its relative error against `reference`."""
   import torch
-  from fla.ops.rwkv7 import chunk_rwkv7
 
   torch_dtype = getattr(torch, dtype)
   r, w, k, v, a, b, dy = (torch.from_numpy(np.asarray(x)).to("cuda", torch_dtype) for x in inputs)
-  forward = lambda *xs: chunk_rwkv7(*xs, scale=1.0, initial_state=None, output_final_state=True)[0]
   with torch.no_grad():
     y = forward(r, w, k, v, a, b)
     fwd_t = common.time_torch(lambda: forward(r, w, k, v, a, b))
@@ -125,6 +199,30 @@ def bench_fla(inputs, dtype, reference):
   return {"fwd_ms": fwd_t["median_ms"], "fwd_bwd_ms": fwd_bwd_t["median_ms"],
           "rel_err": _rel_err(y.float().cpu().numpy(), reference), "fwd": fwd_t, "fwd_bwd": fwd_bwd_t,
           "torch": torch.__version__}
+
+
+def bench_fla(inputs, dtype, reference):
+  """flash-linear-attention's chunk_rwkv7 on the same inputs (its state is [K, V], the transpose of ours)."""
+  from fla.ops.rwkv7 import chunk_rwkv7
+
+  forward = lambda *xs: chunk_rwkv7(*xs, scale=1.0, initial_state=None, output_final_state=True)[0]
+  return _time_torch_peer(forward, inputs, dtype, reference)
+
+
+def bench_wind(inputs, dtype, reference):
+  """wind_rwkv's chunked CUDA kernel (chunks of 16, bfloat16 matmuls) on the same inputs. It takes the decay as
+  w' with e^{-e^{w'}} the per-step factor, so w' = log(-w); its state has our [value, key] layout."""
+  import torch
+  from wind_rwkv.rwkv7 import attn_chunked_cuda, load_chunked_cuda
+
+  if dtype != "bfloat16":
+    raise ValueError(f"wind_rwkv's chunked kernel takes bfloat16 only, not {dtype}")
+  r, w, k, v, a, b, dy = inputs
+  batch, _, heads, size = r.shape
+  load_chunked_cuda(size)
+  start = torch.zeros(batch, heads, size, size, device="cuda", dtype=torch.bfloat16)
+  forward = lambda *xs: attn_chunked_cuda(*xs, start)[0]
+  return _time_torch_peer(forward, (r, jnp.log(-w), k, v, a, b, dy), dtype, reference)
 
 
 def _time_jax_peer(forward, args, dy, reference):
@@ -166,10 +264,27 @@ def bench_jla(inputs, dtype, reference):
   return _time_jax_peer(forward, (r, w, k, v, a, b), dy, reference)
 
 
-PEERS = {"fla.chunk_rwkv7": ("fla", bench_fla), "rwkv_ops": ("rwkv_ops", bench_rwkv_ops),
-         "jla.mosaic_gpu": ("jla", bench_jla)}
+PEERS = {"fla.chunk_rwkv7": ("fla", bench_fla), "wind.chunked_cuda": ("wind_rwkv", bench_wind),
+         "rwkv_ops": ("rwkv_ops", bench_rwkv_ops), "jla.mosaic_gpu": ("jla", bench_jla)}
 # The packages behind PEERS, by their names in peers.PEERS (their versions go into the results file).
 PEER_PACKAGES = ("fla-core", "rwkv-ops", "jax-linear-attention", "torch")
+
+
+def compile_report():
+  """The H100 compile report of this op's kernels (benchmarks/gpu_aot.py in .venv-aot, its wkv7 cases): rows of
+  registers, spills and shared memory per kernel, or None with the reason printed when .venv-aot is missing."""
+  python = ROOT / ".venv-aot" / "bin" / "python"
+  if not python.exists():
+    print(f"compile report: {python} is missing (make gpu-aot builds it)")
+    return None
+  with tempfile.TemporaryDirectory() as folder:
+    path = pathlib.Path(folder) / "aot.json"
+    done = subprocess.run([str(python), str(ROOT / "benchmarks" / "gpu_aot.py"), "--group", "kernels", "--cases",
+                           "^wkv7", "--json", str(path)], cwd=ROOT, check=False)
+    report = json.loads(path.read_text()) if path.exists() else {}
+  if done.returncode:
+    print(f"compile report: gpu_aot.py exited {done.returncode}")
+  return report.get("kernels")
 
 
 def main():
@@ -180,6 +295,9 @@ def main():
   parser.add_argument("--dtypes", nargs="+", default=None, help="default: float32 on cpu, bfloat16 on gpu")
   parser.add_argument("--impls", nargs="+", default=list(AVAILABLE), choices=AVAILABLE)
   parser.add_argument("--no-peers", action="store_true")
+  parser.add_argument("--aot", action="store_true",
+                      help="also compile the kernels for an H100 (benchmarks/gpu_aot.py in .venv-aot) and keep the "
+                      "report's rows (registers, spills, shared memory) in the results")
   args = parser.parse_args()
   if args.quick:
     args.shapes = "quick"
@@ -209,18 +327,24 @@ def main():
         except Exception as error:  # One failing backend or peer (out of memory, missing GPU support) skips only itself.
           row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
           print(f"{name} {row['shape']} failed: {row['error']}")
-        rows.append(_rates(row, counts, ceilings))
+        elements = shape[0] * shape[1] * shape[2]
+        rows.append(_rates(row, counts, ceilings, _model(name, shape, dtype), elements))
         common.print_table(rows[-1:], COLUMNS)
   print()
   common.print_table(rows, COLUMNS)
+  report = compile_report() if args.aot else None
   # The quick run proves the script end to end; it must not overwrite a measured table.
   path = common.write_results(
       "wkv7-quick" if args.shapes == "quick" else "wkv7", rows, shapes=args.shapes, ceilings=ceilings,
       peers_run=sorted(peers), peers_missing=missing, peer_versions=peers_lib.versions(PEER_PACKAGES),
+      compile_report=report,
       note=("shape is BxTxCxN; ms are medians; floor_x = time / max(bytes / copy rate, FLOPs / bf16 matmul rate); "
             "bytes count the six inputs and y (+ dy and six gradients) once; FLOPs are 9 N^2 per token-head forward, "
-            "3x for forward+backward; rel_err = max|y - y_scan_f32| / max|y_scan_f32|. On CPU the pallas backend runs "
-            "in the Pallas interpreter: its times say nothing about the GPU kernel."))
+            "3x for forward+backward; B/el and FLOP/el are per element (channel of a token) of the row's own "
+            "algorithm where known (this project's kernels: chunk states, partial gradients, the chunked kernels' "
+            "matrix products), else the same minimal counts; roofline_x = time / max(B/el / copy rate, FLOP/el / "
+            "matmul rate) x elements; rel_err = max|y - y_scan_f32| / max|y_scan_f32|. On CPU the pallas backends "
+            "run in the Pallas interpreter: their times say nothing about the GPU kernels."))
   print(f"wrote {path}")
 
 

@@ -22,6 +22,9 @@ F32_RTOL = 1e-5
 BF16_Y_RTOL, BF16_GRAD_RTOL = 2.0**-8, 2.0**-7
 NAMES = ("r", "w", "k", "v", "a", "b", "state")
 SHAPE = (2, 37, 2, 8)  # B, T, H, N: T is odd and not a multiple of any chunk length.
+# "pallas_chunked" runs its sequential fallback at head size 8 (its kernels start at 16), which "pallas" already
+# covers here: its own kernels are held to the reference in test_wkv7_chunked_pallas.py.
+IMPLS = tuple(impl for impl in AVAILABLE if impl != "pallas_chunked")
 
 
 def _log_decays(rng, shape, low=-6.0, high=2.5):
@@ -107,7 +110,7 @@ def _outputs_and_grads(impl, transform=lambda f: f):
 
 
 # One jitted function per backend, shared by the tests so that equal shapes compile once.
-_JITTED = {impl: jax.jit(_outputs_and_grads(impl)) for impl in AVAILABLE}
+_JITTED = {impl: jax.jit(_outputs_and_grads(impl)) for impl in IMPLS}
 
 
 def _assert_close(actual, expected, rtol, what):
@@ -127,17 +130,17 @@ def _assert_matches_reference(impl, inputs, cot, rtol=F32_RTOL, y_rtol=None, gra
   return y, state, grads
 
 
-@pytest.mark.parametrize("impl", AVAILABLE)
+@pytest.mark.parametrize("impl", IMPLS)
 def test_matches_reference_rwkv7_keys(impl):
   _assert_matches_reference(impl, _inputs(0), _cotangents(0))
 
 
-@pytest.mark.parametrize("impl", AVAILABLE)
+@pytest.mark.parametrize("impl", IMPLS)
 def test_matches_reference_random_bounded_keys(impl):
   _assert_matches_reference(impl, _inputs(1, realistic=False), _cotangents(1))
 
 
-@pytest.mark.parametrize("impl", AVAILABLE)
+@pytest.mark.parametrize("impl", IMPLS)
 def test_strong_and_weak_decays(impl):
   # Per key channel: decays from w = -e^6 (e^w = 0 in float32) through -8 and -1 to -1e-6 (e^w = 1 - 1e-6). A chunk
   # of 16 tokens at w = -8 decays by e^-128, which overflows any form that factors e^{g_t - g_s} as e^{g_t}·e^{-g_s}.
@@ -145,7 +148,7 @@ def test_strong_and_weak_decays(impl):
   _assert_matches_reference(impl, _inputs(2, w=w), _cotangents(2))
 
 
-@pytest.mark.parametrize("impl", AVAILABLE)
+@pytest.mark.parametrize("impl", IMPLS)
 def test_bfloat16_inputs(impl):
   *inputs, state = _inputs(3)
   inputs = (*(x.astype(jnp.bfloat16) for x in inputs), state)
@@ -155,7 +158,7 @@ def test_bfloat16_inputs(impl):
   assert all(g.dtype == jnp.bfloat16 for g in grads[:6]) and grads[6].dtype == jnp.float32
 
 
-@pytest.mark.parametrize("impl", AVAILABLE)
+@pytest.mark.parametrize("impl", IMPLS)
 def test_segmented_equals_whole(impl):
   *inputs, state = _inputs(4)
   run = jax.jit(wkv7, static_argnames="impl")
@@ -168,7 +171,7 @@ def test_segmented_equals_whole(impl):
     _assert_close(s2, s_whole, F32_RTOL, "state")
 
 
-@pytest.mark.parametrize("impl", AVAILABLE)
+@pytest.mark.parametrize("impl", IMPLS)
 def test_none_state_is_zero_state(impl):
   *inputs, _ = _inputs(5)
   batch, _, heads, size = SHAPE
@@ -182,7 +185,7 @@ def test_none_state_is_zero_state(impl):
   _assert_matches_reference(impl, (*inputs, zeros), _cotangents(5))
 
 
-@pytest.mark.parametrize("impl", AVAILABLE)
+@pytest.mark.parametrize("impl", IMPLS)
 def test_checkpointed_gradients_agree(impl):
   # Under jax.checkpoint a custom_vjp forward may run twice (jax#21303): it must give the same result both times.
   inputs, cot = _inputs(6), _cotangents(6)
@@ -203,7 +206,7 @@ def test_pallas_under_remat_writes_checkpoints_once():
   np.testing.assert_array_equal(plain, rematted)
 
 
-@pytest.mark.parametrize("impl", AVAILABLE)
+@pytest.mark.parametrize("impl", IMPLS)
 def test_one_token_decoding_matches_prefill(impl):
   *inputs, state = _inputs(7, (1, 5, 2, 8))
   run = jax.jit(wkv7, static_argnames="impl")

@@ -9,8 +9,9 @@ For every batch row and head, with S the [N, N] float32 state (row i = value ind
 RWKV-7 passes a = -kk and b = kk·a_lr with kk a unit key per head and a_lr in (0, 1), which keeps the transition
 diag(e^w) + a b^T contractive; the op itself accepts any a, b. Accumulation is float32 whatever the input dtype.
 
-Backends: "scan" (the sequential reference), "chunked" (exact chunked WY form in pure JAX, autodiff) and "pallas"
-(fused forward and backward kernels, `pallas/wkv7.py`).
+Backends: "scan" (the sequential reference), "chunked" (exact chunked WY form in pure JAX, autodiff), "pallas"
+(fused sequential forward and backward kernels, `pallas/wkv7.py`) and "pallas_chunked" (the chunked WY form as
+tensor-core kernels, `pallas/wkv7_chunked.py`, with the sequential kernels for decays beyond its range).
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ import jax.numpy as jnp
 from ltm_jax.ops import backend, sharding
 from ltm_jax.ops.wkv7 import chunked
 from ltm_jax.ops.wkv7 import pallas
+from ltm_jax.ops.wkv7 import pallas_chunked
 from ltm_jax.ops.wkv7 import scan
 
 # The first entry is the reference.
-AVAILABLE = ("scan", "chunked", "pallas")
-_BACKENDS = {"scan": scan.wkv7, "chunked": chunked.wkv7, "pallas": pallas.wkv7}
+AVAILABLE = ("scan", "chunked", "pallas", "pallas_chunked")
+_BACKENDS = {"scan": scan.wkv7, "chunked": chunked.wkv7, "pallas": pallas.wkv7, "pallas_chunked": pallas_chunked.wkv7}
 
 # Fastest backend per platform for training-like shapes, forward+backward under jit, as measured by
 # `python benchmarks/wkv7.py` (benchmarks/results/wkv7-<device>.json). cpu: scan, 1.2-2.6x faster than chunked

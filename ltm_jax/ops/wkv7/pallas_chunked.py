@@ -1,0 +1,38 @@
+"""Chunked Pallas backend of the RWKV-7 WKV op: the tensor-core kernels of `pallas/wkv7_chunked.py` (interpreted off
+GPU), and the sequential kernels of `pallas/wkv7.py` wherever the chunked form does not apply.
+
+The chunked kernels factor each chunk's decays as e^{g_t}·e^{-g_s}, exact while every log-decay is at least
+`min_log_decay(chunk)` (-3.75 at chunk 16; RWKV-7 layers keep w >= -0.61). Inputs are checked at run time (one read of
+w, which XLA can fuse with the op that produces it) and any call with a stronger decay runs the sequential kernels
+instead, which are exact for every w <= 0. Head sizes the chunked kernels have no spill-free settings for
+(`wkv7_chunked.fits`: powers of two from 16 to 128 with 16-bit inputs, to 32 with float32) take the sequential
+kernels statically.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax import lax
+
+from ltm_pallas import wkv7 as sequential
+from ltm_pallas import wkv7_chunked as chunked
+
+
+def wkv7(
+    r: jax.Array,
+    w: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    a: jax.Array,
+    b: jax.Array,
+    state: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+  """WKV-7 by the chunked kernels, or the sequential ones out of their range; shapes are validated by the caller.
+
+  Arguments and results as `ltm_jax.ops.wkv7.wkv7`. The kernels' settings are their defaults for the head size.
+  """
+  size, operands = r.shape[-1], chunked.operand_dtype(r.dtype)
+  if not chunked.fits(size, operands):
+    return sequential.wkv7(r, w, k, v, a, b, state)
+  chunk = chunked.settings(size, operands)["chunk"]
+  return lax.cond(chunked.in_range(w, chunk), chunked.wkv7, sequential.wkv7, r, w, k, v, a, b, state)
