@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -12,18 +13,21 @@ from jax.sharding import Mesh, NamedSharding
 
 from ltm_jax import model as model_lib
 from ltm_jax.config import Config
+from ltm_jax.ops import sharding as ops_sharding
 from ltm_jax.parallel import mesh as mesh_lib
 from ltm_jax.parallel import sharding as sharding_lib
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-  """mesh: the (data, fsdp, tensor) device mesh; rules: flax logical-axis rules; state: a TrainState of
-  NamedShardings; batch: the sharding of [B, T] token arrays."""
+  """mesh: the (pipeline, data, fsdp, tensor) device mesh; rules: flax logical-axis rules; state: a TrainState of
+  NamedShardings; batch: the sharding of [B, T] token arrays; strict: a rule that cannot split an op's dimension is
+  an error rather than a warning (mesh.strict)."""
   mesh: Mesh
   rules: tuple
   state: Any
   batch: NamedSharding
+  strict: bool = False
 
   @property
   def replicated(self) -> NamedSharding:
@@ -31,10 +35,16 @@ class Layout:
 
   def activate(self):
     """The context in which steps are traced and run (mesh, logical-axis rules for the model and the ops)."""
-    return mesh_lib.activate(self.mesh, self.rules)
+    return _activate(self.mesh, self.rules, self.strict)
 
   def jit(self, fn: Callable, **jit_kwargs) -> Sharded:
     return Sharded(jax.jit(fn, **jit_kwargs), self)
+
+
+@contextlib.contextmanager
+def _activate(mesh: Mesh, rules, strict: bool) -> Iterator[None]:
+  with mesh_lib.activate(mesh, rules), ops_sharding.strict(strict):
+    yield
 
 
 class Sharded:
@@ -58,17 +68,17 @@ def make_layout(cfg: Config, optimizer: optax.GradientTransformation, devices=No
   mesh = mesh_lib.make_mesh(cfg, devices)
   rules = mesh_lib.rules(cfg)
   return Layout(mesh, rules, sharding_lib.state_shardings(cfg, optimizer, mesh, rules),
-                sharding_lib.batch_sharding(mesh, rules))
+                sharding_lib.batch_sharding(mesh, rules), cfg.mesh.strict)
 
 
 def init_state(cfg: Config, optimizer: optax.GradientTransformation, layout: Layout):
   """A fresh TrainState created directly in its shards (no device ever holds the whole model), equal to
-  `create_train_state(init_params(...))` on one device."""
-  from ltm_jax.train.step import create_train_state  # Deferred: train imports parallel.
+  `create_train_state(init_params(cfg.model, run_keys(seed)[0], ...), ..., seed)` on one device."""
+  from ltm_jax.train.step import create_train_state, run_keys  # Deferred: train imports parallel.
   t = cfg.train
 
   def create():
-    params = model_lib.init_params(cfg.model, jax.random.key(t.seed), cfg.latent)
+    params = model_lib.init_params(cfg.model, run_keys(t.seed)[0], cfg.latent)
     return create_train_state(params, optimizer, t.seed)
 
   # Outside the layout's rules: flax applies a parameter's logical constraint while DenseGeneral's kernel is still

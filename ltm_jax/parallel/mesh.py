@@ -17,7 +17,7 @@ from ltm_jax.ops import sharding as ops_sharding
 
 
 def resolve_sizes(cfg: Config, device_count: int) -> dict[str, int]:
-  """{data, fsdp, tensor} with the one -1 (if any) filled so that the product is `device_count`.
+  """{pipeline, data, fsdp, tensor} with the one -1 (if any) filled so that the product is `device_count`.
 
   Raises ConfigError (one line) when the sizes cannot multiply to the device count."""
   sizes = cfg.mesh.sizes()
@@ -36,15 +36,16 @@ def resolve_sizes(cfg: Config, device_count: int) -> dict[str, int]:
 
 
 def make_mesh(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """The (data, fsdp, tensor) mesh over `devices` (default: all devices of all processes), checked against the model
-  and batch (ConfigError before any compilation). Axes are Auto: shardings come from the rules and XLA propagates
+  """The (pipeline, data, fsdp, tensor) mesh over `devices` (default: all devices of all processes), checked against
+  the model and batch (ConfigError before any compilation: a pipeline that cannot split the layer stack or the
+  batch, an axis that does not divide what it shards). Axes are Auto: shardings come from the rules and XLA propagates
   them, rather than being part of every array's type."""
   devices = list(jax.devices() if devices is None else devices)
   sizes = resolve_sizes(cfg, len(devices))
   config_lib.check_mesh_fits(cfg, sizes)
   shape = tuple(sizes[a] for a in MESH_AXES)
   # jax.make_mesh orders the devices for the interconnect: the last axis (tensor) within a host, processes along the
-  # leading (batch) axes, so each process holds one contiguous block of every batch.
+  # leading (pipeline, batch) axes, so each process holds one contiguous block of every batch.
   return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(shape), devices=devices)
 
 

@@ -61,17 +61,27 @@ def peak_tflops(device_kind: str) -> float | None:
   return None
 
 
-def throughput(flops_per_step: float, steps: int, seconds: float, devices: int, device_kind: str) -> dict[str, float]:
+def throughput(flops_per_step: float, steps: int, seconds: float, devices: int, device_kind: str,
+               bubble: float = 0.0) -> dict[str, float]:
   """Model TFLOP/s per device and, where the device's peak is known, MFU (model FLOPs utilisation, 0-1).
 
   `flops_per_step` is the model's FLOPs for one train step (info.model_info's flops_per_step_train: 6 N per token
   plus attention, and the latent inner loop's forward and backward passes); recomputation by remat is not counted,
-  as MFU conventionally excludes it. MFU is against the bfloat16 peak whatever the compute dtype."""
+  as MFU conventionally excludes it. MFU is against the bfloat16 peak whatever the compute dtype.
+
+  `bubble`: the idle fraction of a pipelined step (ltm_jax.parallel.pipeline.bubble_fraction). Every device's whole
+  step time is counted, idle or not, so the bubble lowers `mfu` (the work done in the bubble is not model FLOPs);
+  with a bubble the row also gives it (`pipeline_bubble`) and the MFU of the time outside it
+  (`mfu_outside_bubble` = mfu / (1 - bubble)), which separates the schedule's loss from the stages' own speed."""
   achieved = flops_per_step * steps / seconds / devices / 1e12
   row = {"model_tflops_per_device": achieved}
   peak = peak_tflops(device_kind)
   if peak is not None:
     row["mfu"] = achieved / peak
+  if bubble > 0:
+    row["pipeline_bubble"] = bubble
+    if peak is not None:
+      row["mfu_outside_bubble"] = row["mfu"] / (1 - bubble)
   return row
 
 

@@ -30,13 +30,15 @@ from ltm_jax import model as model_lib  # noqa: E402
 from ltm_jax import ops, parallel  # noqa: E402
 from ltm_jax.train import checkpoint as ckpt_lib  # noqa: E402
 from ltm_jax.train.optimizer import learning_rate, make_optimizer  # noqa: E402
-from ltm_jax.train.step import create_train_state, make_train_step  # noqa: E402
+from ltm_jax.train.step import create_train_state, make_train_step, run_keys  # noqa: E402
 
 MESHES = {"data": (8, 1, 1), "fsdp": (1, 8, 1), "tensor": (2, 1, 4), "mixed": (2, 2, 2)}
 
 
 def _config(sizes, **model):
-  cfg = micro_config(**model)
+  # A vocabulary of 1000 (head padded to 1024, split over tensor; the padded columns masked in the loss, never sliced
+  # off) and the loss in chunks of 8 positions, so the sharded steps run the chunked, masked cross-entropy.
+  cfg = micro_config(**{"vocab_size": 1000, "loss_chunk": 8, **model})
   cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=16, seq_len=16, grad_accum=2))
   overrides = [f"mesh.{axis}={size}" for axis, size in zip(("data", "fsdp", "tensor"), sizes)]
   return config_lib.validate(config_lib.apply_overrides(cfg, overrides))
@@ -90,8 +92,51 @@ def equivalence(mesh_names: str):
                  "param_diff": _max_diff(params, ref_params), "q_shape": q.shape,
                  "q_shard": q.addressable_shards[0].data.shape, "mu_shape": mu.shape,
                  "mu_shard": mu.addressable_shards[0].data.shape,
-                 "activation_gathers": _activation_gathers(hlo, (micro, cfg.train.seq_len))}
+                 "activation_gathers": _activation_gathers(hlo, (micro, cfg.train.seq_len)),
+                 "accumulation": _accumulation_loop(hlo, state.params, layout.state.params),
+                 "vocab_shapes": _shapes_with_dim(hlo, cfg.model.vocab_size)}
   return out
+
+
+_COLLECTIVE = re.compile(r"=\s*(\S+?)\s+(all-reduce|reduce-scatter|all-gather|all-to-all|collective-permute)"
+                         r"(?:-start)?\(")
+
+
+def _computations(hlo: str) -> dict[str, list[str]]:
+  comps, name = {}, None
+  for line in hlo.splitlines():
+    head = re.match(r"^(?:ENTRY )?%(\S+) .*\{$", line)
+    if head:
+      name = head.group(1)
+      comps[name] = []
+    elif line == "}":
+      name = None
+    elif name:
+      comps[name].append(line)
+  return comps
+
+
+def _accumulation_loop(hlo: str, params, shardings) -> dict:
+  """The compiled micro-batch loop (the step's outermost while): its collectives, and which of them produce a whole
+  (unsplit) copy of a parameter that the layout splits, as a replicated gradient accumulator would."""
+  split = {f"f32[{','.join(map(str, p.shape))}]" for p, s in zip(jax.tree.leaves(params), jax.tree.leaves(shardings))
+           if not s.is_fully_replicated}
+  shards = [f"f32[{','.join(map(str, s.shard_shape(p.shape)))}]"
+            for p, s in zip(jax.tree.leaves(params), jax.tree.leaves(shardings)) if not s.is_fully_replicated]
+  comps = _computations(hlo)
+  loop = next(line for lines in comps.values() for line in lines
+              if " while(" in line and 'op_name="jit(step)/while"' in line)
+  body = comps[re.search(r"body=%(\S+?),", loop).group(1)]
+  collectives = [(m.group(2), m.group(1).split("{")[0]) for m in map(_COLLECTIVE.search, body) if m]
+  carry = [shape.split("{")[0] for shape in re.findall(r"[a-z0-9]+\[[0-9,]*\]\{?", loop.split(" while(")[0])]
+  return {"collectives": len(collectives), "whole_split_params": [c for c in collectives if c[1] in split],
+          "shards_in_carry": all(shard in carry for shard in shards), "split_params": len(shards),
+          "step_collectives": len([m for m in map(_COLLECTIVE.search, hlo.splitlines()) if m])}
+
+
+def _shapes_with_dim(hlo: str, dim: int) -> list[str]:
+  """Array shapes in the compiled step with a dimension of `dim` (e.g. logits sliced to the unpadded vocabulary)."""
+  return sorted({m.group(0) for m in re.finditer(rf"[a-z0-9]+\[(?:[0-9]+,)*{dim}(?:,[0-9]+)*\]", hlo)})
 
 
 def _activation_gathers(hlo: str, leading: tuple[int, ...]) -> list[str]:
@@ -113,7 +158,7 @@ def init_matches():
   optimizer = make_optimizer(cfg.train)
   layout = parallel.make_layout(cfg, optimizer)
   sharded = parallel.init_state(cfg, optimizer, layout)
-  ref = create_train_state(model_lib.init_params(cfg.model, jax.random.key(cfg.train.seed), cfg.latent), optimizer,
+  ref = create_train_state(model_lib.init_params(cfg.model, run_keys(cfg.train.seed)[0], cfg.latent), optimizer,
                            cfg.train.seed)
   specs = {jax.tree_util.keystr(p): str(x.sharding.spec) for p, x in
            jax.tree_util.tree_flatten_with_path(sharded.params)[0]}

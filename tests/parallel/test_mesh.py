@@ -32,7 +32,8 @@ def run_checks(*checks: str) -> dict:
 
 
 def test_meshes_match_one_device():
-  """One train step (grad_accum 2, RWKV-4 + attention) on data=8, fsdp=8, tensor=4 x data=2 and 2x2x2 meshes.
+  """One train step (grad_accum 2, RWKV-4 + attention, vocabulary 1000, the loss in chunks of 8 positions) on data=8,
+  fsdp=8, tensor=4 x data=2 and 2x2x2 meshes.
 
   Tolerances: loss 1e-5 relative; gradients 1e-6 absolute (their largest entry is ~3e-2, float32 sums reassociated
   across shards); parameters after the AdamW step 5e-5 absolute (Adam divides by sqrt(v), so reassociation in
@@ -55,6 +56,15 @@ def test_meshes_match_one_device():
   # model constrains its residual stream to ("batch", "length", "embed"): see the parallel notes.
   for name in ("data", "tensor"):
     assert result[name]["activation_gathers"] == [], (name, result[name]["activation_gathers"])
+  for name in ("fsdp", "tensor", "mixed"):
+    # The micro-batch loop keeps every split parameter's gradient sum in its shard: no collective in the compiled
+    # loop yields a whole copy of a split parameter (a replicated accumulator gathers every micro-batch's gradient).
+    acc = result[name]["accumulation"]
+    assert acc["split_params"] > 0 and acc["shards_in_carry"], (name, acc)
+    assert acc["whole_split_params"] == [], (name, acc["whole_split_params"])
+    # Vocabulary 1000 padded to 1024 and split over tensor = 4 and 2 (tensor, mixed): the loss masks the padded
+    # columns, so no array is ever cut to the 1000 real columns (which would split unevenly).
+    assert result[name]["vocab_shapes"] == [], (name, result[name]["vocab_shapes"])
 
 
 def test_kernels_init_and_checkpoints_across_meshes(tmp_path):
@@ -97,7 +107,7 @@ def test_mesh_sizes_must_fit_the_devices(sizes, devices, message):
 
 def test_mesh_fills_the_remaining_devices():
   cfg = config_lib.apply_overrides(micro_config(), ["mesh.data=-1", "mesh.tensor=2"])
-  assert parallel.resolve_sizes(cfg, 8) == {"data": 4, "fsdp": 1, "tensor": 2}
+  assert parallel.resolve_sizes(cfg, 8) == {"pipeline": 1, "data": 4, "fsdp": 1, "tensor": 2}
 
 
 def test_make_mesh_refuses_before_compiling():
