@@ -23,10 +23,22 @@ Sections (the JSON tags each row with `section`):
             `batch_prompt` tokens per row, put at position 512 as above; timed round-robin over the batches, and
             vs_batch_1 (tokens/s over batch 1's) paired per round like the position ratios.
   dtype     batch 1 at the real prompt's end: float32, bfloat16 compute (model.dtype), int8 weights
-            (`LanguageModel.quantize("int8")`, float32 compute): ms/token, parameter bytes, and the largest
-            |logit - float32 logit| over a random prompt (forward pass). int8 weights are dequantised inside
-            the jitted call, which XLA hoists ahead of the loop: the loop reads float weights, so int8 saves memory
-            between calls, not time per token.
+            (`LanguageModel.quantize("int8")`) and int4 weights in groups of 128 (`quantize("int4")`), float32
+            compute: ms/token, parameter bytes, and the largest |logit - float32 logit| over a random prompt
+            (forward pass). Quantised weights are dequantised inside the jitted call (`dequantize_params`).
+  forms     which XLA form of a quantised matmul reads fewer bytes in a decoding loop on this machine: a stack of
+            the plan's MLPs (d_model -> 4 d_model -> d_model, n_layers of them, batch 1) run for `steps` tokens in
+            one lax.fori_loop, one row per form: float32 and bfloat16 weights; int8 dequantised then multiplied
+            (what `dequantize_params` gives the model), int8 converted in the product with the scale after it,
+            the same with the int8 weights carried through the loop (loop-variant, so nothing can be hoisted),
+            int8 x int8 -> int32 products with activations quantised per row (W8A8), and int4 in groups of 128
+            through `ltm_jax.ops.quant_matmul` (scales after each group's product); then the same with the layers
+            stacked and run by a lax.scan inside each token (as model.scan_layers does), where a layer's weights
+            depend on the layer index and their dequantisation cannot be hoisted out of the token loop. Per row:
+            ms/token, vs_float32, the stored weight bytes, XLA's cost analysis of the compiled loop divided by the
+            steps (it counts a loop body once, so scanned rows count one layer), how many float32 weight-sized
+            values the loop body computes (dequantisation inside the loop) or the program computes ahead of it
+            (hoisted), and one matmul's max |y - y_float32| / max |y_float32|.
   floor     the dtype rows' ms/token over the weight-read floor: the bytes of every parameter a token must read
             (the embedding table counts one row) over `common.measure_ceilings()`'s copy rate (x + 1 into a
             donated buffer, bytes read + written per second).
@@ -45,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -101,7 +114,7 @@ PLANS = {
 MODELS = {"rwkv7": {"layer_pattern": "W"}, "rwkv4": {"layer_pattern": "R"}, "attention": {"layer_pattern": "A"},
           "sliding": {"layer_pattern": "A"}, "titans": {"layer_pattern": "MG"}}  # sliding, titans: window=plan.window.
 FLAT_MODELS = ("rwkv7", "rwkv4", "titans")  # States that do not grow: held to RWKV_FLAT.
-SECTIONS = ("position", "batch", "dtype", "official")
+SECTIONS = ("position", "batch", "dtype", "forms", "official")
 RWKV_FLAT = 1.05  # The issue's bound on t(16k) / t(128) for the RWKV models.
 WARMUP = 1  # Untimed runs of every compiled loop before the timed ones.
 
@@ -303,7 +316,7 @@ def section_dtype(plan: Plan, models: dict[str, ltm_jax.LanguageModel], bandwidt
     base = models[kind]
     variants = {"float32": base,
                 "bfloat16": ltm_jax.LanguageModel(make_config(plan, kind, "bfloat16"), base.params),
-                "int8": base.quantize("int8")}
+                "int8": base.quantize("int8"), "int4": base.quantize("int4")}
     prompt = random_prompt(1, plan.prompt, base.config.model.vocab_size, seed=2)
     reference = np.asarray(base.forward(prompt))
     loops = []
@@ -324,6 +337,141 @@ def section_dtype(plan: Plan, models: dict[str, ltm_jax.LanguageModel], bandwidt
         row[f"x_floor_{name}"] = result["ms_per_token"] / row[f"floor_ms_{name}"]
       rows.append(row)
     common.print_table(rows[-len(loops):], DTYPE_COLUMNS)
+  return rows
+
+
+def _mlp_weights(d: int, layers: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
+  rng = np.random.default_rng(seed)
+  return [(rng.normal(0, d ** -0.5, (d, 4 * d)), rng.normal(0, (4 * d) ** -0.5, (4 * d, d))) for _ in range(layers)]
+
+
+def _int8(w: np.ndarray) -> tuple[jax.Array, jax.Array]:
+  scale = np.abs(w).max(0, keepdims=True) / 127
+  return jnp.asarray(np.round(w / scale), jnp.int8), jnp.asarray(scale, jnp.float32)
+
+
+def _w8a8(x, w):
+  """Activations quantised per row to int8 (absmax), an int8 x int8 -> int32 product, both scales after it."""
+  sx = jnp.maximum(jnp.max(jnp.abs(x), axis=-1, keepdims=True), 1e-30) / 127
+  acc = jax.lax.dot_general(jnp.round(x / sx).astype(jnp.int8), w[0], (((1,), (0,)), ((), ())),
+                            preferred_element_type=jnp.int32)
+  return acc.astype(jnp.float32) * sx * w[1]
+
+
+def _quant_op(x, w):
+  from ltm_jax.ops.quant_matmul import quant_matmul  # pylint: disable=g-import-not-at-top
+  return quant_matmul(x, w.packed, w.scale, packed=True)
+
+
+_dequantise_dot = lambda x, w: x @ (w[0].astype(jnp.float32) * w[1])
+_dot_scale = lambda x, w: (x @ w[0].astype(jnp.float32)) * w[1]
+# name: (weight format, matmul(x [1, K], stored weight) -> [1, N], how the loop holds the weights): "invariant"
+# (closed over), "carried" (passed through the loop carry unchanged), "scanned" (stacked [layers, ...] and read by a
+# lax.scan over the layers inside each token, as model.scan_layers does: each layer's slice depends on the layer
+# index, so its dequantisation cannot be hoisted out of the token loop).
+FORMS = {
+    "float32": ("float32", lambda x, w: x @ w, "invariant"),
+    "bfloat16": ("bfloat16", lambda x, w: (x.astype(jnp.bfloat16) @ w).astype(jnp.float32), "invariant"),
+    "int8 dequantise, dot": ("int8", _dequantise_dot, "invariant"),
+    "int8 dot, scale after": ("int8", _dot_scale, "invariant"),
+    "int8 carried, scale after": ("int8", _dot_scale, "carried"),
+    "int8 W8A8": ("int8", _w8a8, "invariant"),
+    "int4 g128 quant_matmul": ("int4", _quant_op, "invariant"),
+    "float32 scanned": ("float32", lambda x, w: x @ w, "scanned"),
+    "int8 scanned, dequantise, dot": ("int8", _dequantise_dot, "scanned"),
+    "int8 scanned, scale after": ("int8", _dot_scale, "scanned"),
+    "int4 g128 scanned quant_matmul": ("int4", _quant_op, "scanned"),
+}
+
+
+def _weight_shaped_f32(hlo: str, shapes: set[str]) -> tuple[int, int]:
+  """(inside, outside): instructions computing a float32 value of a weight's shape in the while body, and in the
+  rest of the program (a dequantisation hoisted ahead of the loop). Parameters and tuple plumbing do not count."""
+  computations, current = {}, None
+  for line in hlo.splitlines():
+    if line.endswith("{") and not line.startswith(" "):
+      current = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
+      computations[current] = []
+    elif current is not None:
+      computations[current].append(line)
+  bodies = {name.lstrip("%") for name in __import__("re").findall(r"body=(%?[\w.\-]+)", hlo)}
+
+  def count(lines):
+    n = 0
+    for line in lines:
+      if " = " not in line:
+        continue
+      result, op = line.split(" = ", 1)[1].split(" ", 1) if " " in line.split(" = ", 1)[1] else ("", "")
+      if any(result.startswith(f"f32[{shape}]") for shape in shapes) and not op.startswith(
+          ("parameter(", "get-tuple-element(", "tuple(", "copy(", "bitcast(")):
+        n += 1
+    return n
+
+  inside = sum(count(lines) for name, lines in computations.items() if name in bodies)
+  return inside, sum(count(lines) for name, lines in computations.items() if name not in bodies)
+
+
+def section_forms(plan: Plan) -> list[dict]:
+  """See the module docstring (forms)."""
+  from ltm_jax.inference.quantize import quantize_int4  # pylint: disable=g-import-not-at-top
+  d, layers, steps = plan.size["d_model"], plan.size["n_layers"], plan.steps
+  raw = _mlp_weights(d, layers, seed=3)
+  stored = {"float32": [tuple(jnp.asarray(w, jnp.float32) for w in pair) for pair in raw],
+            "bfloat16": [tuple(jnp.asarray(w, jnp.bfloat16) for w in pair) for pair in raw],
+            "int8": [tuple(_int8(w) for w in pair) for pair in raw],
+            "int4": [tuple(quantize_int4(jnp.asarray(w, jnp.float32), (0,), 128) for w in pair) for pair in raw]}
+  # Weight-sized float32 values: the weights, and int4's unpacked [groups, 128, N] (stacked: [layers, ...]).
+  shapes = {f"{d},{4 * d}", f"{4 * d},{d}", f"{max(1, d // 128)},{min(d, 128)},{4 * d}", f"{4 * d // 128},128,{d}"}
+  shapes |= {f"{layers},{shape}" for shape in shapes}
+  x0 = jnp.asarray(np.random.default_rng(4).normal(size=(1, d)), jnp.float32)
+  reference = None
+  loops, rows = [], []
+  for name, (fmt, matmul, hold) in FORMS.items():
+    def layer(x, pair, matmul=matmul):
+      return x + matmul(jax.nn.gelu(matmul(x, pair[0])), pair[1])
+
+    if hold == "scanned":
+      weights = jax.tree.map(lambda *ws: jnp.stack(ws), *stored[fmt])
+      token = lambda x, ws, layer=layer: jnp.tanh(jax.lax.scan(lambda y, pair: (layer(y, pair), None), x, ws)[0])
+    else:
+      weights = stored[fmt]
+      token = lambda x, ws, layer=layer: jnp.tanh(functools.reduce(layer, ws, x))
+    if hold == "carried":
+      run = lambda ws, x, token=token: jax.lax.fori_loop(0, steps, lambda t, c: (token(c[0], c[1]), c[1]), (x, ws))[0]
+    else:
+      run = lambda ws, x, token=token: jax.lax.fori_loop(0, steps, lambda t, y: token(y, ws), x)
+    # One matmul (the first layer's up-projection), against float32's: a stack of random MLPs amplifies any error
+    # token over token, so a loop's output says nothing about the rounding.
+    one = np.asarray(jax.jit(matmul)(x0, stored[fmt][0][0]), np.float64)
+    reference = one if reference is None else reference
+    began = time.perf_counter()
+    compiled = jax.jit(run).lower(weights, x0).compile()
+    compile_s = time.perf_counter() - began
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    inside, outside = _weight_shaped_f32(compiled.as_text(), shapes)
+    loops.append((name, compiled, weights, [], []))
+    rows.append({"section": "forms", "form": name, "weights": fmt, "held": hold, "compile_s": compile_s,
+                 "weight_bytes": sum(leaf.nbytes for leaf in jax.tree.leaves(weights)),
+                 "xla_bytes_per_step": float(cost.get("bytes accessed", 0.0)) / steps,
+                 "f32_weights_in_loop": inside, "f32_weights_before_loop": outside,
+                 "matmul_drift_rel": float(np.max(np.abs(one - reference)) / np.max(np.abs(reference)))})
+  # Round robin, FORMS_REPEATS rounds: wall time, and the process's CPU time (all of XLA's threads), which other
+  # jobs on a shared machine disturb less than the wall clock.
+  for i in range(WARMUP + FORMS_REPEATS):
+    for _, compiled, weights, times, cpu_times in loops:
+      began, began_cpu = time.perf_counter(), time.process_time()
+      jax.block_until_ready(compiled(weights, x0))
+      if i >= WARMUP:
+        times.append((time.perf_counter() - began) * 1e3 / steps)
+        cpu_times.append((time.process_time() - began_cpu) * 1e3 / steps)
+  base = base_cpu = None
+  for row, (_, _, _, times, cpu_times) in zip(rows, loops):
+    row["ms_per_token"], row["cpu_ms_per_token"] = statistics.median(times), statistics.median(cpu_times)
+    base = row["ms_per_token"] if base is None else base
+    base_cpu = row["cpu_ms_per_token"] if base_cpu is None else base_cpu
+    row["vs_float32"], row["cpu_vs_float32"] = row["ms_per_token"] / base, row["cpu_ms_per_token"] / base_cpu
+  common.print_table(rows, FORMS_COLUMNS)
   return rows
 
 
@@ -438,6 +586,9 @@ BATCH_COLUMNS = ("model", "batch", "position", "ms_per_step", "tokens_per_s", "v
 DTYPE_COLUMNS = ("model", "variant", "ms_per_token", "param_bytes", "logit_drift", "logit_drift_rel", "sane")
 FLOOR_COLUMNS = ("model", "variant", "ms_per_token", "weight_bytes_per_token", "weight_gbps", "floor_ms_copy",
                  "x_floor_copy")
+FORMS_REPEATS = 15
+FORMS_COLUMNS = ("form", "ms_per_token", "vs_float32", "cpu_ms_per_token", "cpu_vs_float32", "weight_bytes",
+                 "xla_bytes_per_step", "f32_weights_in_loop", "f32_weights_before_loop", "matmul_drift_rel", "compile_s")
 OFFICIAL_COLUMNS = ("model", "impl", "ms_per_token", "tokens_per_s", "vs_official", "prompt_logit_diff_rel")
 
 
@@ -466,7 +617,8 @@ def main():
   ceilings = common.measure_ceilings()
   bandwidths = {"copy": ceilings["copy_gbps"]}
   print(f"ceilings: {ceilings}; load average {load_start[0]:.2f} on {os.cpu_count()} cores")
-  needed = set(args.models) | set(plan.batch_models if "batch" in args.sections else ()) | set(
+  needed = set(args.models if "position" in args.sections else ()) | set(
+      plan.batch_models if "batch" in args.sections else ()) | set(
       plan.dtype_models if "dtype" in args.sections else ())
   built = {kind: build(make_config(plan, kind)) for kind in MODELS
            if kind in needed - {"sliding"} or (kind == "attention" and "sliding" in needed)}
@@ -494,6 +646,11 @@ def main():
     common.print_table(dtype_rows, FLOOR_COLUMNS)
     rows += dtype_rows
     clock = _lap("dtype", clock)
+  if "forms" in args.sections:
+    print(f"\n== XLA forms of a quantised matmul in a decoding loop: {plan.size['n_layers']} MLPs of d_model "
+          f"{plan.size['d_model']}, batch 1, {plan.steps} tokens per loop")
+    rows += section_forms(plan)
+    clock = _lap("forms", clock)
   if "official" in args.sections:
     print(f"\n== the official rwkv package vs ltm_jax, batch 1, float32, same weights (size {plan.size})")
     rows += section_official(plan, args.official_strategy)
@@ -501,6 +658,7 @@ def main():
 
   for title, section, columns in (("position", "position", POSITION_COLUMNS), ("batch", "batch", BATCH_COLUMNS),
                                   ("dtype", "dtype", DTYPE_COLUMNS), ("floor", "dtype", FLOOR_COLUMNS),
+                                  ("forms", "forms", FORMS_COLUMNS),
                                   ("official", "official", OFFICIAL_COLUMNS)):
     chosen = [r for r in rows if r.get("section") == section and "skipped" not in r]
     if chosen:

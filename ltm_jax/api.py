@@ -56,23 +56,22 @@ class LanguageModel:
 
   @property
   def quantized(self) -> bool:
-    return quantize_lib.has_int8_weights(self.params)
+    return quantize_lib.has_quantized_weights(self.params)
 
   @property
   def param_bytes(self) -> int:
     """Bytes the parameters occupy (int8 weights count one byte per value, plus their float32 scales)."""
     return quantize_lib.param_bytes(self.params)
 
-  def quantize(self, kind: str = "int8") -> LanguageModel:
-    """This model with every matmul weight stored as int8 with a float32 scale per output channel (symmetric);
-    norms, per-channel vectors and the input embedding stay float32."""
-    if kind != "int8":
-      raise ValueError(f"unknown quantization {kind!r}; choose int8")
+  def quantize(self, kind: str = "int8", group_size: int = quantize_lib.DEFAULT_GROUP_SIZE) -> LanguageModel:
+    """This model with every matmul weight stored as int8 with a float32 scale per output channel, or as int4 with
+    a float32 scale per `group_size` inputs and output channel (symmetric); norms, per-channel vectors and the input
+    embedding stay float32."""
     if self.quantized:
       raise LtmError("this model is already quantized")
     axes = model_lib.param_axes(self.config.model, self.config.latent)
-    quantized = LanguageModel(self.config, quantize_lib.quantize_params(self.params, axes), self.trained_steps,
-                              self.workdir)
+    quantized = LanguageModel(self.config, quantize_lib.quantize_params(self.params, axes, kind, group_size),
+                              self.trained_steps, self.workdir)
     quantized._prior = self._prior
     return quantized
 
@@ -399,9 +398,10 @@ def load(workdir: str | pathlib.Path, step: int | None = None, overrides: Sequen
   cannot is named in a warning line on stderr, and `trained_steps` says which step was used).
 
   `overrides` change how the model runs, e.g. ["model.wkv_impl=scan", "model.dtype=bfloat16"]; keys that would
-  change the parameters are refused. `quantize="int8"` stores the matmul weights as int8 (`LanguageModel.quantize`)."""
-  if quantize not in (None, "int8"):
-    raise ValueError(f"unknown quantization {quantize!r}; choose int8")
+  change the parameters are refused. `quantize="int8"` (or "int4", in groups of 128) stores the matmul weights
+  quantised (`LanguageModel.quantize`)."""
+  if quantize not in (None,) + quantize_lib.KINDS:
+    raise ValueError(f"unknown quantization {quantize!r}; choose from {', '.join(quantize_lib.KINDS)}")
   ckpt_lib.read_config_json(workdir)  # A clear error for a folder that is not a workdir.
   checkpointer = ckpt_lib.Checkpointer(workdir, read_only=True)
   available = checkpointer.all_steps()

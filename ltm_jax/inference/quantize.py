@@ -1,14 +1,25 @@
-"""Symmetric, per-output-channel, weight-only int8 quantisation of the LM's parameters, for serving.
+"""Symmetric weight-only quantisation of the LM's parameters for serving: int8 per output channel, or int4 in groups.
 
-Every matmul weight W becomes an `Int8Weight`: int8 `values` and a float32 `scale` with one entry per output channel
-(kept dims of size 1 over the contraction axes), so W ~ values * scale. The scale of a channel is max|W| over its
-contraction axes / 127: a channel with large weights cannot wash out its neighbours, as it would with one scale per
-tensor. Activations stay in floating point: `dequantize_params` runs inside the jitted forward pass, so the int8
-values are what sits in device memory between calls and the matmuls see the dequantised weights.
+int8: every matmul weight W becomes an `Int8Weight`: int8 `values` and a float32 `scale` with one entry per output
+channel (kept dims of size 1 over the contraction axes), so W ~ values * scale. The scale of a channel is max|W| over
+its contraction axes / 127: a channel with large weights cannot wash out its neighbours, as it would with one scale
+per tensor.
+
+int4: every matmul weight becomes an `Int4Weight`: the weight is laid out as [layers..., K, N] (K: its contraction
+axes flattened, the fan-in; N: its output axes flattened), K is cut into groups of `group_size` consecutive inputs,
+and every (group, output channel) gets its own scale max|W| / 7 over the group, values in [-7, 7]. Sixteen levels
+are too few for one scale over a long fan-in (one large input weight would round the channel's other weights to 0);
+a group confines an outlier's damage to its group. A fan-in shorter than the group is one group; a group size that
+does not divide the fan-in, or an odd one, is refused. Two values share a byte: within each group, input i of the
+first half is the low nibble and input i + group/2 the high nibble of byte i, so a kernel that reads one group
+unpacks two contiguous halves and multiplies each by a contiguous half of the activations.
+
+Activations stay in floating point: `dequantize_params` runs inside the jitted forward pass, so the quantised values
+are what sits in device memory between calls and the matmuls see the dequantised weights
+(`ltm_jax.ops.quant_matmul` is the matmul that reads the quantised weights themselves and scales after the product).
 
 Which leaves are matmul weights, and over which axes they contract, is read from their logical axis names (see
 `ltm_jax.layers.common` and `model.param_axes`), by one rule (`quantization_plan`):
-
   1. Leading "layers" axes (the scanned stack) are a batch of independent weights: never reduced over, so every
      layer gets its own scales. They are set aside, and the rest of the rule looks at the remaining "body" axes.
   2. A leaf whose body has fewer than 2 axes is a vector (norm scales and biases, RWKV token-shift mixes, decays,
@@ -31,6 +42,7 @@ Which leaves are matmul weights, and over which axes they contract, is read from
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Sequence
@@ -43,6 +55,9 @@ import numpy as np
 from ltm_jax.model import LAYER_AXIS
 
 QMAX = 127  # Symmetric range [-127, 127]: -128 is unused, so negating a weight never overflows.
+QMAX4 = 7  # int4: [-7, 7], symmetric for the same reason.
+KINDS = ("int8", "int4")
+DEFAULT_GROUP_SIZE = 128  # int4 inputs per scale; 64-128 is the usual trade of scale bytes against rounding error.
 HEAD_AXES = ("heads", "kv_heads")  # Axes that "head_dim" extends into one logical feature.
 VOCAB_AXIS = "vocab"
 
@@ -52,6 +67,26 @@ class Int8Weight(NamedTuple):
   contraction axes (one scale per output channel, and per layer when stacked). The weight is values * scale."""
   values: jax.Array
   scale: jax.Array
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("packed", "scale"),
+                   meta_fields=("shape", "perm", "group_size"))
+@dataclasses.dataclass(frozen=True)
+class Int4Weight:
+  """A weight quantised to int4 in groups along its fan-in. With the weight laid out as [layers..., K, N] (`perm`
+  orders the original axes as layers, contraction, output; K and N are their products) and G = K / group_size:
+    packed: int8 [layers..., G, group_size / 2, N], two values per byte: low nibble input i, high nibble input
+      i + group_size / 2 of the group (two's complement, values in [-7, 7]);
+    scale: float32 [layers..., G, N], one per group and output channel.
+  `shape` is the original weight's shape; the weight is `dequantize(self)`."""
+  packed: jax.Array
+  scale: jax.Array
+  shape: tuple[int, ...]
+  perm: tuple[int, ...]
+  group_size: int
+
+
+QuantizedWeight = Int8Weight | Int4Weight
 
 
 def _path_name(path) -> str:
@@ -133,20 +168,132 @@ def quantize(weight: jax.Array, contract: Sequence[int]) -> Int8Weight:
   return Int8Weight(values, scale)
 
 
-def quantize_params(params, axes):
-  """`params` with every matmul weight replaced by an Int8Weight (per output channel, per layer when stacked) and
-  every other leaf unchanged (the same objects); see the module docstring for which leaves are matmul weights.
-  `axes`: as `model.param_axes` gives them. All weights are quantised by one compiled computation; run it once,
+def int4_group(name: str, fan_in: int, group_size: int) -> int:
+  """The group a fan-in of `fan_in` inputs is cut into: `group_size`, or the whole fan-in when it is shorter.
+  Raises ValueError (naming the weight) when the group does not divide the fan-in or is odd (two values per byte)."""
+  if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2 or group_size % 2:
+    raise ValueError(f"int4 group size must be an even int >= 2, got {group_size!r}")
+  group = min(group_size, fan_in)
+  if fan_in % group or group % 2:
+    raise ValueError(f"cannot quantise {name} to int4 with group size {group_size}: its fan-in {fan_in} is not a "
+                     f"multiple of it (choose an even group size that divides {fan_in})")
+  return group
+
+
+def _int4_layout(shape: Sequence[int], contract: Sequence[int], stacked: int) -> tuple[int, ...]:
+  """The axis order layers, contraction, output of a weight of `shape`."""
+  contract = tuple(contract)
+  return (tuple(range(stacked)) + contract
+          + tuple(i for i in range(stacked, len(shape)) if i not in contract))
+
+
+def quantize_int4(weight: jax.Array, contract: Sequence[int], group_size: int, stacked: int = 0) -> Int4Weight:
+  """Symmetric int4 quantisation in groups of `group_size` inputs along the `contract` axes (see `Int4Weight`);
+  `stacked` leading axes are independent layers. scale = max|W| / 7 over each group (1 for an all-zero group)."""
+  shape = tuple(weight.shape)
+  perm = _int4_layout(shape, contract, stacked)
+  fan_in = math.prod(shape[i] for i in contract)
+  group = int4_group("a weight", fan_in, group_size)
+  lead = shape[:stacked]
+  w = jnp.transpose(jnp.asarray(weight, jnp.float32), perm).reshape(*lead, fan_in // group, group, -1)
+  absmax = jnp.max(jnp.abs(w), axis=-2, keepdims=True)
+  scale = jnp.where(absmax > 0, absmax / QMAX4, 1.0)
+  values = jnp.clip(jnp.round(w / scale), -QMAX4, QMAX4).astype(jnp.int8)
+  half = group // 2
+  packed = (values[..., :half, :] & 0xF) | (values[..., half:, :] << 4)
+  return Int4Weight(packed.astype(jnp.int8), scale[..., 0, :].astype(jnp.float32), shape, perm, group_size)
+
+
+def unpack_int4(packed: jax.Array) -> jax.Array:
+  """int8 [..., G, group / 2, N] packed nibbles -> int8 values [..., G, group, N] (sign-extended)."""
+  low = jnp.right_shift(jnp.left_shift(packed, 4), 4)
+  high = jnp.right_shift(packed, 4)
+  return jnp.concatenate([low, high], axis=-2)
+
+
+def dequantize(weight: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
+  """One quantised weight back to its original shape in `dtype`."""
+  if isinstance(weight, Int8Weight):
+    return weight.values.astype(dtype) * weight.scale.astype(dtype)
+  w = unpack_int4(weight.packed).astype(dtype) * weight.scale.astype(dtype)[..., None, :]
+  permuted = tuple(weight.shape[i] for i in weight.perm)
+  return jnp.transpose(w.reshape(permuted), np.argsort(weight.perm))
+
+
+def matmul_operands(weight: QuantizedWeight) -> tuple[jax.Array, jax.Array, bool]:
+  """A quantised weight of one layer (no stacked axes) as `ltm_jax.ops.quant_matmul` takes it: (values int8
+  [G, rows, N], scale float32 [G, N], packed), for x [..., K] with K its contraction axes flattened in order."""
+  if isinstance(weight, Int4Weight):
+    if len(weight.packed.shape) != 3:
+      raise ValueError(f"matmul_operands takes one layer's weight, got packed values of shape {weight.packed.shape}")
+    return weight.packed, weight.scale, True
+  contract = tuple(i for i, size in enumerate(weight.scale.shape) if size == 1)
+  perm = contract + tuple(i for i in range(weight.values.ndim) if i not in contract)
+  fan_in = math.prod(weight.values.shape[i] for i in contract)
+  values = jnp.transpose(weight.values, perm).reshape(1, fan_in, -1)
+  return values, weight.scale.reshape(1, -1), False
+
+
+def _stacked(spec) -> int:
+  names = tuple(spec) if spec is not None else ()
+  count = 0
+  while count < len(names) and names[count] == LAYER_AXIS:
+    count += 1
+  return count
+
+
+def quantize_params(params, axes, kind: str = "int8", group_size: int = DEFAULT_GROUP_SIZE):
+  """`params` with every matmul weight replaced by an Int8Weight (`kind="int8"`: per output channel, per layer when
+  stacked) or an Int4Weight (`kind="int4"`: per group of `group_size` inputs and output channel), every other leaf
+  unchanged (the same objects); see the module docstring for which leaves are matmul weights. `axes`: as
+  `model.param_axes` gives them. Raises ValueError for an unknown kind, or an int4 group size that does not divide
+  some weight's fan-in (naming the weight). All weights are quantised by one compiled computation; run it once,
   outside jit, and feed the result to a jitted function that calls `dequantize_params`."""
+  if kind not in KINDS:
+    raise ValueError(f"unknown quantization {kind!r}; choose from {', '.join(KINDS)}")
   plan = quantization_plan(params, axes)
   leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-  contractions = [plan[_path_name(path)] for path, _ in leaves]
-  chosen = [(i, contract) for i, contract in enumerate(contractions) if contract is not None]
-  quantized = _quantize_all([leaves[i][1] for i, _ in chosen], tuple(contract for _, contract in chosen))
+  stacked = {_path_name(path): _stacked(spec) for path, spec in jax.tree_util.tree_flatten_with_path(
+      axes, is_leaf=lambda x: isinstance(x, tuple))[0]}
+  chosen = [(i, _path_name(path), plan[_path_name(path)]) for i, (path, _) in enumerate(leaves)
+            if plan[_path_name(path)] is not None]
+  if kind == "int4":
+    for i, name, contract in chosen:
+      int4_group(name, math.prod(leaves[i][1].shape[a] for a in contract), group_size)
+    specs = tuple((contract, stacked.get(name, 0)) for _, name, contract in chosen)
+    quantized = _quantize_all_int4([leaves[i][1] for i, _, _ in chosen], specs, group_size)
+  else:
+    quantized = _quantize_all([leaves[i][1] for i, _, _ in chosen], tuple(contract for _, _, contract in chosen))
   out = [leaf for _, leaf in leaves]
-  for (i, _), weight in zip(chosen, quantized):
+  for (i, _, _), weight in zip(chosen, quantized):
     out[i] = weight
   return jax.tree.unflatten(treedef, out)
+
+
+def fake_quantize_params(params, axes, kind: str = "int8", group_size: int = DEFAULT_GROUP_SIZE):
+  """Quantisation-aware training's view of `params`: every weight `quantize_params` would quantise is replaced by its
+  dequantised value (the same plan, scales and rounding), with a straight-through gradient (d out / d W = identity:
+  rounding has zero gradient almost everywhere, so the float weight learns as if the rounding were not there while
+  the loss sees the rounded weight). Other leaves pass through. Call it inside the differentiated function."""
+  if kind not in KINDS:
+    raise ValueError(f"unknown quantization {kind!r}; choose from {', '.join(KINDS)}")
+  plan = quantization_plan(params, axes)
+  stacked = {_path_name(path): _stacked(spec) for path, spec in jax.tree_util.tree_flatten_with_path(
+      axes, is_leaf=lambda x: isinstance(x, tuple))[0]}
+
+  def fake(path, w):
+    name = _path_name(path)
+    contract = plan[name]
+    if contract is None:
+      return w
+    if kind == "int4":
+      int4_group(name, math.prod(w.shape[a] for a in contract), group_size)
+      rounded = dequantize(quantize_int4(w, contract, group_size, stacked.get(name, 0)), w.dtype)
+    else:
+      rounded = dequantize(quantize(w, contract), w.dtype)
+    return w + jax.lax.stop_gradient(rounded - w)
+
+  return jax.tree_util.tree_map_with_path(fake, params)
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -155,43 +302,59 @@ def _quantize_all(weights: list, contractions: tuple[tuple[int, ...], ...]) -> l
   return [quantize(w, contract) for w, contract in zip(weights, contractions)]
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _quantize_all_int4(weights: list, specs: tuple[tuple[tuple[int, ...], int], ...], group_size: int):
+  return [quantize_int4(w, contract, group_size, stacked) for w, (contract, stacked) in zip(weights, specs)]
+
+
 def _is_quantized(x) -> bool:
-  return isinstance(x, Int8Weight)
+  return isinstance(x, (Int8Weight, Int4Weight))
+
+
+def has_quantized_weights(tree) -> bool:
+  """Whether any leaf of `tree` is an Int8Weight or an Int4Weight."""
+  return any(_is_quantized(leaf) for leaf in jax.tree.leaves(tree, is_leaf=_is_quantized))
 
 
 def has_int8_weights(tree) -> bool:
   """Whether any leaf of `tree` is an Int8Weight."""
-  return any(_is_quantized(leaf) for leaf in jax.tree.leaves(tree, is_leaf=_is_quantized))
+  return any(isinstance(leaf, Int8Weight) for leaf in jax.tree.leaves(tree, is_leaf=_is_quantized))
 
 
 def dequantize_params(tree, dtype=jnp.float32):
-  """The inverse of `quantize_params`: every Int8Weight -> values * scale in `dtype` ([same shape as the weight]),
-  other leaves unchanged. Call it inside jit, so only the int8 values and scales are device-resident inputs and
-  the dequantised weights are temporaries of the compiled computation."""
-  def convert(x):
-    return x.values.astype(dtype) * x.scale.astype(dtype) if _is_quantized(x) else x
-  return jax.tree.map(convert, tree, is_leaf=_is_quantized)
+  """The inverse of `quantize_params`: every quantised weight -> its original shape in `dtype`, other leaves
+  unchanged. Call it inside jit, so only the quantised values and scales are device-resident inputs and the
+  dequantised weights are temporaries of the compiled computation."""
+  return jax.tree.map(lambda x: dequantize(x, dtype) if _is_quantized(x) else x, tree, is_leaf=_is_quantized)
 
 
 def param_bytes(tree) -> int:
-  """Bytes of every array leaf (an Int8Weight counts its int8 values at 1 byte each plus its float32 scales), for
+  """Bytes of every array leaf (an Int8Weight counts its int8 values at 1 byte each plus its float32 scales, an
+  Int4Weight its packed bytes, half a byte per value, plus its scales), for
   reporting the memory a quantised model saves. Works on arrays and ShapeDtypeStructs."""
   return sum(math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree))
 
 
 def quantization_error(params, tree) -> dict[str, float]:
-  """For every quantised leaf of `tree` (keyed by path), the worst output channel's max|dequantised - W| / max|W|.
-  Rounding to the nearest of 255 levels bounds it by 0.5 / 127 ~ 0.0039; an all-zero channel counts as error 0."""
+  """For every quantised leaf of `tree` (keyed by path), the worst scale block's max|dequantised - W| / max|W| over
+  the block (int8: an output channel; int4: a group of one output channel). Rounding to the nearest level bounds it
+  by 0.5 / 127 ~ 0.0039 (int8) and 0.5 / 7 ~ 0.071 (int4); an all-zero block counts as error 0."""
   errors = {}
 
   def visit(path, weight, quantized):
     if not _is_quantized(quantized):
       return
-    contract = tuple(i for i, size in enumerate(quantized.scale.shape) if size == 1)
     w = np.asarray(weight, np.float64)
-    deq = np.asarray(quantized.values, np.float64) * np.asarray(quantized.scale, np.float64)
-    err = np.max(np.abs(deq - w), axis=contract)
-    ref = np.max(np.abs(w), axis=contract)
+    if isinstance(quantized, Int8Weight):
+      contract = tuple(i for i, size in enumerate(quantized.scale.shape) if size == 1)
+      deq = np.asarray(quantized.values, np.float64) * np.asarray(quantized.scale, np.float64)
+      err, ref = np.max(np.abs(deq - w), axis=contract), np.max(np.abs(w), axis=contract)
+    else:  # Blocks [layers..., G, group, N] in the packed layout (numpy: no compilation per weight shape).
+      packed = np.asarray(quantized.packed, np.int8)
+      values = np.concatenate([(packed << 4).astype(np.int8) >> 4, packed >> 4], axis=-2)
+      deq = values * np.asarray(quantized.scale, np.float64)[..., None, :]
+      blocks = np.transpose(w, quantized.perm).reshape(deq.shape)
+      err, ref = np.max(np.abs(deq - blocks), axis=-2), np.max(np.abs(blocks), axis=-2)
     errors[_path_name(path)] = float(np.max(np.where(ref > 0, err / np.where(ref > 0, ref, 1.0), 0.0)))
 
   jax.tree_util.tree_map_with_path(visit, params, tree, is_leaf=_is_quantized)

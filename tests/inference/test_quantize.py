@@ -13,7 +13,8 @@ import pytest
 from conftest import micro_config
 from ltm_jax import model as model_lib
 from ltm_jax.config import LatentConfig
-from ltm_jax.inference.quantize import Int8Weight, dequantize_params, param_bytes, quantization_error
+from ltm_jax.inference.quantize import Int4Weight, Int8Weight, dequantize_params, has_int8_weights
+from ltm_jax.inference.quantize import fake_quantize_params, has_quantized_weights, param_bytes, quantization_error
 from ltm_jax.inference.quantize import quantization_plan, quantize_params
 
 ROUNDING = 0.5 / 127  # The worst relative (to the channel's max|W|) error of rounding to 255 symmetric levels.
@@ -48,6 +49,18 @@ def _model(kind: str):
     return jnp.asarray(np.asarray(leaf) + 0.05 * rng.normal(size=leaf.shape), jnp.float32)
 
   return cfg, latent, jax.tree_util.tree_map_with_path(perturb, params), model_lib.param_axes(cfg, latent)
+
+
+@functools.cache
+def _float_forward(kind: str):
+  """(forward, reference): one jitted forward pass of float parameters on fixed random tokens (and latents), shared
+  by the int8 and int4 logit checks so each kind compiles it once, and its logits for the float parameters."""
+  cfg, latent, params, _ = _model(kind)
+  lm = model_lib.LM(cfg, latent)
+  tokens = jax.random.randint(jax.random.key(8), (2, 16), 0, cfg.vocab_size)
+  z = None if latent is None else jax.random.normal(jax.random.key(9), model_lib.latent_shape(cfg, latent, 2))
+  forward = jax.jit(lambda p: lm.apply({"params": p}, tokens, latents=z)[0])
+  return forward, np.asarray(forward(params), np.float64)
 
 
 def _expected_contraction(name: str, tied: bool):
@@ -213,19 +226,14 @@ def test_logits_from_dequantised_params_stay_close(kind):
   deviation in RMS and < 25% at worst (measured over three token draws: RMS 1.0-2.2%, worst 4.3-18%). A control
   that moves every weight by independent uniform noise of the rounding size (+-scale/2) drifts as much: int8 costs
   no more than its step size, so a wrong scale or axis (distorting whole channels) shows up as a multiple of it."""
-  cfg, latent, params, axes = _model(kind)
+  _, _, params, axes = _model(kind)
   tree = quantize_params(params, axes)
-  lm = model_lib.LM(cfg, latent)
-  tokens = jax.random.randint(jax.random.key(8), (2, 16), 0, cfg.vocab_size)
-  z = None if latent is None else jax.random.normal(jax.random.key(9), model_lib.latent_shape(cfg, latent, 2))
-  forward = jax.jit(lambda p: lm.apply({"params": p}, tokens, latents=z)[0])
+  forward, reference = _float_forward(kind)
   rng = np.random.default_rng(10)
   control = jax.tree.map(
       lambda w, q: jnp.asarray(np.asarray(w) + rng.uniform(-0.5, 0.5, w.shape) * np.asarray(q.scale), jnp.float32)
       if isinstance(q, Int8Weight) else w, params, tree, is_leaf=lambda x: isinstance(x, Int8Weight))
-  reference = np.asarray(forward(params), np.float64)
-  logits = np.asarray(jax.jit(lambda q: lm.apply({"params": dequantize_params(q)}, tokens, latents=z)[0])(tree),
-                      np.float64)
+  logits = np.asarray(forward(jax.jit(dequantize_params)(tree)), np.float64)
   rms = lambda d: float(np.sqrt(np.mean(d ** 2)))
   spread, drift = reference.std(), logits - reference
   control_drift = np.asarray(forward(control), np.float64) - reference
@@ -265,3 +273,171 @@ def test_dequantize_runs_under_jit_on_int8_inputs():
   assert half["head"]["kernel"].dtype == jnp.bfloat16 and half["final_norm"]["scale"].dtype == jnp.float32
   np.testing.assert_allclose(np.asarray(half["head"]["kernel"], np.float32), np.asarray(eager["head"]["kernel"]),
                              rtol=1e-2, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------- int4
+
+GROUP = 8  # Divides every fan-in of the micro models (32, 64, the LoRA ranks, head_dim x heads) or exceeds it.
+ROUNDING4 = 0.5 / 7  # The worst error relative to the group's max|W| of rounding to 15 symmetric levels.
+
+
+def _reference_int4(w: np.ndarray, contract: tuple[int, ...], group: int, stacked: int):
+  """Plain float64 group-wise int4: the weight as [layers..., K, N] cut into [layers..., K / g, g, N] groups, and
+  (values, scale) in that layout, scale = max|group| / 7."""
+  w = np.asarray(w, np.float64)
+  order = tuple(range(stacked)) + contract + tuple(i for i in range(stacked, w.ndim) if i not in contract)
+  lead = w.shape[:stacked]
+  fan_in = int(np.prod([w.shape[i] for i in contract]))
+  g = min(group, fan_in)
+  blocks = np.transpose(w, order).reshape(*lead, fan_in // g, g, -1)
+  absmax = np.max(np.abs(blocks), axis=-2, keepdims=True)
+  scale = np.where(absmax > 0, absmax / 7, 1.0)
+  return blocks, np.clip(np.round(blocks / scale), -7, 7), scale
+
+
+def _unpack(packed) -> np.ndarray:
+  """Nibbles written out plainly: byte i of a group holds input i (low) and input i + g/2 (high), two's complement."""
+  p = np.asarray(packed).astype(np.int64) & 0xFF
+  low, high = p & 0xF, p >> 4
+  signed = lambda v: np.where(v >= 8, v - 16, v)
+  return np.concatenate([signed(low), signed(high)], axis=-2)
+
+
+def _check_int4(w, q: Int4Weight, contract, stacked: int):
+  blocks, values, scale = _reference_int4(w, contract, GROUP, stacked)
+  assert q.packed.dtype == jnp.int8 and q.scale.dtype == jnp.float32 and q.shape == np.shape(w)
+  got_values, got_scale = _unpack(q.packed), np.asarray(q.scale, np.float64)[..., None, :]
+  assert got_values.shape == values.shape and got_scale.shape == scale.shape
+  np.testing.assert_allclose(got_scale, scale, rtol=1e-6)
+  err = np.abs(got_values * got_scale - blocks)  # The rounding bound, elementwise: half a step.
+  assert np.all(err <= got_scale * (0.5 + 1e-5)), float(np.max(err / got_scale))
+  ratio = blocks / scale
+  near_half = np.abs(np.abs(ratio - np.floor(ratio)) - 0.5) < 1e-3
+  assert not np.any((got_values != values) & ~near_half) and np.all(np.abs(got_values - values) <= 1)
+  peak = np.max(np.abs(got_values), axis=-2, keepdims=True)  # Every non-zero group spans the full range.
+  assert np.all((peak == 7) | (scale == 1.0))
+
+
+def _undo_blocks(blocks: np.ndarray, q: Int4Weight) -> np.ndarray:
+  """[layers..., G, g, N] back to the weight's own axis order."""
+  permuted = tuple(q.shape[i] for i in q.perm)
+  return np.transpose(blocks.reshape(permuted), np.argsort(q.perm))
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_int4_quantises_the_same_leaves_in_groups_and_logits_stay_close(kind):
+  """The same leaves as int8 (the one rule), each against the float64 group-wise reference, stacked layers kept
+  apart, the worst group's error within the rounding bound; then the logits (see `_check_int4_logits`)."""
+  cfg, _, params, axes = _model(kind)
+  tree = quantize_params(params, axes, "int4", GROUP)
+  flat_params = {_name(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+  flat_tree = {_name(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=lambda x: isinstance(x, Int4Weight))[0]}
+  expected = {name: _expected_contraction(name, cfg.tie_embeddings) for name in flat_params}
+  quantised = {name for name, leaf in flat_tree.items() if isinstance(leaf, Int4Weight)}
+  assert quantised == {name for name, axes_ in expected.items() if axes_ is not None}
+  for name in quantised:
+    stacked = 1 if name.startswith(model_lib.SCANNED + "/") else 0
+    _check_int4(flat_params[name], flat_tree[name], expected[name], stacked)
+  errors = quantization_error(params, tree)
+  assert errors.keys() == quantised and max(errors.values()) <= ROUNDING4 + 1e-6
+  assert has_quantized_weights(tree) and not has_int8_weights(tree)
+  # dequantize_params (under jit, as the forward pass runs it) puts every value back in its own axis order.
+  deq = jax.jit(dequantize_params)(tree)
+  for name, leaf in flat_tree.items():
+    got = np.asarray(functools.reduce(lambda t, k: t[k], name.split("/"), deq), np.float64)
+    if name in quantised:
+      stacked = 1 if name.startswith(model_lib.SCANNED + "/") else 0
+      blocks, values, scale = _reference_int4(flat_params[name], expected[name], GROUP, stacked)
+      assert np.max(np.abs(got - _undo_blocks(values * scale, leaf))) <= 1e-6 * np.max(np.abs(blocks)), name
+    else:
+      np.testing.assert_array_equal(got, np.asarray(flat_params[name]))
+  _check_int4_logits(kind, params, tree, deq)
+
+
+def test_int4_an_outlier_input_costs_only_its_group():
+  """One input weight 10^4 times larger: per output channel, int4 would round every other weight of the channel to 0
+  (relative error 1 against their own scale); in groups of 8, only its group coarsens and every other group keeps
+  the rounding bound against its own max|W|."""
+  w = np.array(jax.random.normal(jax.random.key(11), (4, 8, 24)), np.float32)  # `out`: [heads, head_dim, embed]
+  w[1, 2, 5] *= 1e4
+  q = quantize_params({"out": {"kernel": jnp.asarray(w)}}, {"out": {"kernel": ("heads", "head_dim", "embed")}},
+                      "int4", GROUP)["out"]["kernel"]
+  _check_int4(w, q, (0, 1), 0)
+  blocks = w.reshape(4, GROUP, 24).astype(np.float64)  # Fan-in heads x head_dim = 32: group g is head g.
+  deq = np.asarray(dequantize_params({"w": q})["w"], np.float64).reshape(4, GROUP, 24)
+  rel = np.max(np.abs(deq - blocks), axis=1) / np.max(np.abs(blocks), axis=1)  # [groups, channels]
+  loud = np.zeros_like(rel, bool)
+  loud[1, 5] = True  # Input 1 * 8 + 2 = 10 lies in group 1.
+  assert np.all(rel[~loud] <= ROUNDING4 + 1e-6)
+  others = np.delete(blocks[:, :, 5].reshape(-1), 10)
+  assert np.max(np.abs(others)) < 0.5 / 7 * np.max(np.abs(blocks[:, :, 5]))  # One scale per channel: all round to 0.
+
+
+def test_int4_bad_group_sizes_are_refused_with_the_weight_named():
+  params = {"ffn": {"kernel": jnp.ones((48, 16))}}
+  axes = {"ffn": {"kernel": ("embed", "mlp")}}
+  with pytest.raises(ValueError, match="cannot quantise ffn/kernel to int4 with group size 32: its fan-in 48"):
+    quantize_params(params, axes, "int4", 32)
+  for bad in (3, 0, 2.0):
+    with pytest.raises(ValueError, match="group size must be an even int"):
+      quantize_params(params, axes, "int4", bad)
+  with pytest.raises(ValueError, match="unknown quantization 'int3'; choose from int8, int4"):
+    quantize_params(params, axes, "int3")
+  q = quantize_params(params, axes, "int4", 64)["ffn"]["kernel"]  # Longer than the fan-in: one group.
+  assert q.scale.shape == (1, 16) and q.packed.shape == (1, 24, 16)
+
+
+def _check_int4_logits(kind, params, tree, dequantized):
+  """Logits from int4 weights (groups of 8; `dequantized`: the tree's dequantize_params) against float logits, on
+  random tokens: RMS drift < 35% of the float logits' standard deviation (measured 14-27%; 16 levels on a tiny
+  random model) and no more than 1.5x a control that moves every weight by independent uniform noise of its rounding
+  size (+-scale/2; measured ratio 0.92-1.06): a wrong group, scale or nibble order would distort whole channels, many
+  times the step size. All three run through one compiled forward pass of float parameters."""
+  forward, reference = _float_forward(kind)
+  rng = np.random.default_rng(14)
+
+  scales = jax.tree.map(lambda w, q: _undo_blocks(np.broadcast_to(np.asarray(q.scale, np.float64)[..., None, :],
+                                                                  _unpack(q.packed).shape), q)
+                        if isinstance(q, Int4Weight) else None, params, tree,
+                        is_leaf=lambda x: isinstance(x, Int4Weight))
+  control = jax.tree.map(lambda w, s: w if s is None else jnp.asarray(
+      np.asarray(w) + rng.uniform(-0.5, 0.5, w.shape) * s, jnp.float32), params, scales,
+      is_leaf=lambda x: x is None)
+  logits, control_logits = (np.asarray(forward(t), np.float64) for t in (dequantized, control))
+  rms = lambda d: float(np.sqrt(np.mean(d ** 2)))
+  spread, drift = reference.std(), rms(logits - reference)
+  assert np.all(np.isfinite(logits)) and spread > 0.1
+  assert drift < 0.35 * spread, (drift, spread)
+  assert drift < 1.5 * rms(control_logits - reference), (drift, rms(control_logits - reference))
+
+
+def test_int4_takes_about_an_eighth_of_the_bytes():
+  """Half a byte per weight plus a 4-byte scale per group of g inputs: 4 / (0.5 + 4 / g) times fewer than float32."""
+  w = jnp.asarray(np.random.default_rng(15).normal(size=(256, 64)), jnp.float32)
+  for group in (32, 128):
+    q = quantize_params({"k": w}, {"k": ("embed", "mlp")}, "int4", group)["k"]
+    assert param_bytes(q) == 256 * 64 // 2 + 4 * (256 // group) * 64
+  assert param_bytes(quantize_params({"k": w}, {"k": ("embed", "mlp")}, "int4", 128)) * 7.5 < param_bytes(w)
+
+
+def test_fake_quantisation_rounds_forward_and_passes_gradients_straight_through():
+  """QAT's view of the weights: the forward value is exactly what quantize_params + dequantize_params give (int8 and
+  int4), non-matmul leaves pass through, and the gradient of sum(c * W_fake) is c (straight through the rounding)."""
+  rng = np.random.default_rng(16)
+  params = {"ffn": {"kernel": jnp.asarray(rng.normal(size=(2, 32, 16)), jnp.float32)},
+            "norm": {"scale": jnp.asarray(rng.normal(size=(16,)), jnp.float32)}}
+  axes = {"ffn": {"kernel": ("layers", "embed", "mlp")}, "norm": {"scale": ("norm",)}}
+  cotangent = jnp.asarray(rng.normal(size=(2, 32, 16)), jnp.float32)
+  for kind in ("int8", "int4"):
+    fake = lambda p, kind=kind: fake_quantize_params(p, axes, kind, 8)
+    loss = lambda p, fake=fake: jnp.sum(cotangent * fake(p)["ffn"]["kernel"])
+    (value, got), grad = jax.jit(lambda p: (jax.value_and_grad(loss)(p)[0], fake(p)))(params), jax.jit(
+        jax.grad(loss))(params)
+    expected = dequantize_params(quantize_params(params, axes, kind, 8))
+    np.testing.assert_array_equal(np.asarray(got["ffn"]["kernel"]), np.asarray(expected["ffn"]["kernel"]))
+    np.testing.assert_array_equal(np.asarray(got["norm"]["scale"]), np.asarray(params["norm"]["scale"]))
+    assert not np.array_equal(np.asarray(got["ffn"]["kernel"]), np.asarray(params["ffn"]["kernel"]))
+    np.testing.assert_allclose(float(value), float(jnp.sum(cotangent * expected["ffn"]["kernel"])), rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(grad["ffn"]["kernel"]), np.asarray(cotangent))
+    np.testing.assert_array_equal(np.asarray(grad["norm"]["scale"]), 0.0)

@@ -1,0 +1,37 @@
+"""`ltm generate --quantize int4 --quantize-group G`: the flags reach the quantiser, and bad choices are refused (one
+line, exit 2, nothing on stdout)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import pytest
+
+from conftest import micro_config
+from ltm_jax import api, cli
+from ltm_jax import model as model_lib
+
+@functools.cache
+def _sharpened() -> api.LanguageModel:
+  """A micro model (d_model 32, MLP 128) whose head is scaled by 100: random init gives near-uniform logits, and
+  greedy choices must not be decided by rounding. Initialised under jit (eager init compiles op by op)."""
+  cfg = micro_config()
+  params = jax.jit(model_lib.init_params, static_argnums=0)(cfg.model, jax.random.key(1))
+  params["head"] = jax.tree.map(lambda w: w * 100.0, params["head"])
+  return api.LanguageModel(cfg, params)
+
+
+def test_generate_refuses_bad_quantization_choices(tmp_path, capsys, monkeypatch):
+  """The workdir's model is the micro model (loading is not what is tested): a group that does not divide the MLP's
+  fan-in of 128 is refused on one line naming the weight, and int3 by argparse."""
+  monkeypatch.setattr(api, "load", lambda *args, **kwargs: _sharpened())
+  code = cli.main(["generate", "--workdir", str(tmp_path), "--prompt", "Hi", "--quantize", "int4",
+                   "--quantize-group", "48"])
+  out = capsys.readouterr()
+  assert code == 2 and out.out == "" and len(out.err.splitlines()) == 1
+  assert out.err.startswith("error: cannot quantise block_0/") and "with group size 48: its fan-in 128" in out.err
+  with pytest.raises(SystemExit) as exit_info:
+    cli.main(["generate", "--workdir", str(tmp_path), "--prompt", "Hi", "--quantize", "int3"])
+  out = capsys.readouterr()
+  assert exit_info.value.code == 2 and out.out == "" and "invalid choice: 'int3'" in out.err.splitlines()[-1]
