@@ -1,0 +1,173 @@
+"""`ltm serve` under load: 1 to 64 concurrent streaming clients on localhost against the same requests one at a time.
+
+  python benchmarks/serve.py            # the tiny config (context 256), levels 1..64: a few minutes on 2 CPU cores
+  python benchmarks/serve.py --quick    # a micro model, levels 1 and 4: proves the script end to end
+
+The model is the tiny config's architecture (`configs/tiny.py`, d_model 128, 4 layers RWKV-4 + attention) at its
+initialisation, saved to a temporary workdir: speed does not depend on the weights. The server runs as its own
+process (`ltm serve`, default --max-batch 32 --chunk 16), so the clients here do not share its interpreter.
+
+The requests are drawn once from a fixed seed: prompts of 4 to 120 bytes of text (one token per byte), max_tokens
+16 to 64, temperature 1 with a seed each (random weights stop at the end-of-text token now and then; the tokens
+counted are those the usage reports). Level c runs max(16, 2c) of them (the first ones of the same list) with c
+clients, each streaming one request at a time; level 1 is the one-at-a-time baseline.
+
+Per level: throughput (completion tokens / wall seconds from the first request to the last answer), p50/p99 time to
+first token (request sent -> first text event) and p50/p99 per-token latency ((last - first text event) /
+(completion tokens - 1), requests of 2+ tokens), each against level 1. Tokens reach the client in bursts of one
+decode chunk, so per-token latency is averaged over the chunks of a request, as OpenAI-style servers report it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+from common import ROOT, print_table, write_results
+
+import httpx
+import jax
+import numpy as np
+
+from ltm_jax import config as config_lib
+from ltm_jax import model as model_lib
+from ltm_jax.train import checkpoint as ckpt_lib
+from ltm_jax.train.optimizer import make_optimizer
+from ltm_jax.train.step import create_train_state
+
+LEVELS = (1, 2, 4, 8, 16, 32, 64)
+LEVEL_SECONDS = 120.0  # No new request starts after this long in one level (the table says how many ran).
+
+
+def _workdir(path: str, overrides: list[str]) -> str:
+  cfg = config_lib.load_config(str(ROOT / "configs" / "tiny.py"), overrides)
+  params = model_lib.init_params(cfg.model, jax.random.key(0))
+  checkpointer = ckpt_lib.Checkpointer(path, keep=1, async_save=False)
+  try:
+    checkpointer.save(0, create_train_state(params, make_optimizer(cfg.train), 0), {}, cfg)
+  finally:
+    checkpointer.close()
+  ckpt_lib.write_config_json(path, cfg)
+  return path
+
+
+def _requests(count: int, max_prompt: int, max_tokens: tuple[int, int]) -> list[dict]:
+  rng = np.random.default_rng(0)
+  letters = np.array(list("abcdefghijklmnopqrstuvwxyz     .,"))
+  return [{"prompt": "".join(rng.choice(letters, int(rng.integers(4, max_prompt + 1)))),
+           "max_tokens": int(rng.integers(max_tokens[0], max_tokens[1] + 1)), "temperature": 1.0, "seed": i,
+           "stream": True, "stream_options": {"include_usage": True}} for i in range(count)]
+
+
+async def _one(client: httpx.AsyncClient, body: dict) -> dict:
+  sent = time.perf_counter()
+  first = last = None
+  tokens = 0
+  async with client.stream("POST", "/v1/completions", json=body) as response:
+    if response.status_code != 200:
+      raise RuntimeError(f"status {response.status_code}: {await response.aread()}")
+    async for line in response.aiter_lines():
+      if not line.startswith("data: ") or line == "data: [DONE]":
+        continue
+      event = json.loads(line[len("data: "):])
+      if event.get("usage"):
+        tokens = event["usage"]["completion_tokens"]
+      if any(choice["text"] for choice in event["choices"]):
+        last = time.perf_counter()
+        first = first or last
+  return {"ttft": None if first is None else first - sent, "tokens": tokens,
+          "tpot": (last - first) / (tokens - 1) if first is not None and tokens > 1 else None}
+
+
+async def _level(url: str, requests: list[dict], clients: int) -> dict:
+  todo = list(requests)
+  results = []
+  started = time.perf_counter()
+
+  async def worker(client):
+    while todo and time.perf_counter() - started < LEVEL_SECONDS:
+      results.append(await _one(client, todo.pop(0)))
+
+  limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+  async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+    await asyncio.gather(*[worker(client) for _ in range(clients)])
+  seconds = time.perf_counter() - started
+  ttft = [r["ttft"] * 1e3 for r in results if r["ttft"] is not None]
+  tpot = [r["tpot"] * 1e3 for r in results if r["tpot"] is not None]
+  tokens = sum(r["tokens"] for r in results)
+  pct = lambda xs, q: float(np.percentile(xs, q)) if xs else float("nan")
+  return {"clients": clients, "requests": len(results), "tokens": tokens, "seconds": round(seconds, 2),
+          "tokens_per_s": tokens / seconds, "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
+          "tpot_p50_ms": pct(tpot, 50), "tpot_p99_ms": pct(tpot, 99)}
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--quick", action="store_true", help="a micro model and levels 1 and 4")
+  p.add_argument("--max-batch", type=int, default=32)
+  p.add_argument("--chunk", type=int, default=16)
+  args = p.parse_args()
+  levels = (1, 4) if args.quick else LEVELS
+  overrides = (["model.d_model=32", "model.n_layers=2", "model.max_seq_len=128"] if args.quick
+               else ["model.max_seq_len=256"])
+  max_prompt, max_tokens = (40, (8, 24)) if args.quick else (120, (16, 64))
+  requests = _requests(max(16, 2 * max(levels)), max_prompt, max_tokens)
+  load_before = os.getloadavg()
+  with tempfile.TemporaryDirectory() as tmp:
+    workdir = _workdir(tmp, overrides)
+    port = _free_port()
+    server = subprocess.Popen([sys.executable, "-m", "ltm_jax", "serve", "--workdir", workdir, "--port", str(port),
+                               "--max-batch", str(args.max_batch), "--chunk", str(args.chunk)], cwd=ROOT,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+      ready = next((line for line in server.stderr if "serving" in line), "")
+      if "programs compiled" not in ready:
+        raise SystemExit(f"the server did not start: {ready}")
+      print(ready.strip())
+      url = f"http://127.0.0.1:{port}"
+      for _ in range(600):
+        try:
+          if httpx.get(url + "/health").status_code == 200:
+            break
+        except httpx.TransportError:
+          time.sleep(0.1)
+      asyncio.run(_level(url, requests[:4], 4))  # Warm the connection handling; every program is compiled already.
+      rows = []
+      for clients in levels:
+        rows.append(asyncio.run(_level(url, requests[:max(16, 2 * clients)], clients)))
+        print(f"{clients} clients: {rows[-1]['tokens_per_s']:.1f} tokens/s", flush=True)
+    finally:
+      server.send_signal(signal.SIGTERM)
+      code = server.wait(120)
+  base = rows[0]
+  for row in rows:
+    row["vs_one_at_a_time"] = row["tokens_per_s"] / base["tokens_per_s"]
+    row["tpot_p99_vs_single_p99"] = row["tpot_p99_ms"] / base["tpot_p99_ms"]
+    row["ttft_p99_vs_single_p99"] = row["ttft_p99_ms"] / base["ttft_p99_ms"]
+  print_table(rows, ["clients", "requests", "tokens", "seconds", "tokens_per_s", "vs_one_at_a_time", "ttft_p50_ms",
+                     "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "tpot_p99_vs_single_p99"])
+  print(f"server exit status after SIGTERM: {code}; load average before {load_before}, after {os.getloadavg()}")
+  if not args.quick:
+    path = write_results("serve", rows, model="tiny (init weights)", overrides=overrides, max_batch=args.max_batch,
+                         chunk=args.chunk, server=ready.strip(), server_exit=code,
+                         load_average_before=list(load_before), load_average_after=list(os.getloadavg()),
+                         prompt_bytes=[4, max_prompt], max_tokens=list(max_tokens))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,235 @@
+"""The HTTP layer: a Starlette ASGI app over an `Engine`, and `serve`, which runs it under uvicorn.
+
+  POST /v1/completions   OpenAI completions (see `protocol`), streamed as server-sent events ending in [DONE]
+  GET  /v1/models        the one model served
+  GET  /health           200 while serving, 503 once shutting down
+  GET  /metrics          Prometheus text
+
+Starlette rather than FastAPI: four routes whose bodies are checked by hand (`protocol`), so that every refusal is
+OpenAI's error object with the field at fault, which FastAPI's generated 422 validation errors are not; FastAPI would
+add pydantic models and OpenAPI pages the server does not use. uvicorn runs it, as it runs vLLM's and others'.
+
+Each prompt of a request becomes an engine `Request`; its events cross from the scheduler thread to the event loop
+through an asyncio queue. A client that goes away (detected by the ASGI disconnect message) cancels its requests, so
+their rows are freed at the next chunk boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import os
+import signal
+import time
+import uuid
+
+import numpy as np
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ltm_jax.errors import LtmError
+from ltm_jax.serve import protocol
+from ltm_jax.serve.engine import Engine, Finished, Piece, QueueFull, Request, ShuttingDown
+from ltm_jax.serve.protocol import ApiError
+
+MAX_BODY_BYTES = 1 << 20
+
+
+def create_app(engine: Engine, model_name: str, *, stop_engine_on_shutdown: bool = True) -> Starlette:
+  """The app over a started `engine`, serving it as `model_name`. On shutdown (uvicorn's lifespan) it stops the
+  engine, cancelling what is still running, unless `stop_engine_on_shutdown` is False."""
+  lm, metrics = engine.lm, engine.metrics
+  created = int(time.time())
+  state = {"closing": False}
+
+  def encode(text: str) -> np.ndarray:
+    try:
+      ids = lm.encode(text)
+    except LtmError as e:
+      raise ApiError(400, f"this model cannot read text prompts: {e}; send token ids", "prompt") from None
+    return ids if len(ids) else np.array([lm.tokenizer.bos_id], np.int32)
+
+  def refuse(error: ApiError) -> JSONResponse:
+    metrics.requests.labels(str(error.status)).inc()
+    return JSONResponse(error.body(), status_code=error.status)
+
+  async def completions(http: HttpRequest) -> Response:
+    if state["closing"]:
+      return refuse(ApiError(503, "the server is shutting down", kind="server_error"))
+    try:
+      body = await _read_body(http)
+      params = protocol.parse_completion(protocol.parse_json(body), model_name=model_name,
+                                         vocab_size=lm.config.model.vocab_size, encode=encode, check=engine.check)
+    except ApiError as e:
+      return refuse(e)
+    loop = asyncio.get_running_loop()
+    queues = [asyncio.Queue() for _ in params.prompts]
+    seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little", signed=True)
+    requests = [Request(ids, params.max_tokens, functools.partial(loop.call_soon_threadsafe, q.put_nowait),
+                        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                        seed=_choice_seed(seed, i), stop=params.stop)
+                for i, (ids, q) in enumerate(zip(params.prompts, queues))]
+    try:
+      engine.submit(requests)
+    except QueueFull as e:
+      return refuse(ApiError(429, f"{e}; retry later", kind="rate_limit_error", code="queue_full"))
+    except ShuttingDown as e:
+      return refuse(ApiError(503, str(e), kind="server_error"))
+    cid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    if params.stream:
+      metrics.requests.labels("200").inc()
+      events = _stream(requests, queues, cid, now, model_name, params.include_usage)
+      return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return await _complete(http, requests, queues, cid, now, model_name, metrics)
+
+  async def models(_: HttpRequest) -> Response:
+    return JSONResponse({"object": "list", "data": [
+        {"id": model_name, "object": "model", "created": created, "owned_by": "ltm_jax",
+         "max_model_len": engine.context}]})
+
+  async def health(_: HttpRequest) -> Response:
+    if state["closing"]:
+      return JSONResponse({"status": "shutting down"}, status_code=503)
+    return JSONResponse({"status": "ok", "slots": engine.max_batch, "occupancy": engine.occupancy,
+                         "queue_depth": engine.queue_depth})
+
+  async def prometheus(_: HttpRequest) -> Response:
+    content, media_type = metrics.render()
+    return Response(content, media_type=media_type)
+
+  async def http_error(_: HttpRequest, error: HTTPException) -> Response:
+    kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+    return refuse(ApiError(error.status_code, error.detail, kind=kind))
+
+  @contextlib.asynccontextmanager
+  async def lifespan(_):
+    try:
+      yield
+    finally:
+      state["closing"] = True
+      if stop_engine_on_shutdown:
+        await asyncio.to_thread(engine.stop)
+
+  routes = [Route("/v1/completions", completions, methods=["POST"]), Route("/v1/models", models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]), Route("/metrics", prometheus, methods=["GET"])]
+  return Starlette(routes=routes, exception_handlers={HTTPException: http_error}, lifespan=lifespan)
+
+
+def _choice_seed(seed: int, index: int) -> int:
+  """The seed of a request's index-th prompt: the request's seed for the first, so one prompt sampled with seed s
+  gives `LanguageModel.generate(seed=s)`'s tokens; the others get their own, in range."""
+  return (seed + index + 2**63) % 2**64 - 2**63
+
+
+async def _read_body(http: HttpRequest) -> bytes:
+  declared = http.headers.get("content-length")
+  if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+    raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+  body = bytearray()
+  async for part in http.stream():
+    body += part
+    if len(body) > MAX_BODY_BYTES:
+      raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+  return bytes(body)
+
+
+async def _until_disconnected(http: HttpRequest) -> None:
+  """Returns when the client disconnects (the body has been read, so the next ASGI message is the disconnect)."""
+  while (await http.receive())["type"] != "http.disconnect":
+    pass
+
+
+async def _gather(requests, queues) -> list[tuple[str, Finished]]:
+  """Every request's whole text and its Finished event."""
+  results = []
+  for q in queues:
+    text = []
+    while not isinstance(event := await q.get(), Finished):
+      text.append(event.text)
+    results.append(("".join(text), event))
+  return results
+
+
+async def _complete(http, requests, queues, cid, created, model_name, metrics) -> Response:
+  """The non-streamed answer; a disconnect before it is ready cancels the requests."""
+  gathering = asyncio.ensure_future(_gather(requests, queues))
+  watching = asyncio.ensure_future(_until_disconnected(http))
+  try:
+    await asyncio.wait({gathering, watching}, return_when=asyncio.FIRST_COMPLETED)
+  finally:
+    watching.cancel()
+    if not gathering.done():
+      gathering.cancel()
+      for request in requests:
+        request.cancel()
+  if not gathering.done() or gathering.cancelled():
+    metrics.requests.labels("499").inc()  # The client closed the connection; nobody reads this answer.
+    return Response(status_code=499)
+  results = gathering.result()
+  failed = [f for _, f in results if f.reason in ("error", "cancelled")]
+  if failed:
+    status = 500 if failed[0].reason == "error" else 503
+    message = failed[0].error or "the request was cancelled: the server is shutting down"
+    metrics.requests.labels(str(status)).inc()
+    return JSONResponse(protocol.error_body(message, "server_error"), status_code=status)
+  metrics.requests.labels("200").inc()
+  choices = [protocol.choice(i, text, f.reason) for i, (text, f) in enumerate(results)]
+  used = protocol.usage(sum(f.prompt_tokens for _, f in results), sum(f.completion_tokens for _, f in results))
+  return JSONResponse(protocol.completion_body(cid, created, model_name, choices, used))
+
+
+async def _stream(requests, queues, cid, created, model_name, include_usage):
+  """Server-sent events: one chunk per piece of text of any prompt, a last chunk per prompt with its finish reason,
+  then (with include_usage) the usage, then [DONE]. Closed early (the client went away), it cancels the requests."""
+  def event(body: dict) -> str:
+    return f"data: {json.dumps(body)}\n\n"
+
+  pending = {asyncio.ensure_future(q.get()): i for i, q in enumerate(queues)}
+  prompt_tokens = completion_tokens = 0
+  try:
+    while pending:
+      done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+      for future in done:
+        i = pending.pop(future)
+        item = future.result()
+        if isinstance(item, Piece):
+          yield event(protocol.completion_body(cid, created, model_name, [protocol.choice(i, item.text, None)], None))
+          pending[asyncio.ensure_future(queues[i].get())] = i
+          continue
+        if item.reason == "error":
+          yield event(protocol.error_body(item.error, "server_error"))
+        prompt_tokens += item.prompt_tokens
+        completion_tokens += item.completion_tokens
+        yield event(protocol.completion_body(cid, created, model_name, [protocol.choice(i, "", item.reason)], None))
+    if include_usage:
+      yield event(protocol.completion_body(cid, created, model_name, [],
+                                           protocol.usage(prompt_tokens, completion_tokens)))
+    yield "data: [DONE]\n\n"
+  finally:
+    for future in pending:
+      future.cancel()
+    for request in requests:
+      request.cancel()  # A no-op for finished requests.
+
+
+def serve(engine: Engine, model_name: str, *, host: str = "127.0.0.1", port: int = 8000, grace: float = 30.0) -> int:
+  """Runs the app under uvicorn until SIGINT or SIGTERM: it then stops accepting connections, lets in-flight
+  requests finish for up to `grace` seconds, cancels the rest, and returns 0."""
+  import uvicorn
+  config = uvicorn.Config(create_app(engine, model_name), host=host, port=port, log_level="warning",
+                          timeout_graceful_shutdown=grace, lifespan="on")
+  server = uvicorn.Server(config)
+  # uvicorn raises the signal that stopped it again once it has shut down; a handler that does nothing makes that
+  # second delivery a no-op, so a requested stop exits with status 0 instead of dying by the signal.
+  previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
+  try:
+    server.run()
+  finally:
+    for s, handler in previous.items():
+      signal.signal(s, handler)
+  return 0

@@ -1,0 +1,38 @@
+"""The server's Prometheus metrics, in a registry of their own (several servers can live in one process)."""
+
+from __future__ import annotations
+
+import prometheus_client as prom
+
+# Seconds: from a few milliseconds (a warm chunk of a tiny model) to a minute (a long queue).
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class ServerMetrics:
+  """Requests by HTTP status, prompts by finish reason, prompt and generated tokens, batch occupancy and slots, queue
+  depth, compiled programs, and histograms of time to first token, per-token latency and decode chunk time."""
+
+  def __init__(self):
+    self.registry = prom.CollectorRegistry()
+    r = self.registry
+    self.requests = prom.Counter("ltm_requests", "Completion requests answered, by HTTP status", ["status"],
+                                 registry=r)
+    self.finished = prom.Counter("ltm_finished_requests", "Prompts that finished, by reason (stop, length, "
+                                 "cancelled, error)", ["reason"], registry=r)
+    self.tokens = prom.Counter("ltm_generated_tokens", "Tokens generated", registry=r)
+    self.prompt_tokens = prom.Counter("ltm_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+    self.occupancy = prom.Gauge("ltm_batch_occupancy", "Decoding rows in use in the latest chunk", registry=r)
+    self.slots = prom.Gauge("ltm_batch_slots", "Decoding rows (the decode batch)", registry=r)
+    self.queue_depth = prom.Gauge("ltm_queue_depth", "Requests waiting for a decoding row", registry=r)
+    self.programs = prom.Gauge("ltm_compiled_programs", "Programs compiled at start-up", registry=r)
+    self.ttft = prom.Histogram("ltm_time_to_first_token_seconds", "From arrival to the first generated token",
+                               buckets=LATENCY_BUCKETS, registry=r)
+    self.tpot = prom.Histogram("ltm_time_per_output_token_seconds",
+                               "Per-token latency after the first token: (last - first token time) / (tokens - 1)",
+                               buckets=LATENCY_BUCKETS, registry=r)
+    self.chunk_seconds = prom.Histogram("ltm_decode_chunk_seconds", "One on-device loop of decode steps",
+                                        buckets=LATENCY_BUCKETS, registry=r)
+
+  def render(self) -> tuple[bytes, str]:
+    """(the Prometheus text exposition, its content type)."""
+    return prom.generate_latest(self.registry), prom.CONTENT_TYPE_LATEST

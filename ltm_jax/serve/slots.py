@@ -1,0 +1,190 @@
+"""The device side of the server: a fixed table of S decoding rows (slots) and the two jitted programs over it.
+
+  slots = empty_slots(model, S)                                     # every row free
+  slots = admit(model, params, slots, tokens, lengths, rows, ...)   # prefill Bp prompts [Bp, T] into rows [Bp]
+  tokens, count, slots = decode_chunk(model, params, slots, active, steps=N, stop_tokens=...)   # [S, N]
+
+Every row carries its own state, next-token logits, position, sampling settings and PRNG key, so what a row samples
+does not depend on the other rows: its i-th token is drawn with fold_in(key, i) from its own logits, exactly as
+`LanguageModel.generate` draws the i-th token of a single prompt from the same seed. Rows are independent in the
+model too: every layer treats the batch rows separately (left padding is masked), so a request's greedy tokens are
+those of the request alone, up to float rounding of the batched matmuls.
+
+A free row keeps running (its token is its last one, repeated): the decode batch has a fixed shape, so one compiled
+program serves every mix of requests. `admit` overwrites a row's whole state, so whatever a free row computed is
+never read.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ltm_jax import latent as latent_lib
+from ltm_jax import model as model_lib
+from ltm_jax.inference import generate as generation
+from ltm_jax.inference.quantize import dequantize_params
+from ltm_jax.ops import sampling
+
+
+class Slots(NamedTuple):
+  """S decoding rows. state: the model's per-layer state of S rows (`model.init_state` layout); logits [S, V]
+  float32, each row's next-token logits; positions [S] int32, its next token's position; last_token [S] int32;
+  done [S] bool, rows that stopped (or are free); generated [S] int32, tokens drawn since the row was admitted (the
+  index of its next key); budget [S] int32, tokens it may still draw; keys [S] PRNG keys; temperature [S] float32
+  (0: greedy); top_k [S] int32 (0: off); top_p [S] float32 (1: off); latents [S, n_layers, n_per_layer, d_model]
+  for latent models, else None."""
+  state: Any
+  logits: jax.Array
+  positions: jax.Array
+  last_token: jax.Array
+  done: jax.Array
+  generated: jax.Array
+  budget: jax.Array
+  keys: jax.Array
+  temperature: jax.Array
+  top_k: jax.Array
+  top_p: jax.Array
+  latents: jax.Array | None
+
+
+def empty_slots(model: model_lib.LM, rows: int) -> Slots:
+  """S free rows: empty states, done, with zero budgets."""
+  cfg, latent = model.cfg, model_lib.uses_latents(model.latent)
+  zeros = lambda dtype: jnp.zeros((rows,), dtype)
+  latents = None if latent is None else jnp.zeros(model_lib.latent_shape(cfg, latent, rows), jnp.float32)
+  slots = Slots(model_lib.init_state(cfg, rows, model.cache_capacity), jnp.zeros((rows, cfg.vocab_size), jnp.float32),
+               zeros(jnp.int32), zeros(jnp.int32), jnp.ones((rows,), bool), zeros(jnp.int32), zeros(jnp.int32),
+               jax.random.split(jax.random.key(0), rows), zeros(jnp.float32), zeros(jnp.int32),
+               jnp.ones((rows,), jnp.float32), latents)
+  # A buffer of its own per leaf (empty states share their zeros), as the programs donate every leaf; committed to
+  # the device, as the programs' outputs are when the parameters are (a restored checkpoint's): otherwise the first
+  # call of each program would compile again for committed inputs.
+  device = jax.devices()[0]
+  return jax.tree.map(lambda leaf: jax.device_put(jnp.array(leaf, copy=True), device), slots)
+
+
+def state_batch_axes(model: model_lib.LM):
+  """The batch axis of every leaf of the model's state (0 for separate layers, 1 under the scanned layers' leading
+  [units] axis), found by comparing the state's shapes for two batch sizes."""
+  one, two = (jax.eval_shape(lambda b=b: model_lib.init_state(model.cfg, b, model.cache_capacity)) for b in (1, 2))
+  return jax.tree.map(lambda a, b: next(i for i, (m, n) in enumerate(zip(a.shape, b.shape)) if m != n), one, two)
+
+
+def sample_rows(keys: jax.Array, logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                top_p: jax.Array) -> jax.Array:
+  """One token per row [S] int32 from logits [S, V], each row with its own key and settings, filtered in the order
+  of `ops.sample_logits` (temperature, top-k, top-p): a row's token is the one `sample_logits` draws from the same
+  key for that row alone. top_k is traced here, so top-k keeps every logit >= the row's k-th largest (ties stay, as
+  there); a top_p of 1 skips the nucleus filter, as top_p=None does. The sorts behind top-k and top-p run only in
+  steps where some row asks for them."""
+  vocab = logits.shape[-1]
+  per_row = lambda f, *args: jax.vmap(lambda row, *a: f(row[None], *a)[0])(*args)
+  x = per_row(lambda row, t: sampling.filter_logits(row, temperature=t), logits, temperature)  # Greedy: one left.
+
+  def keep_top_k(x):
+    k = jnp.clip(jnp.where(top_k > 0, top_k, vocab), 1, vocab)
+    kth = jnp.take_along_axis(jnp.sort(x, axis=-1), (vocab - k)[:, None], axis=-1)
+    return jnp.where(x >= kth, x, -jnp.inf)
+
+  def keep_top_p(x):
+    nucleus = per_row(lambda row, p: sampling.filter_logits(row, temperature=1.0, top_p=p), x, top_p)
+    return jnp.where((top_p < 1)[:, None], nucleus, x)
+
+  x = jax.lax.cond(jnp.any(top_k > 0), keep_top_k, lambda x: x, x)
+  x = jax.lax.cond(jnp.any(top_p < 1), keep_top_p, lambda x: x, x)
+  return per_row(lambda row, key: jax.random.categorical(key, row, axis=-1), x, keys).astype(jnp.int32)
+
+
+def _put_rows(table, new, rows: jax.Array, axes=0):
+  """`table` with its rows `rows` [Bp] (along each leaf's batch axis `axes`) replaced by `new`'s Bp rows; an index
+  equal to the number of rows (padding) is dropped."""
+  def put(leaf, value, axis):
+    index = (slice(None),) * axis + (rows,)
+    return leaf.at[index].set(value.astype(leaf.dtype), mode="drop")
+  if isinstance(axes, int):
+    return jax.tree.map(lambda leaf, value: put(leaf, value, axes), table, new)
+  return jax.tree.map(put, table, new, axes)
+
+
+def _fit_latents(model: model_lib.LM, params, tokens: jax.Array, lengths: jax.Array, keys: jax.Array) -> jax.Array:
+  """z [Bp, n_layers, n_per_layer, d_model] for left-padded prompts [Bp, T]: the posterior mean the inner loop fits to
+  each prompt with its own key (a prompt of one token has no target to fit: z ~ N(0, I) from that key instead), so a
+  prompt's z does not depend on the prompts it is prefilled with."""
+  latent_shape = model_lib.latent_shape(model.cfg, model.latent, 1)
+  params = dequantize_params(params, jnp.dtype(model.cfg.dtype))
+
+  def one(row, length, key):
+    row, length = row[None], length[None]
+    valid, _ = generation.prompt_mask(length, row.shape[1])
+    fitted, _ = latent_lib.infer(model, params, row[:, :-1], row[:, 1:], key, valid=valid[:, :-1])
+    prior = jax.random.normal(key, latent_shape, jnp.float32)
+    return jnp.where(length[0] >= 2, fitted.posterior.mu, prior)[0]
+
+  return jax.vmap(one)(tokens, lengths, keys)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "axes"), donate_argnames=("slots",))
+def admit(model: model_lib.LM, params, slots: Slots, tokens: jax.Array, lengths: jax.Array, rows: jax.Array,
+          key_data: jax.Array, budget: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, *,
+          axes) -> Slots:
+  """Prefills Bp left-padded prompts tokens [Bp, T] of `lengths` [Bp] from empty states and writes them into the
+  rows `rows` [Bp] of `slots` (an index of S drops a padding prompt). key_data [Bp, ...]: each request's PRNG key
+  data (`jax.random.key_data(jax.random.key(seed))`), split as `LanguageModel.generate` splits it into a sampling key
+  and a latent key. budget, temperature, top_k, top_p [Bp]: as in `Slots`. `axes`: `state_batch_axes(model)`, as a
+  hashable tree (a tuple)."""
+  keys = jax.vmap(jax.random.split)(jax.random.wrap_key_data(key_data))
+  sample_keys, latent_keys = keys[:, 0], keys[:, 1]
+  latents = None
+  if model_lib.uses_latents(model.latent) is not None:
+    latents = _fit_latents(model, params, tokens, lengths, latent_keys)
+  d = generation.prefill(model, params, tokens, lengths, latents)
+  batch = tokens.shape[0]
+  new = Slots(None, d.logits, d.positions, d.last_token, jnp.zeros((batch,), bool), jnp.zeros((batch,), jnp.int32),
+              budget, sample_keys, temperature, top_k, top_p, latents)
+  state = _put_rows(slots.state, d.state, rows, axes)
+  rest = _put_rows(slots._replace(state=None), new, rows)
+  return rest._replace(state=state)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "steps", "stop_tokens"), donate_argnames=("slots",))
+def decode_chunk(model: model_lib.LM, params, slots: Slots, active: jax.Array, *, steps: int,
+                 stop_tokens: tuple[int, ...]) -> tuple[jax.Array, jax.Array, Slots]:
+  """Draws up to `steps` tokens in every row -> (tokens [S, steps] int32, steps run [] int32, slots after them).
+
+  Rows not `active` [S] are marked done first. A row is done once it draws a stop token or its budget runs out;
+  a done row repeats its last token. The loop ends early once every row is done (then the columns past `count` are
+  each row's last token)."""
+  stops = jnp.asarray(stop_tokens, jnp.int32)
+  slots = slots._replace(done=slots.done | ~active)
+
+  def unfinished(carry):
+    i, s, _ = carry
+    return (i < steps) & ~jnp.all(s.done)
+
+  def step(carry):
+    i, s, out = carry
+    keys = jax.vmap(jax.random.fold_in)(s.keys, s.generated)
+    token = sample_rows(keys, s.logits, s.temperature, s.top_k, s.top_p)
+    token = jnp.where(s.done, s.last_token, token)
+    drawing = ~s.done
+    budget = s.budget - drawing
+    done = s.done | jnp.isin(token, stops) | (budget <= 0)
+    logits, state = generation.run_model(model, params, token[:, None], s.state, s.latents, s.positions[:, None])
+    s = s._replace(state=state, logits=logits[:, -1], positions=s.positions + 1, last_token=token, done=done,
+                   generated=s.generated + drawing, budget=budget)
+    return i + 1, s, out.at[:, i].set(token)
+
+  init = (jnp.zeros((), jnp.int32), slots, jnp.zeros((slots.logits.shape[0], steps), jnp.int32))
+  count, slots, tokens = jax.lax.while_loop(unfinished, step, init)
+  tokens = jnp.where(jnp.arange(steps) < count, tokens, slots.last_token[:, None])
+  return tokens, count, slots
+
+
+def host_key_data(seed: int) -> np.ndarray:
+  """The key data of jax.random.key(seed) on the host (uint32 words), as `admit` takes it."""
+  return np.asarray(jax.random.key_data(jax.random.key(seed)))
