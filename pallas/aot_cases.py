@@ -6,7 +6,8 @@ per Pallas kernel in the compiled program, warps, registers, spills, shared memo
 
 Kernel cases ("kernels") run forward and backward in one program, so one compilation covers every kernel of an op:
   WKV-4: the sequential path (B·C >= PARALLEL_BELOW) and the time-parallel one, bfloat16 and float32.
-  WKV-7: head sizes 64 and 128, bfloat16 and float32.
+  WKV-7: the sequential kernels at head sizes 64 and 128, bfloat16 and float32; the chunked kernels at the WKV-7
+    benchmark's GPU shapes (head sizes 64 and 128, bfloat16) and at head size 32 in float32.
   flash attention (forward, dq, dk/dv): head dims 32, 64, 128 and 256; causal, sliding window, segment ids,
     non-causal; grouped (GQA) and single (MQA) key/value heads; bfloat16 and float32 (and float16 once). Where the
     default settings are listed in `ltm_pallas.attention.config.SPILLING_DEFAULTS` (none today) the case must
@@ -32,7 +33,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ltm_pallas import wkv4, wkv7
+from ltm_pallas import quant_matmul, wkv4, wkv7, wkv7_chunked
 from ltm_pallas.attention import BlockSizes, config, flash_attention
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -50,9 +51,11 @@ WKV4_KERNELS_PARALLEL = ("wkv4_chunk_summary", "wkv4_chunk_output", "wkv4_chunk_
 WKV7_KERNELS = ("wkv7_forward", "wkv7_backward")
 # Under remat the forward pass runs the primal kernel (no state checkpoints), the recomputation the full forward.
 WKV7_REMAT_KERNELS = ("wkv7_forward_primal",) + WKV7_KERNELS
+WKV7_CHUNKED_REMAT_KERNELS = ("wkv7_chunked_forward_primal", "wkv7_chunked_forward", "wkv7_chunked_backward")
 ATTENTION_KERNELS = ("flash_attention_forward", "flash_attention_dq", "flash_attention_dkv")
+QUANT_MATMUL_KERNELS = ("quant_matmul_int8", "quant_matmul_int4")
 # Entry names the compiled program gives the kernels of this package (a suffix _1, _2, ... tells copies apart).
-KERNEL_PREFIXES = ("wkv4_", "wkv7_", "flash_attention_")
+KERNEL_PREFIXES = ("wkv4_", "wkv7_", "flash_attention_", "quant_matmul_")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +130,19 @@ def _wkv7(batch: int, length: int, heads: int, size: int, dtype) -> Builder:
   return build
 
 
+def _wkv7_chunked(batch: int, length: int, heads: int, size: int, dtype) -> Builder:
+  """fwd+bwd of the chunked kernels at their default settings, under jax.checkpoint (the primal is compiled too)."""
+
+  def build(abstract: Abstract, block_sizes=None):
+    del block_sizes
+    seq = abstract((batch, length, heads, size), dtype)
+    primals = (seq,) * 6 + (abstract((batch, heads, size, size), jnp.float32),)
+    fn = functools.partial(wkv7_chunked.wkv7, interpret=False)
+    return _vjp_program(jax.checkpoint(fn), primals, abstract, 7)
+
+  return build
+
+
 def _attention(batch: int, length: int, q_heads: int, kv_heads: int, head_dim: int, dtype, *, causal: bool = True,
                window: int | None = None, segments: bool = False, kv_length: int | None = None,
                tiles: BlockSizes | None = None) -> Builder:
@@ -145,6 +161,24 @@ def _attention(batch: int, length: int, q_heads: int, kv_heads: int, head_dim: i
                              block_sizes=tiles or block_sizes, interpret=False)
 
     return _vjp_program(fn, primals, abstract, 3)
+
+  return build
+
+
+def _quant_matmul(rows: int, k: int, n: int, group: int, dtype) -> Builder:
+  """One program with both quantised matmuls (forward only: inference): int8 per output channel and int4 in groups
+  of `group`, x [rows, k] @ a [k, n] weight."""
+
+  def build(abstract: Abstract, block_sizes=None):
+    del block_sizes
+    i8, f32 = jnp.int8, jnp.float32
+
+    def fn(x, w8, s8, w4, s4):
+      return (quant_matmul.quant_matmul(x, w8, s8, packed=False, interpret=False),
+              quant_matmul.quant_matmul(x, w4, s4, packed=True, interpret=False))
+
+    return fn, (abstract((rows, k), dtype), abstract((1, k, n), i8), abstract((1, n), f32),
+                abstract((k // group, group // 2, n), i8), abstract((k // group, n), f32))
 
   return build
 
@@ -174,6 +208,17 @@ def _kernel_cases() -> list[Case]:
       Case("wkv7_n128_f32", "wkv7 fwd+bwd f32 B32 T1024 H4 N128", WKV7_REMAT_KERNELS,
            _wkv7(32, 1024, 4, 128, f32), dtype="float32", head_dim=128),
   ]
+  # The chunked WKV-7 kernels at benchmarks/wkv7.py's GPU shapes (C = H·N = 4096), bfloat16, and in float32 at the
+  # largest head size they take in float32 (larger heads run the sequential kernels: wkv7_chunked.fits).
+  for name, what, shape, dtype in (
+      ("wkv7c_n64_bf16", "B8 T4096 H64 N64", (8, 4096, 64, 64), bf16),
+      ("wkv7c_n128_bf16", "B8 T4096 H32 N128", (8, 4096, 32, 128), bf16),
+      ("wkv7c_n64_long_bf16", "B1 T32768 H64 N64", (1, 32768, 64, 64), bf16),
+      ("wkv7c_n32_f32", "B32 T1024 H16 N32", (32, 1024, 16, 32), f32),
+  ):
+    dtype_name = jnp.dtype(dtype).name
+    cases.append(Case(name, f"wkv7 chunked fwd+bwd {dtype_name} {what}", WKV7_CHUNKED_REMAT_KERNELS,
+                      _wkv7_chunked(*shape, dtype), dtype=dtype_name, head_dim=shape[3]))
   # Flash attention. Head dim 64: base_125m (B64 T2048, 12 query heads on 4 key/value heads) and small_rwkv7 /
   # small (B32 T1024, 8 heads, window 512); head dim 32: tiny (float32). Head dims 128 and 256: B * T = 16k tokens and
   # Hq * D = 2048 (the benchmark's GPU shapes), GQA 4:1 unless said.
@@ -211,6 +256,15 @@ def _kernel_cases() -> list[Case]:
     cases.append(Case(name, f"attention fwd+bwd {dtype_name} D{d} {what}" + (" (known spill)" if known_spill else ""),
                       ATTENTION_KERNELS, _attention(head_dim=d, dtype=dtype, **shape),
                       expect="known_spill" if known_spill else "ok", dtype=dtype_name, head_dim=d))
+  # Quantised weights: a decoding step of base_125m's MLP (d_model 768 -> 3072, 8 rows) and a 4096-wide square
+  # projection at 64 rows, int8 per channel and int4 in groups of 128.
+  for name, what, shape, dtype in (
+      ("quant_matmul_bf16_768", "B8 K768 N3072 (base_125m MLP, decoding)", (8, 768, 3072, 128), bf16),
+      ("quant_matmul_bf16_4096", "B64 K4096 N4096", (64, 4096, 4096, 128), bf16),
+      ("quant_matmul_f32_768", "B8 K768 N3072", (8, 768, 3072, 128), f32)):
+    dtype_name = jnp.dtype(dtype).name
+    cases.append(Case(name, f"quant_matmul int8 + int4 (group {shape[3]}) {dtype_name} {what}", QUANT_MATMUL_KERNELS,
+                      _quant_matmul(*shape, dtype), dtype=dtype_name))
   return cases
 
 
