@@ -1,5 +1,5 @@
-"""The `ltm` command: train, eval, generate, fit-prior, train-prior, info, convert-rwkv. Bad input prints one line `error: ...` and exits
-with status 2 (set LTM_DEBUG=1 for the traceback)."""
+"""The `ltm` command: train, eval, generate, fit-prior, train-prior, info, convert-rwkv, serve. Bad input prints one
+line `error: ...` and exits with status 2 (set LTM_DEBUG=1 for the traceback)."""
 
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def _generate(args) -> int:
   if latents == "dit":  # One z per prompt from the learned prior (refused here if the workdir has none).
     latents = lm.dit_latents(len(args.prompt or [""]), args.seed, sampler=args.sampler, steps=args.sampler_steps)
   if args.quantize:
-    lm = lm.quantize(args.quantize)
+    lm = lm.quantize(args.quantize, args.quantize_group)
   prompts = args.prompt or [""]
   options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                  latents=latents)
@@ -135,6 +135,37 @@ def _convert_rwkv(args) -> int:
   print(f"wrote {args.out}: {m.n_layers} x {m.layer_pattern}, d_model {m.d_model}, vocab {m.vocab_size}, "
         f"tokenizer {cfg.data.tokenizer}, step {args.step}")
   return 0
+
+
+def _serve(args) -> int:
+  from ltm_jax.api import load
+  _check_lm_workdir(args.workdir, "serve")
+  _check_listen(args.host, args.port)
+  try:
+    from ltm_jax.serve import Engine
+    from ltm_jax.serve.app import serve
+  except ImportError as e:
+    raise ValueError(f"ltm serve needs the serve extra (pip install 'ltm-jax[serve]'): {e}") from None
+  lm = load(args.workdir, args.step, args.overrides, quantize=args.quantize)
+  engine = Engine(lm, max_batch=args.max_batch, chunk=args.chunk, max_wait_ms=args.max_wait_ms, queue=args.queue)
+  engine.start()
+  name = lm.config.name
+  print(f"serving {name} (step {lm.trained_steps}) on http://{args.host}:{args.port}: {engine.max_batch} slots, "
+        f"{engine.programs} programs compiled in {engine.compile_seconds:.1f}s", file=sys.stderr, flush=True)
+  return serve(engine, name, host=args.host, port=args.port, grace=args.grace)
+
+
+def _check_listen(host: str, port: int) -> None:
+  """Refuses an address the server could not listen on, before the model is loaded and compiled."""
+  import socket
+  from ltm_jax.errors import LtmError
+  if not 0 <= port <= 65535:
+    raise LtmError(f"--port must be in [0, 65535], got {port}")
+  try:
+    with socket.create_server((host, port)):
+      pass
+  except OSError as e:
+    raise LtmError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
 def _info(args) -> int:
@@ -233,8 +264,11 @@ def parser() -> argparse.ArgumentParser:
   gen.add_argument("--top-p", type=_probability, default=None)
   gen.add_argument("--seed", type=_seed, default=0)
   gen.add_argument("--step", type=int, default=None)
-  gen.add_argument("--quantize", choices=("int8",), default=None,
-                   help="int8: matmul weights stored as int8 with per-output-channel scales, dequantised on the fly")
+  gen.add_argument("--quantize", choices=("int8", "int4"), default=None,
+                   help="int8: matmul weights stored as int8 with per-output-channel scales; int4: as int4 with a "
+                        "scale per --quantize-group inputs and output channel; dequantised on the fly")
+  gen.add_argument("--quantize-group", type=_positive_int, default=128,
+                   help="with --quantize int4: inputs per scale (even, dividing every weight's fan-in, or longer)")
   gen.add_argument("--chunk", type=_positive_int, default=16,
                    help="tokens per on-device decode loop between streamed prints (one prompt)")
   gen.add_argument("--latents", choices=("posterior", "prior", "dit"), default=None,
@@ -284,6 +318,27 @@ def parser() -> argparse.ArgumentParser:
   conv.add_argument("--tokenizer", default="auto", choices=("auto", "rwkv_world", "byte"),
                     help="auto: rwkv_world for 65536-id vocabularies, else byte (use token ids)")
   conv.set_defaults(run=_convert_rwkv)
+
+  srv = sub.add_parser("serve", help="an HTTP server with continuous batching and an OpenAI-compatible completions "
+                                     "API (needs the serve extra)")
+  srv.add_argument("--workdir", required=True)
+  srv.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+  srv.add_argument("--host", default="127.0.0.1")
+  srv.add_argument("--port", type=int, default=8000)
+  srv.add_argument("--max-batch", type=_positive_int, default=32, help="decoding rows (requests decoded together)")
+  srv.add_argument("--max-wait-ms", type=_non_negative, default=10.0,
+                   help="how long an idle server holds a first request for others to prefill with it")
+  srv.add_argument("--queue", type=_positive_int, default=256,
+                   help="requests that may wait for a row; more are answered 429")
+  srv.add_argument("--quantize", choices=("int8", "int4"), default=None,
+                   help="int8: matmul weights stored as int8 with per-output-channel scales; int4: in groups of 128 "
+                        "inputs; dequantised on the fly")
+  srv.add_argument("--chunk", type=_positive_int, default=16,
+                   help="decode steps per on-device loop: new requests join and text is sent at its boundaries")
+  srv.add_argument("--grace", type=_non_negative, default=30.0,
+                   help="seconds in-flight requests may take to finish after SIGTERM before they are cancelled")
+  srv.add_argument("overrides", nargs="*", metavar="key=value", help="runtime changes, e.g. model.wkv_impl=scan")
+  srv.set_defaults(run=_serve)
   return p
 
 

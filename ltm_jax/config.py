@@ -18,9 +18,11 @@ from typing import Any
 
 from ltm_jax.errors import ConfigError, first_line
 
-MIXERS = {"A": "attention", "R": "rwkv4", "W": "rwkv7", "M": "titans_mal", "G": "titans_mag"}
+MIXERS = {"A": "attention", "R": "rwkv4", "W": "rwkv7", "M": "titans_mal", "G": "titans_mag", "D": "mmrec"}
 ATTENTION_LETTERS = "AMG"  # Letters whose layers run (windowed) attention, with RoPE and a key/value cache.
 MEMORY_IMPLS = ("auto", "scan", "chunked")
+MMREC_IMPLS = ("auto", "scan", "adjoint")
+MMREC_REMAT = ("none", "recurrence", "memory", "recurrence_memory")  # Parts of a D layer recomputed for backward.
 FFNS = ("auto", "swiglu", "channel_mix", "channel_mix7")
 DECODER_OBJECTIVES = ("final", "iterates")
 NORMS = ("rmsnorm", "layernorm")
@@ -39,7 +41,8 @@ VOCAB_MULTIPLE = 128
 class ModelConfig:
   """The decoder. `layer_pattern` letters: A = causal attention, R = RWKV-4 time-mix, W = RWKV-7 (x070) time-mix,
   M = Titans memory as a layer (neural memory, then attention), G = Titans memory as a gate (attention and neural
-  memory mixed by a learned gate); tiled over `n_layers`."""
+  memory mixed by a learned gate), D = MM-Rec (the MDI recurrence and its memory bank of segment summaries); tiled
+  over `n_layers`."""
   vocab_size: int = 259
   d_model: int = 128
   n_layers: int = 4
@@ -83,10 +86,37 @@ class ModelConfig:
   memory_chunk: int = 16
   memory_max_lr: float = 0.5
   memory_impl: str = "auto"
+  # MM-Rec (D layers): the MDI recurrence, then attention to a bank of the last mmrec_slots segment summaries (the
+  # mean h of each mmrec_segment real tokens); mmrec_precompute makes every projection for the whole sequence before
+  # the recurrence (False: inside it, token by token; the same function); mmrec_remat recomputes the recurrence
+  # and/or the memory attention in the backward pass; mmrec_impl picks the MDI op's backend.
+  mmrec_slots: int = 16
+  mmrec_segment: int = 16
+  mmrec_precompute: bool = True
+  mmrec_remat: str = "none"
+  mmrec_impl: str = "auto"
   remat: str = "none"  # One of REMAT_POLICIES: what each block saves for the backward pass (a runtime choice).
   # Stack the blocks of each repeat of layer_pattern's smallest repeating unit under nn.scan (compile time flat in
   # depth); parameters then carry a leading "layers" axis, so this changes the checkpoint layout.
   scan_layers: bool = False
+  # Under a mesh with mesh.pipeline = S > 1 stages, every forward pass of the scanned stack splits its batch into
+  # this many micro-batches and runs them through the S stages on a GPipe schedule (ltm_jax/parallel/pipeline.py);
+  # the idle fraction of the schedule is (S - 1) / (micro-batches + S - 1). Unused without a pipeline axis.
+  pipeline_micro_batches: int = 1
+  # Sequence positions whose [B, loss_chunk, vocab] float32 logits the loss holds at once (ops/cross_entropy.py;
+  # the backward recomputes each chunk's logits); 0: all positions at once. A runtime choice: the NLL is the same.
+  loss_chunk: int = 256
+
+  @property
+  def scanned_units(self) -> int:
+    """How many repeats of the pattern's smallest unit run under the layer scan (model.py `scan_layout`): all of
+    them, less the unit holding the first RWKV-7 layer, which stays separate; 0 without scan_layers."""
+    if not self.scan_layers:
+      return 0
+    pattern = self.layer_pattern
+    period = next(p for p in range(1, len(pattern) + 1)
+                  if len(pattern) % p == 0 and pattern[:p] * (len(pattern) // p) == pattern)
+    return self.n_layers // period - (1 if "W" in pattern else 0)
 
   @property
   def kv_heads(self) -> int:
@@ -166,6 +196,11 @@ class TrainConfig:
   # Titans models: every evaluation also logs the memory layers' statistics (surprise, gates, weight and momentum
   # norms; ltm_jax.inference.diagnostics), averaged over the first validation batch.
   memory_stats: bool = False
+  # Quantisation-aware training: "int8" or "int4" trains (and evaluates) through the weights `ltm generate --quantize`
+  # would store (ltm_jax.inference.quantize.fake_quantize_params: rounded forward, straight-through backward);
+  # qat_group is int4's inputs per scale. The checkpoint keeps the float weights.
+  qat: str = "none"
+  qat_group: int = 128
   checkpoint_every: int = 500
   keep_checkpoints: int = 3
   async_checkpoint: bool = True
@@ -259,19 +294,21 @@ class TimeSeriesConfig:
   head_hidden: int | None = None  # Width of the fused head's hidden layer (None: model.d_model).
 
 
-MESH_AXES = ("data", "fsdp", "tensor")
+# The pipeline axis leads: jax.make_mesh keeps the last axes within a host, and stages exchange only activations.
+MESH_AXES = ("pipeline", "data", "fsdp", "tensor")
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-  """The device mesh (data, fsdp, tensor) and the rules that map logical axis names to its axes.
+  """The device mesh (pipeline, data, fsdp, tensor) and the rules that map logical axis names to its axes.
 
   Sizes: -1 fills the devices the other two leave (at most one -1); their product must be the device count. Rules:
   one field per logical axis, a comma-separated list of mesh axes ("data,fsdp") or none (replicated). Field order is
   rule priority: when two axes of one array claim the same mesh axis, the earlier rule wins and the later axis stays
   replicated (so activations [batch, length, embed] keep fsdp for batch, while parameters shard embed over fsdp).
   Defaults: Megatron-style tensor parallelism (heads, FFN hidden, RWKV channels, vocabulary over `tensor`), FSDP
-  over `embed`, the batch over data x fsdp."""
+  over `embed`, the batch over data x fsdp, the scanned layer stack's units over `pipeline` (stages)."""
+  pipeline: int = 1  # Stages of the scanned layer stack (model.scan_layers; model.pipeline_micro_batches).
   data: int = -1
   fsdp: int = 1
   tensor: int = 1
@@ -291,7 +328,10 @@ class MeshConfig:
   memory_in: str | None = None  # The Titans memory MLP's input and output axes (its learned initial weights).
   memory_out: str | None = None
   conv: str | None = None  # The taps of short convolutions.
-  layers: str | None = None  # The stacked-layer axis of scanned layers.
+  layers: str | None = "pipeline"  # The stacked-layer axis of scanned layers: stage s holds its units' weights.
+  # A rule whose mesh axes cannot split an op's dimension (their size does not divide it) leaves it whole: a warning
+  # once per rule, or with strict an error.
+  strict: bool = False
 
   def sizes(self) -> dict[str, int]:
     return {axis: getattr(self, axis) for axis in MESH_AXES}
@@ -300,7 +340,7 @@ class MeshConfig:
     """Flax logical-axis rules ((logical name, mesh axes or None), ...) in priority order."""
     rules = []
     for f in dataclasses.fields(self):
-      if f.name in MESH_AXES:
+      if f.name in MESH_AXES or f.name == "strict":
         continue
       axes = mesh_axes_of(getattr(self, f.name))
       rules.append((f.name, None if not axes else axes[0] if len(axes) == 1 else axes))
@@ -521,11 +561,19 @@ def validate(config: Config) -> Config:
   need(m.rope_theta > 0 and m.norm_eps > 0 and m.init_std > 0, "model.rope_theta, norm_eps, init_std must be > 0")
   for key, choices in (("ffn", FFNS), ("norm", NORMS), ("dtype", DTYPES), ("remat", REMAT_POLICIES),
                        ("wkv_impl", WKV_IMPLS), ("attention_impl", ATTENTION_IMPLS), ("wkv7_impl", WKV7_IMPLS),
-                       ("memory_impl", MEMORY_IMPLS)):
+                       ("memory_impl", MEMORY_IMPLS), ("mmrec_impl", MMREC_IMPLS), ("mmrec_remat", MMREC_REMAT)):
     need(getattr(m, key) in choices, f"model.{key}={getattr(m, key)!r} is not one of {', '.join(choices)}")
   for key in ("memory_depth", "memory_expansion", "memory_chunk"):
     need(getattr(m, key) >= 1, f"model.{key} must be >= 1, got {getattr(m, key)}")
   need(0 < m.memory_max_lr <= 1, f"model.memory_max_lr must be in (0, 1], got {m.memory_max_lr}")
+  if "D" in m.layer_pattern:
+    need(m.mmrec_slots >= 1, f"model.mmrec_slots={m.mmrec_slots}: the memory bank needs at least 1 slot; set "
+                             "model.mmrec_slots >= 1")
+    need(1 <= m.mmrec_segment <= config.train.seq_len,
+         f"model.mmrec_segment={m.mmrec_segment} does not fit train.seq_len={config.train.seq_len}: no segment would "
+         f"reach the memory bank in training; set 1 <= model.mmrec_segment <= {config.train.seq_len}")
+    need(m.d_model % 4 == 0, f"model.d_model={m.d_model} must be divisible by 4 for MM-Rec's decay MLPs (width "
+                             "d_model / 4)")
 
   need(d.tokenizer in TOKENIZERS, f"data.tokenizer={d.tokenizer!r} is not one of {', '.join(TOKENIZERS)}")
   need(d.bin_dtype in ("uint16", "uint32"), f"data.bin_dtype={d.bin_dtype!r} is not one of uint16, uint32")
@@ -543,11 +591,17 @@ def validate(config: Config) -> Config:
     need(getattr(t, key) > 0, f"train.{key} must be positive, got {getattr(t, key)}")
   need(t.batch_size % t.grad_accum == 0,
        f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}")
+  need(m.pipeline_micro_batches >= 1, f"model.pipeline_micro_batches must be >= 1, got {m.pipeline_micro_batches}")
+  need(m.loss_chunk >= 0, f"model.loss_chunk must be >= 0 (0: no chunking), got {m.loss_chunk}")
   need(t.lr > 0, f"train.lr must be positive, got {t.lr}")
   need(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
   need(t.warmup_steps >= 0 and t.weight_decay >= 0 and t.grad_clip >= 0,
        "train.warmup_steps, weight_decay and grad_clip must be >= 0")
   need(0 <= t.b1 < 1 and 0 <= t.b2 < 1 and t.eps > 0, "train.b1 and train.b2 must be in [0, 1), train.eps > 0")
+  need(t.qat in ("none", "int8", "int4"), f"train.qat={t.qat!r}: choose none, int8 or int4")
+  need(t.qat_group >= 2 and t.qat_group % 2 == 0, f"train.qat_group must be even and >= 2, got {t.qat_group}")
+  need(t.qat == "none" or not config.timeseries.enabled, "train.qat quantises a language model's weights; set "
+       "train.qat=none for a time-series model")
   need(not t.memory_stats or bool(set("MG") & set(m.layer_pattern)),
        f"train.memory_stats needs a Titans memory layer (M or G) in model.layer_pattern={m.layer_pattern!r}")
   has_full_attention = bool(set(ATTENTION_LETTERS) & set(m.layer_pattern)) and m.window is None
@@ -621,16 +675,22 @@ def _validate_mesh(config: Config) -> None:
   check_mesh_fits(config, sizes)
 
 
-def model_dims(config: Config) -> dict[str, list[tuple[str, int]]]:
-  """Logical axis -> [(what, size), ...]: the model and batch dimensions each logical axis shards, for the checks."""
+def model_dims(config: Config, stages: int = 1) -> dict[str, list[tuple[str, int]]]:
+  """Logical axis -> [(what, size), ...]: the model and batch dimensions each logical axis shards, for the checks;
+  with `stages` > 1 the batch a stage runs is a pipeline micro-batch."""
   m, t = config.model, config.train
+  batch = (f"train.batch_size/train.grad_accum={t.batch_size // t.grad_accum} (the micro-batch)",
+           t.batch_size // t.grad_accum)
+  if stages > 1:
+    rows = t.batch_size // t.grad_accum // m.pipeline_micro_batches
+    batch = (f"train.batch_size/train.grad_accum/model.pipeline_micro_batches={rows} (the pipeline micro-batch)",
+             rows)
   dims: dict[str, list[tuple[str, int]]] = {
-      "batch": [(f"train.batch_size/train.grad_accum={t.batch_size // t.grad_accum} (the micro-batch)",
-                 t.batch_size // t.grad_accum)],
+      "batch": [batch],
       "embed": [(f"model.d_model={m.d_model}", m.d_model)],
       "vocab": [(f"the padded vocabulary {m.padded_vocab_size}", m.padded_vocab_size)],
       "heads": [], "kv_heads": [], "mlp": [], "wkv": []}
-  if set(ATTENTION_LETTERS) & set(m.layer_pattern) or config.latent.enabled:
+  if set(ATTENTION_LETTERS + "D") & set(m.layer_pattern) or config.latent.enabled:
     dims["heads"].append((f"model.n_heads={m.n_heads}", m.n_heads))
   if set(ATTENTION_LETTERS) & set(m.layer_pattern):
     dims["kv_heads"].append((f"the key/value heads {m.kv_heads}", m.kv_heads))
@@ -648,7 +708,10 @@ def check_mesh_fits(config: Config, sizes: dict[str, int]) -> None:
   """Raises ConfigError when a mesh axis size does not divide the dimension it shards (heads, FFN width, channels,
   vocabulary, d_model, micro-batch). Sizes of -1 (not yet resolved against the device count) are skipped."""
   mesh = config.mesh
-  for name, what in model_dims(config).items():
+  stages = sizes.get("pipeline", 1)
+  if stages > 1:
+    check_pipeline(config, stages)
+  for name, what in model_dims(config, stages).items():
     axes = mesh_axes_of(getattr(mesh, name))
     if not axes or any(sizes[a] == -1 for a in axes):
       continue
@@ -658,3 +721,21 @@ def check_mesh_fits(config: Config, sizes: dict[str, int]) -> None:
         mesh_desc = "*".join(f"{a}={sizes[a]}" for a in axes)
         raise ConfigError(f"{label} is not divisible by the mesh size {mesh_desc} it is split over "
                           f"(mesh.{name}={getattr(mesh, name)})")
+
+
+def check_pipeline(config: Config, stages: int) -> None:
+  """Raises ConfigError when `stages` pipeline stages cannot split the scanned layer stack evenly, or the
+  pipeline micro-batches cannot split the batch a forward pass sees (train.batch_size / train.grad_accum)."""
+  m, t = config.model, config.train
+  if not m.scan_layers:
+    raise ConfigError(f"mesh.pipeline={stages} splits the scanned layer stack into stages: set model.scan_layers=true")
+  if m.scanned_units % stages:
+    raise ConfigError(f"model.n_layers={m.n_layers} (layer_pattern={m.layer_pattern!r}) scans {m.scanned_units} "
+                      f"units, which mesh.pipeline={stages} stages do not divide")
+  if config.mesh.layers != "pipeline":
+    raise ConfigError(f"mesh.pipeline={stages} needs mesh.layers=pipeline (each stage holds its own layers' "
+                      f"weights), got mesh.layers={config.mesh.layers}")
+  micro = t.batch_size // t.grad_accum
+  if micro % m.pipeline_micro_batches:
+    raise ConfigError(f"train.batch_size/train.grad_accum={micro} is not divisible by "
+                      f"model.pipeline_micro_batches={m.pipeline_micro_batches}")

@@ -13,6 +13,7 @@ import numpy as np
 
 from ltm_jax import model as model_lib
 from ltm_jax.config import MIXERS, Config
+from ltm_jax.parallel import pipeline
 
 
 def _visible_keys(seq_len: int, window: int | None) -> float:
@@ -38,6 +39,14 @@ def _memory_flops(m) -> float:
   return m.n_heads * sum(2 * (6 * i * o + m.memory_chunk * (i + o)) for i, o in zip(dims, dims[1:]))
 
 
+def _mmrec_flops(m, seq_len: int) -> float:
+  """Forward FLOPs per token of one MM-Rec (D) layer beyond its weight matmuls (which `n_matmul` counts, the
+  recurrent gate's h_{t-1} W_gh included): the memory attention's scores and read, 2 d_model each per visible bank
+  entry, averaged over a training row from an empty state (position p sees min(slots, p // segment) summaries)."""
+  visible = np.minimum(np.arange(seq_len) // m.mmrec_segment, m.mmrec_slots)
+  return 4 * m.d_model * float(np.mean(visible))
+
+
 def model_info(cfg: Config) -> dict[str, Any]:
   m, t = cfg.model, cfg.train
   latent = model_lib.uses_latents(cfg.latent)
@@ -54,7 +63,8 @@ def model_info(cfg: Config) -> dict[str, Any]:
   n_memory = sum(kind in ("titans_mal", "titans_mag") for kind in m.mixers)
   # Forward: 2 FLOPs per multiply-add; QK^T and AV each cost 2*d per visible key. Training = 3x forward.
   attention_fwd = n_attention * 4 * m.d_model * _visible_keys(t.seq_len, m.window)
-  flops_fwd = 2 * n_matmul + attention_fwd + n_memory * _memory_flops(m)
+  n_mmrec = sum(kind == "mmrec" for kind in m.mixers)
+  flops_fwd = 2 * n_matmul + attention_fwd + n_memory * _memory_flops(m) + n_mmrec * _mmrec_flops(m, t.seq_len)
   tokens = t.batch_size * t.seq_len
   # Training = 3x forward (forward, gradients of activations and of weights). With latents, each inner step is a
   # forward and a backward to z only (~2x forward; no weight gradients), plus one forward scoring the fitted z.
@@ -71,11 +81,17 @@ def model_info(cfg: Config) -> dict[str, Any]:
     attention = 4 + 1 + 2 * m.kv_heads * m.head_dim / m.d_model  # Norm in/out, q, k/v, attention out.
     # RWKV: shifts, r, k, v, wkv. Titans: the attention's, and the memory's q, k, v before and after the
     # convolution, its read and output.
-    per_layer += {"attention": attention, "titans_mal": attention + 7, "titans_mag": attention + 7}.get(kind, 9)
+    # MM-Rec: q, k, v, z, the decay MLPs' hidden and outputs, the gate input, h and the saved gate, the memory
+    # query, read and output.
+    per_layer += {"attention": attention, "titans_mal": attention + 7, "titans_mag": attention + 7,
+                  "mmrec": 14}.get(kind, 9)
     ffn = m.ffn_kind(kind)
     per_layer += 2 + (3 if ffn == "swiglu" else 2) * m.ffn_dim(ffn) / m.d_model
   activation_bytes = tokens / t.grad_accum * m.d_model * per_layer * compute_bytes
   activation_bytes += tokens / t.grad_accum * m.vocab_size * 4 * 2  # float32 logits and their softmax.
+  # A mesh.pipeline of -1 is only known against the devices; it is reported as the one stage it may turn out to be.
+  stages = max(cfg.mesh.pipeline, 1)
+  micro_batches = m.pipeline_micro_batches if stages > 1 else 1
   return {
       "name": cfg.name,
       "params": n_params,
@@ -92,6 +108,11 @@ def model_info(cfg: Config) -> dict[str, Any]:
       "train_state_bytes": 16 * n_params,  # float32 params + grads + two Adam moments.
       "activation_bytes_estimate": int(activation_bytes),
       "memory_bytes_estimate": int(16 * n_params + activation_bytes),
+      "pipeline_stages": stages,
+      "pipeline_units_per_stage": m.scanned_units // stages if stages > 1 else m.scanned_units,
+      "pipeline_micro_batches": micro_batches,
+      # The idle fraction of every stage in a GPipe step: what MFU loses to the schedule alone.
+      "pipeline_bubble": pipeline.bubble_fraction(stages, micro_batches),
   }
 
 
@@ -161,6 +182,10 @@ def format_info(info: dict[str, Any]) -> str:
            f"train state memory   {human(info['train_state_bytes'], 'B')} (f32 params, grads, Adam moments)",
            f"activations (est.)   {human(info['activation_bytes_estimate'], 'B')} per micro-batch, no remat",
            f"total (est.)         {human(info['memory_bytes_estimate'], 'B')}"]
+  if info["pipeline_stages"] > 1:
+    lines.append(f"pipeline             {info['pipeline_stages']} stages x {info['pipeline_units_per_stage']} scanned "
+                 f"units, {info['pipeline_micro_batches']} micro-batches (GPipe), bubble "
+                 f"{100 * info['pipeline_bubble']:.1f}% of each step")
   if "compiled_temp_bytes" in info:
     lines += [(f"compiled for         {info['compiled_for']}: remat={info['remat']}, "
                f"scan_layers={info['scan_layers']}; lowered in {info['lower_seconds']:.1f}s, "

@@ -130,12 +130,13 @@ def fit(
 
 def token_nll(model, params, inputs: jax.Array, targets: jax.Array, latents: jax.Array | None = None,
               valid: jax.Array | None = None) -> jax.Array:
-  """Per-token negative log-likelihood [B, T] float32 of `targets` under `model` given `latents` (or none).
+  """Per-token negative log-likelihood [B, T] float32 of `targets` under `model` given `latents` (or none), without
+  materialising the [B, T, vocab] logits (the LM folds its head into the loss, model.loss_chunk positions at a time).
   `valid` [B, T] marks left padding of `inputs` (see `LM`); padded positions' NLL is meaningless."""
   positions = None if valid is None else token_positions(jnp.zeros(inputs.shape[:1], jnp.int32), valid,
                                                           inputs.shape[1])
-  logits, _ = model.apply({"params": params}, inputs, None, latents, positions, valid)
-  return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+  nll, _ = model.apply({"params": params}, inputs, None, latents, positions, valid, targets=targets)
+  return nll
 
 
 def infer(

@@ -15,7 +15,6 @@ the two layouts).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -28,8 +27,10 @@ from jax import lax
 from ltm_jax.config import LatentConfig, ModelConfig
 from ltm_jax.layers import Attention, ChannelMix, ChannelMixState, CrossAttention, KVCache, SwiGLU, TimeMix, TimeMixState
 from ltm_jax.layers import ChannelMix7, MemoryAsGate, MemoryAsLayer, NeuralMemoryState, TimeMix7, TimeMix7State
-from ltm_jax.layers import TitansState
+from ltm_jax.layers import MMRec, MMRecState, TitansState
 from ltm_jax.layers.common import init, norm
+from ltm_jax.parallel import pipeline
+from ltm_jax.ops import cross_entropy
 
 SCANNED = "blocks"  # The parameter (and module) name of the scanned stack of blocks.
 LAYER_AXIS = "layers"  # The logical name of the stacked parameters' leading axis; sharding leaves it whole.
@@ -54,9 +55,6 @@ class RematPlan(NamedTuple):
 
 SUBLAYERS = frozenset({"mixer", "cross_attention", "ffn"})
 
-
-
-_float32_dot = functools.partial(lax.dot_general, preferred_element_type=jnp.float32)
 
 def remat_plan(policy: str) -> RematPlan:
   """The plan for a `model.remat` value.
@@ -128,6 +126,10 @@ class Block(nn.Module):
       else:
         mixer = self._sublayer(MemoryAsGate, "mixer")(memory=memory, attention=attention, std=std, dtype=cfg.dtype,
                                                       name="mixer")
+    elif mixer_kind == "mmrec":
+      mixer = self._sublayer(MMRec, "mixer")(
+          n_heads=cfg.n_heads, slots=cfg.mmrec_slots, segment=cfg.mmrec_segment, precompute=cfg.mmrec_precompute,
+          remat=cfg.mmrec_remat, std=std, out_std=out_std, impl=cfg.mmrec_impl, dtype=cfg.dtype, name="mixer")
     elif mixer_kind == "rwkv7":
       lora = cfg.rwkv7_lora_dims()
       mixer = self._sublayer(TimeMix7, "mixer")(
@@ -197,7 +199,7 @@ def scan_layout(cfg: ModelConfig) -> ScanLayout:
   if not cfg.scan_layers:
     return ScanLayout(period, cfg.n_layers, 0)
   prefix_units = 1 if "W" in cfg.layer_pattern else 0
-  return ScanLayout(period, prefix_units * period, cfg.n_layers // period - prefix_units)
+  return ScanLayout(period, prefix_units * period, cfg.scanned_units)
 
 
 class _Unit(nn.Module):
@@ -223,7 +225,9 @@ class _Unit(nn.Module):
 
 class LM(nn.Module):
   """tokens [B, T] int -> (logits [B, T, vocab_size] float32, state). The LM head is padded to a multiple of 128
-  for fast matmuls; the padded columns are sliced off, so they never enter the softmax. The residual stream stays
+  for fast matmuls; the padded columns are sliced off the logits. With `targets` [B, T] int the call returns the
+  token NLL [B, T] float32 instead of the logits (`ops.cross_entropy.token_nll`): model.loss_chunk positions at a
+  time, the padded columns masked out of the softmax rather than sliced off. The residual stream stays
   float32 whatever `dtype` is (sub-layers compute in `dtype` and their outputs are added in float32), as PyTorch
   autocast does, so deep bfloat16 models do not accumulate rounding in the residual sum.
 
@@ -246,12 +250,12 @@ class LM(nn.Module):
 
   @nn.compact
   def __call__(self, tokens, state: tuple[BlockState, ...] | None = None, latents=None, positions=None, valid=None,
-               last_only: bool = False):
+               last_only: bool = False, targets=None):
     # Every float32 matmul traced below takes the configured precision (on GPU, XLA's default would be TF32).
     with jax.default_matmul_precision(self.cfg.matmul_precision):
-      return self._forward(tokens, state, latents, positions, valid, last_only)
+      return self._forward(tokens, state, latents, positions, valid, last_only, targets)
 
-  def _forward(self, tokens, state, latents, positions, valid, last_only):
+  def _forward(self, tokens, state, latents, positions, valid, last_only, targets):
     cfg, latent = self.cfg, uses_latents(self.latent)
     if latent is not None:
       expected = latent_shape(cfg, latent, tokens.shape[0])
@@ -273,11 +277,26 @@ class LM(nn.Module):
     # The head multiplies in the compute dtype and accumulates into float32 logits: rounding them to bfloat16 would
     # cost every logit (and the loss's softmax) 8 mantissa bits.
     if cfg.tie_embeddings:
-      logits = jnp.dot(x, embed.embedding.astype(cfg.dtype).T, preferred_element_type=jnp.float32)
+      kernel = embed.embedding.T
     else:
-      logits = nn.Dense(cfg.padded_vocab_size, use_bias=False, dtype=cfg.dtype, param_dtype=jnp.float32,
-                        kernel_init=init(cfg.init_std, ("embed", "vocab")), dot_general=_float32_dot, name="head")(x)
+      kernel = _HeadKernel(cfg, name="head")()
+    x, kernel = x.astype(cfg.dtype), kernel.astype(cfg.dtype)
+    if targets is not None:
+      return cross_entropy.token_nll(x, kernel, targets, cfg.vocab_size, cfg.loss_chunk), new_state
+    logits = jnp.dot(x, kernel, preferred_element_type=jnp.float32)
     return logits[..., :cfg.vocab_size], new_state
+
+
+class _HeadKernel(nn.Module):
+  """The untied LM head's kernel [d_model, padded vocab] (the parameter `head/kernel`), for the caller to multiply:
+  either into logits or chunk by chunk inside the loss."""
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self) -> jax.Array:
+    cfg = self.cfg
+    return self.param("kernel", init(cfg.init_std, ("embed", "vocab")), (cfg.d_model, cfg.padded_vocab_size),
+                      jnp.float32)
 
 
 def run_blocks(cfg: ModelConfig, x, state: tuple[BlockState, ...] | None = None, *, latent: LatentConfig | None = None,
@@ -302,16 +321,54 @@ def run_blocks(cfg: ModelConfig, x, state: tuple[BlockState, ...] | None = None,
 
 
 def _scanned(cfg: ModelConfig, latent, capacity, layout: ScanLayout, x, v_first, state, latents, positions, valid):
-  """Runs the scanned repeats; v_first rides in the carry (made by a separate layer or None without RWKV-7)."""
+  """Runs the scanned repeats; v_first rides in the carry (made by a separate layer or None without RWKV-7).
+
+  Under a mesh with a pipeline axis of S > 1 stages, a stateless call whose batch divides into
+  model.pipeline_micro_batches runs the repeats as S pipeline stages (`_Pipelined`), and returns no state for them
+  (None per unit block): training and scoring read none, and decoding passes a state, which takes the plain scan."""
   start, units, period = layout.prefix_layers, layout.scanned_units, layout.period
   states = None if state is None else tuple(state[start:])
   z = None
   if latents is not None:  # [B, n_layers, n, d] -> [units, B, period, n, d]: repeat u's blocks are its layers.
     z = latents[:, start:].reshape(latents.shape[0], units, period, *latents.shape[2:]).swapaxes(0, 1)
+  n_stages = pipeline.stages()
+  if n_stages > 1 and state is None and x.shape[0] % cfg.pipeline_micro_batches == 0:
+    x = _Pipelined(cfg, start, latent, capacity, name=SCANNED)(x, v_first, z, positions, valid, n_stages)
+    return x, v_first, (None,) * period
   scan = nn.scan(_Unit, variable_axes={"params": 0}, split_rngs={"params": True},
                  in_axes=(0, 0, nn.broadcast, nn.broadcast), length=units, metadata_params={nn.PARTITION_NAME: LAYER_AXIS})
   (x, v_first), new_states = scan(cfg, start, latent, capacity, name=SCANNED)((x, v_first), states, z, positions, valid)
   return x, v_first, new_states
+
+
+class _Pipelined(nn.Module):
+  """The scanned repeats as pipeline stages (ltm_jax.parallel.pipeline): it reads the weights nn.scan(_Unit) made
+  under the same name, so both run the same parameters. Stage k runs repeats k*L .. k*L+L-1 (L = units / stages)
+  under lax.scan on one pipeline micro-batch at a time. Never initialises: parameters come from the plain layout."""
+  cfg: ModelConfig
+  first_layer: int
+  latent: LatentConfig | None = None
+  capacity: int | None = None
+
+  @nn.compact
+  def __call__(self, x, v_first, z, positions, valid, n_stages: int):
+    if self.is_initializing():
+      raise ValueError("a pipelined layer stack cannot initialise parameters: initialise without a pipeline mesh")
+    unit = _Unit(self.cfg, self.first_layer, self.latent, self.capacity, parent=None)
+
+    def stage(weights, x, rows, z):
+      """weights [L, ...], x [b, T, d_model], rows: (positions, valid, v_first) [b, ...], z [L, b, ...] or None."""
+      positions, valid, v_first = rows
+
+      def repeat(x, per_unit):
+        unit_weights, z_u = per_unit
+        (x, _), _ = unit.apply({"params": unit_weights}, (x, v_first), None, z_u, positions, valid)
+        return x, None
+
+      return lax.scan(repeat, x, (weights, z))[0]
+
+    return pipeline.run(stage, self.variables["params"], x, (positions, valid, v_first), z, n_stages,
+                        self.cfg.pipeline_micro_batches)
 
 
 def uses_latents(latent: LatentConfig | None) -> LatentConfig | None:
@@ -332,6 +389,8 @@ def _layer_state(cfg: ModelConfig, mixer_kind: str, batch: int, capacity: int | 
   elif mixer_kind in ("titans_mal", "titans_mag"):
     memory = NeuralMemoryState.empty(batch, cfg.n_heads, cfg.head_dim, cfg.memory_depth, cfg.memory_expansion)
     mixer = TitansState(memory, cache())
+  elif mixer_kind == "mmrec":
+    mixer = MMRecState.empty(batch, cfg.d_model, cfg.mmrec_slots)
   elif mixer_kind == "rwkv7":
     mixer = TimeMix7State.empty(batch, cfg.d_model, cfg.rwkv7_head_size)
   else:

@@ -7,3 +7,4 @@ from ltm_jax.layers.ffn import SwiGLU
 from ltm_jax.layers.rwkv4 import ChannelMix, ChannelMixState, TimeMix, TimeMixState
 from ltm_jax.layers.rwkv7 import ChannelMix7, TimeMix7, TimeMix7State
 from ltm_jax.layers.titans import MemoryAsGate, MemoryAsLayer, NeuralMemory, NeuralMemoryState, TitansState
+from ltm_jax.layers.mmrec import MMRec, MMRecState

@@ -224,9 +224,11 @@ def _sha256(path: pathlib.Path) -> str:
 
 # Model keys that change how the model runs, not what its parameters are or compute: free to change on resume/load.
 RUNTIME_MODEL_KEYS = ("dtype", "wkv_impl", "wkv7_impl", "attention_impl", "memory_impl", "max_seq_len", "remat",
-                      "matmul_precision")
+                      "matmul_precision", "loss_chunk", "mmrec_impl", "mmrec_remat", "mmrec_precompute")
 # Keys that mean something only to Titans memory layers (M, G).
 MEMORY_MODEL_KEYS = ("memory_depth", "memory_expansion", "memory_chunk", "memory_max_lr")
+# Keys that mean something only to MM-Rec layers (D).
+MMREC_MODEL_KEYS = ("mmrec_slots", "mmrec_segment")
 
 
 # Latent keys that shape the parameters or what they compute; the inner-loop settings stay free (e.g. more eval steps).
@@ -239,11 +241,11 @@ STRUCTURAL_TIMESERIES_KEYS = ("enabled", "task", "patch", "pool", "branch", "spe
 
 
 def check_compatible(saved: config_lib.Config, current: config_lib.Config, where: str) -> None:
-  """Raises CheckpointError naming every model key (other than runtime choices, and the memory keys of models
-  without memory layers) and structural latent and time-series key that differs from the checkpoint's."""
+  """Raises CheckpointError naming every model key (other than runtime choices, and the keys of layer kinds neither
+  model has) and structural latent and time-series key that differs from the checkpoint's."""
   a, b = saved.model.__dict__, current.model.__dict__
-  has_memory = any(set("MG") & set(c.layer_pattern) for c in (saved.model, current.model))
-  ignored = RUNTIME_MODEL_KEYS + (() if has_memory else MEMORY_MODEL_KEYS)
+  has = lambda letters: any(set(letters) & set(c.layer_pattern) for c in (saved.model, current.model))
+  ignored = RUNTIME_MODEL_KEYS + (() if has("MG") else MEMORY_MODEL_KEYS) + (() if has("D") else MMREC_MODEL_KEYS)
   diffs = [f"model.{k}: checkpoint {a[k]!r}, config {b[k]!r}" for k in a if a[k] != b[k] and k not in ignored]
   a, b = saved.latent.__dict__, current.latent.__dict__
   if a["enabled"] or b["enabled"]:  # Without latents the other latent keys mean nothing.

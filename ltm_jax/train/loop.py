@@ -16,8 +16,11 @@ import jax.numpy as jnp
 import tqdm
 
 from ltm_jax import parallel
+from ltm_jax import model as model_lib
 from ltm_jax.config import Config
 from ltm_jax.errors import ConfigError, TrainingError
+from ltm_jax.inference import quantize as quantize_lib
+from ltm_jax.parallel import pipeline
 from ltm_jax.train import checkpoint as ckpt_lib
 from ltm_jax.train import task as task_lib
 from ltm_jax.train import workdir as workdir_lib
@@ -62,6 +65,21 @@ class StopFlag:
         signal.signal(s, h)
 
 
+def _qat_view(cfg: Config, params):
+  """The parameters' quantisation-aware view for train.qat (None without QAT), checked against every weight here, so
+  a group size that does not divide a fan-in is refused before the workdir is touched."""
+  t = cfg.train
+  if t.qat == "none":
+    return None
+  axes = model_lib.param_axes(cfg.model, cfg.latent)
+  view = lambda p: quantize_lib.fake_quantize_params(p, axes, t.qat, t.qat_group)
+  try:
+    jax.eval_shape(view, params)
+  except ValueError as e:
+    raise ConfigError(f"train.qat={t.qat} with train.qat_group={t.qat_group}: {e}") from None
+  return view
+
+
 def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = None) -> TrainResult:
   """Trains `cfg` in `workdir`, resuming from its latest checkpoint. `progress=None` shows a bar only on a terminal.
   What is trained (the decoder LM on tokens, or with timeseries.enabled a time-series model on labelled series)
@@ -84,6 +102,7 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = N
   optimizer = make_optimizer(t)
   task = task_lib.make_task(cfg, optimizer)  # Reads and checks the data: refusals come before any write.
   state, sharded = task.state, task.sharded
+  params_view = _qat_view(cfg, state.params)
   main = parallel.is_main_process()
 
   with contextlib.ExitStack() as cleanup:
@@ -115,7 +134,8 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = N
         print(f"warning: moved unreadable checkpoint(s) {damaged} to {aside}", file=sys.stderr)
       ckpt_lib.write_config_json(workdir, cfg)
     train_step = make_train_step(task.model, optimizer, learning_rate(t), t.grad_accum, sharded,
-                                 loss_fn=task.loss_fn)
+                                 loss_fn=task.loss_fn, params_view=params_view)
+    evaluated = jax.jit(params_view) if params_view is not None else (lambda params: params)
 
     writer = MetricsWriter(workdir, start) if main else None
     if writer is not None:
@@ -125,6 +145,8 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = N
     cleanup.callback(bar.close)
     say = bar.write if show_bar else print if main else lambda *_: None
     devices, device_kind = jax.device_count(), jax.devices()[0].device_kind
+    stages = 1 if sharded is None else sharded.mesh.shape.get(pipeline.AXIS, 1)
+    bubble = pipeline.bubble_fraction(stages, cfg.model.pipeline_micro_batches if stages > 1 else 1)
     if start:
       say(f"resuming from step {start} in {workdir}")
     last: dict[str, Any] = {}
@@ -147,14 +169,14 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = N
           row.update(metrics, step_seconds=elapsed / interval_steps,
                      **{f"{unit}_per_sec": interval_steps * task.units_per_step / elapsed,
                         unit: step * task.units_per_step},
-                     **throughput(task.flops_per_step, interval_steps, elapsed, devices, device_kind))
+                     **throughput(task.flops_per_step, interval_steps, elapsed, devices, device_kind, bubble))
           bar.set_postfix(loss=f"{row['loss']:.3f}", per_s=f"{row[f'{unit}_per_sec']:.0f}")
           if not show_bar:
             extra = "".join(f" {k} {row[k]:.4f}" for k in ("kl", "accuracy", "rmse") if k in row)
             say(f"step {step}/{t.steps} loss {row['loss']:.4f}{extra} lr {row['lr']:.2e} "
                 f"grad_norm {row['grad_norm']:.3f} {unit}/s {row[f'{unit}_per_sec']:.0f}")
         if step % t.eval_every == 0 or step == t.steps:
-          evaluation = task.evaluate(state.params, step == t.steps)  # Empty without validation data.
+          evaluation = task.evaluate(evaluated(state.params), step == t.steps)  # Empty without validation data.
           row.update(evaluation, **{unit: step * task.units_per_step})
           if evaluation:
             say(f"step {step}: " + " ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"

@@ -29,9 +29,18 @@ class TrainState:
   loss_scale: loss_scale_lib.LossScale
 
 
+def run_keys(seed: int) -> tuple[jax.Array, jax.Array]:
+  """(init key, training key) of a run with `seed`: split from one root key, so the parameters' initialisation and
+  the training randomness (latent inference's starting points and noise) never draw from the same key."""
+  init_key, train_key = jax.random.split(jax.random.key(seed))
+  return init_key, train_key
+
+
 def create_train_state(params, optimizer: optax.GradientTransformation, seed: int) -> TrainState:
+  """Step 0 of training `params` (initialised from `run_keys(seed)[0]`, or converted) with the training key of
+  `seed`. A restored checkpoint carries its own key, so a resumed run continues the stream it started with."""
   return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params),
-                    jax.random.key_data(jax.random.key(seed)), loss_scale_lib.initial())
+                    jax.random.key_data(run_keys(seed)[1]), loss_scale_lib.initial())
 
 
 def token_nll(model: nn.Module, params, batch, latents=None) -> tuple[jax.Array, jax.Array]:
@@ -101,7 +110,7 @@ def latent_decoder_terms(model: nn.Module, params, batch, key: jax.Array) -> Dec
 
 
 def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
-                    grad_accum: int, layout: Layout | None = None, loss_fn=None):
+                    grad_accum: int, layout: Layout | None = None, loss_fn=None, params_view=None):
   """Returns jitted `step(state, batch) -> (state, metrics)`; batch leaves lead with B, B % grad_accum == 0.
 
   `loss_fn(params, micro_batch) -> (loss, metrics)` replaces the decoder's token NLL (e.g. a time-series head's
@@ -115,15 +124,21 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, s
   objective, loss + kl is the training ELBO per token.
 
   With a `layout` (ltm_jax.parallel) the step is compiled for its mesh: state and batch arrive and leave in the
-  layout's shardings (the state donated), every micro-batch is split like the batch, gradients are laid out like the
-  parameters (so FSDP reduce-scatters them), and metrics come back replicated."""
+  layout's shardings (the state donated), every micro-batch is split like the batch, each micro-batch's gradient and
+  their running sum are laid out like the parameters (no device holds the whole gradient of a split parameter), and
+  metrics come back replicated.
+
+  `params_view(params) -> params` is what the model computes with, differentiated through (quantisation-aware
+  training passes `quantize.fake_quantize_params`: rounded weights forward, a straight-through gradient backward);
+  None: the parameters themselves."""
   latent = model_lib.uses_latents(getattr(model, "latent", None))
+  view = params_view or (lambda params: params)
   # float16 gradients underflow: differentiate the loss times a dynamic scale, unscale in float32, and skip the
   # update (halving the scale) when a gradient overflows.
   scaled = model.cfg.dtype == "float16"
 
   def loss(params, micro, scored, scale):
-    extra = {}
+    params, extra = view(params), {}
     if loss_fn is not None:
       value, extra = loss_fn(params, micro)
     elif scored is None:
@@ -137,6 +152,17 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, s
       value = total / count
     return (loss_scale_lib.scale_loss(scale, value) if scaled else value), (value, extra)
 
+  def like_params(tree, replicated_too: bool = False):
+    """`tree` (shaped like the parameters) laid out like the split parameters (all of them with `replicated_too`);
+    a no-op without a layout. Inside the micro-batch loop the replicated ones (norm scales, per-channel mixes) are
+    left to XLA, which keeps their running sums split over the batch axes and gathers them once after the loop,
+    rather than once per micro-batch."""
+    if layout is None:
+      return tree
+    constrain = lambda x, s: x if s.is_fully_replicated and not replicated_too else (
+        jax.lax.with_sharding_constraint(x, s))
+    return jax.tree.map(constrain, tree, layout.state.params)
+
   def step(state: TrainState, batch):
     micro = jax.tree.map(lambda x: x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:]), batch)
     # Each micro-batch split over the batch axes like the whole batch (a no-op without a layout's rules).
@@ -147,7 +173,7 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, s
       mb, index = xs
       terms = DecoderTerms(None, None, {})
       if latent is not None:
-        terms = latent_decoder_terms(model, state.params, mb, jax.random.fold_in(step_key, index))
+        terms = latent_decoder_terms(model, view(state.params), mb, jax.random.fold_in(step_key, index))
       grads, extra = terms.iterates_grad, dict(terms.metrics)
       if grads is None:
         (_, (value, loss_metrics)), grads = jax.value_and_grad(loss, has_aux=True)(
@@ -155,15 +181,15 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, s
         extra.update(loss_metrics, loss=value)
       elif scaled:  # The iterates' gradient comes unscaled from the inner loop: scale it like the loss gradient.
         grads = jax.tree.map(lambda g: loss_scale_lib.scale_loss(state.loss_scale, g), grads)
-      return jax.tree.map(jnp.add, grads_sum, grads), extra
+      # Each micro-batch's gradient and the running sum stay in the split parameters' shards: no micro-batch gathers
+      # or all-reduces a whole gradient into a replicated accumulator.
+      return like_params(jax.tree.map(jnp.add, grads_sum, like_params(grads))), extra
 
-    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    zeros = like_params(jax.tree.map(jnp.zeros_like, state.params))
     grads, micro_metrics = jax.lax.scan(accumulate, zeros, (micro, jnp.arange(grad_accum)))
-    grads = jax.tree.map(lambda g: g / grad_accum, grads)
+    grads = like_params(jax.tree.map(lambda g: g / grad_accum, grads), replicated_too=True)
     if scaled:
       grads = loss_scale_lib.unscale(state.loss_scale, grads)
-    if layout is not None:
-      grads = jax.lax.with_sharding_constraint(grads, layout.state.params)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {k: v.mean() for k, v in micro_metrics.items()}

@@ -155,10 +155,16 @@ def test_finished_run_is_not_repeated(uninterrupted):
   assert result.step == 120 and _tree_digest(workdir / "checkpoints") == before
 
 
-def test_memory_keys_matter_only_to_models_with_memory_layers():
+def test_memory_keys_matter_only_to_models_with_their_layers():
   plain, titans = loop_config(), loop_config(layer_pattern="MA", window=8)
   deeper = lambda cfg: apply_overrides(cfg, ["model.memory_depth=2", "model.memory_impl=scan"])
   ckpt_lib.check_compatible(plain, deeper(plain), "w")  # An RA model has no memory: its memory keys mean nothing.
   ckpt_lib.check_compatible(titans, apply_overrides(titans, ["model.memory_impl=scan"]), "w")  # A runtime choice.
   with pytest.raises(CheckpointError, match=r"model.memory_depth: checkpoint 1, config 2"):
     ckpt_lib.check_compatible(titans, deeper(titans), "w")
+  mmrec = loop_config(layer_pattern="DA", window=8)
+  more_slots = lambda cfg: apply_overrides(cfg, ["model.mmrec_slots=3", "model.mmrec_remat=recurrence"])
+  ckpt_lib.check_compatible(plain, more_slots(plain), "w")
+  ckpt_lib.check_compatible(mmrec, apply_overrides(mmrec, ["model.mmrec_remat=recurrence"]), "w")
+  with pytest.raises(CheckpointError, match=r"model.mmrec_slots: checkpoint \d+, config 3"):
+    ckpt_lib.check_compatible(mmrec, more_slots(mmrec), "w")
