@@ -93,10 +93,10 @@ def test_decoder_gradient_equals_gradient_with_z_frozen():
   grads = jax.tree.map(jnp.subtract, params, new_state.params)
 
   key = jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(state.rng), 0), 0)
-  z = latent_decoder_terms(model, params, batch, key).scored[0][0]
+  z = jax.jit(latent_decoder_terms, static_argnums=0)(model, params, batch, key).scored[0][0]
   frozen = jax.lax.stop_gradient(z)
   loss = lambda p: latent_lib.token_nll(model, p, batch["inputs"], batch["targets"], frozen).mean()
-  expected = jax.grad(loss)(params)
+  expected = jax.jit(jax.grad(loss))(params)
   for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(expected)):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
   # And z does depend on the decoder: differentiating through the inner loop would give a different gradient.
