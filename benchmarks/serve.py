@@ -40,8 +40,6 @@ import numpy as np
 from ltm_jax import config as config_lib
 from ltm_jax import model as model_lib
 from ltm_jax.train import checkpoint as ckpt_lib
-from ltm_jax.train.optimizer import make_optimizer
-from ltm_jax.train.step import create_train_state
 
 LEVELS = (1, 2, 4, 8, 16, 32, 64)
 LEVEL_SECONDS = 120.0  # No new request starts after this long in one level (the table says how many ran).
@@ -50,12 +48,7 @@ LEVEL_SECONDS = 120.0  # No new request starts after this long in one level (the
 def _workdir(path: str, overrides: list[str]) -> str:
   cfg = config_lib.load_config(str(ROOT / "configs" / "tiny.py"), overrides)
   params = model_lib.init_params(cfg.model, jax.random.key(0))
-  checkpointer = ckpt_lib.Checkpointer(path, keep=1, async_save=False)
-  try:
-    checkpointer.save(0, create_train_state(params, make_optimizer(cfg.train), 0), {}, cfg)
-  finally:
-    checkpointer.close()
-  ckpt_lib.write_config_json(path, cfg)
+  ckpt_lib.save_params(path, cfg, params)
   return path
 
 

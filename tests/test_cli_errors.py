@@ -13,8 +13,6 @@ from conftest import ROOT, micro_config
 from ltm_jax import cli
 from ltm_jax import model as model_lib
 from ltm_jax.train import checkpoint as ckpt_lib
-from ltm_jax.train.optimizer import make_optimizer
-from ltm_jax.train.step import create_train_state
 
 TINY = str(ROOT / "configs" / "tiny.py")
 
@@ -94,12 +92,7 @@ def foreign_vocabulary(tmp_path_factory):
   path = tmp_path_factory.mktemp("foreign")
   cfg = micro_config(vocab_size=300)
   params = model_lib.init_params(cfg.model, jax.random.key(0))
-  checkpointer = ckpt_lib.Checkpointer(path, keep=1, async_save=False)
-  try:
-    checkpointer.save(0, create_train_state(params, make_optimizer(cfg.train), 0), {}, cfg)
-  finally:
-    checkpointer.close()
-  ckpt_lib.write_config_json(path, cfg)
+  ckpt_lib.save_params(path, cfg, params)
   return path
 
 

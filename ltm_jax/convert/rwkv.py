@@ -258,8 +258,6 @@ def convert_rwkv(checkpoint: str | pathlib.Path, out: str | pathlib.Path, *, ste
   vocabulary is used through token ids), "rwkv_world" or "byte". Nothing is written when anything is refused.
   """
   from ltm_jax.train import checkpoint as ckpt_lib  # Imported here: orbax is slow to import.
-  from ltm_jax.train.optimizer import make_optimizer
-  from ltm_jax.train.step import create_train_state
 
   out, checkpoint = pathlib.Path(out), pathlib.Path(checkpoint)
   if step < 0:
@@ -273,16 +271,9 @@ def convert_rwkv(checkpoint: str | pathlib.Path, out: str | pathlib.Path, *, ste
                     name or f"rwkv-{version}-{checkpoint.stem}")
   params = jax.tree.map(jax.numpy.asarray, to_params(weights, version, cfg.model))
   del weights
-  state = create_train_state(params, make_optimizer(cfg.train), cfg.train.seed)
-  state = state.replace(step=jax.numpy.asarray(step, jax.numpy.int32))
-  out.mkdir(parents=True, exist_ok=True)
-  checkpointer = ckpt_lib.Checkpointer(out, keep=1, async_save=False)
-  try:
-    # No data-stream position: a converted model has not been trained here.
-    checkpointer.save(step, state, {"converted_from": str(checkpoint.absolute()), "version": version}, cfg)
-  finally:
-    checkpointer.close()
-  ckpt_lib.write_config_json(out, cfg)
+  # No data-stream position: a converted model has not been trained here.
+  ckpt_lib.save_params(out, cfg, params, step=step,
+                       data_state={"converted_from": str(checkpoint.absolute()), "version": version})
   (out / "conversion.json").write_text(json.dumps(
       {"checkpoint": str(checkpoint.absolute()), "version": version, "step": step,
        "model": dataclasses.asdict(cfg.model), "tokenizer": cfg.data.tokenizer}, indent=2) + "\n")

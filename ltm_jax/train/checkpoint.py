@@ -279,6 +279,24 @@ def write_config_json(workdir: str | pathlib.Path, config: config_lib.Config) ->
   os.replace(tmp, path)
 
 
+def save_params(workdir: str | pathlib.Path, config: config_lib.Config, params, *, step: int = 0,
+                data_state: dict[str, Any] | None = None) -> None:
+  """Writes a workdir holding `params` as the train state at `step` (a fresh optimizer state and the training key of
+  config.train.seed) and its config.json: what `ltm eval`, `generate` and `serve` load and `ltm train` resumes. For
+  parameters made outside training (converted, or initialised for a test or a benchmark)."""
+  from ltm_jax.train.optimizer import make_optimizer  # Deferred: training imports this module.
+  from ltm_jax.train.step import create_train_state
+  state = create_train_state(params, make_optimizer(config.train), config.train.seed)
+  state = state.replace(step=jax.numpy.asarray(step, jax.numpy.int32))
+  pathlib.Path(workdir).mkdir(parents=True, exist_ok=True)
+  checkpointer = Checkpointer(workdir, keep=1, async_save=False)
+  try:
+    checkpointer.save(step, state, data_state or {}, config)
+  finally:
+    checkpointer.close()
+  write_config_json(workdir, config)
+
+
 def read_config_json(workdir: str | pathlib.Path) -> config_lib.Config:
   path = pathlib.Path(workdir) / "config.json"
   if not path.is_file():

@@ -32,8 +32,6 @@ from ltm_jax.serve import Engine
 from ltm_jax.serve import slots as slots_lib
 from ltm_jax.serve.app import create_app
 from ltm_jax.train import checkpoint as ckpt_lib
-from ltm_jax.train.optimizer import make_optimizer
-from ltm_jax.train.step import create_train_state
 
 CONTEXT = 64
 SLOTS = 16
@@ -61,12 +59,7 @@ def workdir(tmp_path_factory):
   cfg = micro_config(max_seq_len=CONTEXT)
   params = jax.jit(lambda key: model_lib.init_params(cfg.model, key))(jax.random.key(1))  # Jitted: quicker.
   params["head"]["kernel"] = params["head"]["kernel"] * 200.0
-  checkpointer = ckpt_lib.Checkpointer(path, keep=1, async_save=False)
-  try:
-    checkpointer.save(0, create_train_state(params, make_optimizer(cfg.train), 0), {}, cfg)
-  finally:
-    checkpointer.close()
-  ckpt_lib.write_config_json(path, cfg)
+  ckpt_lib.save_params(path, cfg, params)
   return path
 
 
