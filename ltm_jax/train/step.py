@@ -173,7 +173,7 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, s
       mb, index = xs
       terms = DecoderTerms(None, None, {})
       if latent is not None:
-        terms = latent_decoder_terms(model, view(state.params), mb, jax.random.fold_in(step_key, index))
+        terms = latent_decoder_terms(model, inner_params, mb, jax.random.fold_in(step_key, index))
       grads, extra = terms.iterates_grad, dict(terms.metrics)
       if grads is None:
         (_, (value, loss_metrics)), grads = jax.value_and_grad(loss, has_aux=True)(
@@ -185,6 +185,8 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, s
       # or all-reduces a whole gradient into a replicated accumulator.
       return like_params(jax.tree.map(jnp.add, grads_sum, like_params(grads))), extra
 
+    # The inner loop fits z to the weights the step computes with; they are the same for every micro-batch.
+    inner_params = view(state.params) if latent is not None else None
     zeros = like_params(jax.tree.map(jnp.zeros_like, state.params))
     grads, micro_metrics = jax.lax.scan(accumulate, zeros, (micro, jnp.arange(grad_accum)))
     grads = like_params(jax.tree.map(lambda g: g / grad_accum, grads), replicated_too=True)
