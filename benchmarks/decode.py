@@ -25,7 +25,10 @@ Sections (the JSON tags each row with `section`):
   dtype     batch 1 at the real prompt's end: float32, bfloat16 compute (model.dtype), int8 weights
             (`LanguageModel.quantize("int8")`) and int4 weights in groups of 128 (`quantize("int4")`), float32
             compute: ms/token, parameter bytes, and the largest |logit - float32 logit| over a random prompt
-            (forward pass). Quantised weights are dequantised inside the jitted call (`dequantize_params`).
+            (forward pass). Quantised weights are dequantised inside the jitted call, ahead of the token loop,
+            except kernels of the kinds `kernels_read_quantized` names for the platform (none on CPU); "int8 read
+            as stored" multiplies the int8 kernels as stored inside every step (`kernels_as_stored`, a GPU's
+            default). --dtype-models rwkv7_scanned runs the same with model.scan_layers.
   forms     which XLA form of a quantised matmul reads fewer bytes in a decoding loop on this machine: a stack of
             the plan's MLPs (d_model -> 4 d_model -> d_model, n_layers of them, batch 1) run for `steps` tokens in
             one lax.fori_loop, one row per form: float32 and bfloat16 weights; int8 dequantised then multiplied
@@ -112,7 +115,9 @@ PLANS = {
                   dtype_models=("rwkv7",)),
 }
 MODELS = {"rwkv7": {"layer_pattern": "W"}, "rwkv4": {"layer_pattern": "R"}, "attention": {"layer_pattern": "A"},
-          "sliding": {"layer_pattern": "A"}, "titans": {"layer_pattern": "MG"}}  # sliding, titans: window=plan.window.
+          "sliding": {"layer_pattern": "A"}, "titans": {"layer_pattern": "MG"},  # sliding, titans: window=plan.window.
+          "rwkv7_scanned": {"layer_pattern": "W", "scan_layers": True}}
+POSITION_MODELS = ("rwkv7", "rwkv4", "attention", "sliding", "titans")
 FLAT_MODELS = ("rwkv7", "rwkv4", "titans")  # States that do not grow: held to RWKV_FLAT.
 SECTIONS = ("position", "batch", "dtype", "forms", "official")
 RWKV_FLAT = 1.05  # The issue's bound on t(16k) / t(128) for the RWKV models.
@@ -219,22 +224,24 @@ class Loop:
 _COMPILED: dict[Any, tuple[Any, float]] = {}
 
 
-def compile_decode(model: model_lib.LM, params, decoding: generation.Decoding, steps: int) -> tuple[Any, float]:
+def compile_decode(model: model_lib.LM, params, decoding: generation.Decoding, steps: int,
+                   kernels_as_stored: tuple[str, ...] | None = None) -> tuple[Any, float]:
   """`generation.decode` lowered and compiled for these shapes (cached), and the seconds compiling took.
 
   Not `common.compile_fn`: a fresh jax.jit around decode would drop decode's donation of the Decoding."""
-  signature = (model, steps, jax.tree.structure((params, decoding)),
+  signature = (model, steps, kernels_as_stored, jax.tree.structure((params, decoding)),
                tuple((x.shape, x.dtype) for x in jax.tree.leaves((params, decoding))))
   if signature not in _COMPILED:
     began = time.perf_counter()
-    compiled = generation.decode.lower(model, params, decoding, jax.random.key(0), steps=steps).compile()
+    compiled = generation.decode.lower(model, params, decoding, jax.random.key(0), steps=steps,
+                                       kernels_as_stored=kernels_as_stored).compile()
     _COMPILED[signature] = (compiled, time.perf_counter() - began)
   return _COMPILED[signature]
 
 
 def make_loop(name, lm: ltm_jax.LanguageModel, model: model_lib.LM, decoding: generation.Decoding,
-              steps: int) -> Loop:
-  compiled, compile_s = compile_decode(model, lm.params, decoding, steps)
+              steps: int, kernels_as_stored: tuple[str, ...] | None = None) -> Loop:
+  compiled, compile_s = compile_decode(model, lm.params, decoding, steps, kernels_as_stored)
   return Loop(name, compiled, lm.params, decoding, steps, compile_s)
 
 
@@ -308,6 +315,9 @@ def weight_bytes_per_token(lm: ltm_jax.LanguageModel) -> int:
   return total
 
 
+AS_STORED = "int8 read as stored"  # kernels_as_stored=("int8",): what a GPU does by default.
+
+
 def section_dtype(plan: Plan, models: dict[str, ltm_jax.LanguageModel], bandwidths: dict[str, float]) -> list[dict]:
   """float32, bfloat16 compute and int8 weights at batch 1 after the prompt, with the floor columns (one row per
   (model, variant)); `bandwidths` {name: GB/s} each give a floor."""
@@ -317,12 +327,14 @@ def section_dtype(plan: Plan, models: dict[str, ltm_jax.LanguageModel], bandwidt
     variants = {"float32": base,
                 "bfloat16": ltm_jax.LanguageModel(make_config(plan, kind, "bfloat16"), base.params),
                 "int8": base.quantize("int8"), "int4": base.quantize("int4")}
+    variants[AS_STORED] = variants["int8"]
     prompt = random_prompt(1, plan.prompt, base.config.model.vocab_size, seed=2)
     reference = np.asarray(base.forward(prompt))
     loops = []
     for variant, lm in variants.items():
       model = decode_model(lm, cache_capacity(lm, plan.prompt + plan.steps))
-      loops.append(make_loop(variant, lm, model, prefill(lm, model, prompt), plan.steps))
+      keep = ("int8",) if variant == AS_STORED else None
+      loops.append(make_loop(variant, lm, model, prefill(lm, model, prompt), plan.steps, keep))
     time_round_robin(loops, plan.repeats)
     for loop, (variant, lm) in zip(loops, variants.items()):
       drift = float(np.max(np.abs(np.asarray(lm.forward(prompt)) - reference)))
@@ -605,12 +617,16 @@ def main():
   parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS,
                       help="dtype includes the floor table; a partial run writes decode[-quick]-<sections>-<device>")
   parser.add_argument("--official-strategy", default="cpu fp32", help="the rwkv package's strategy string")
-  parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS),
+  parser.add_argument("--models", nargs="+", default=list(POSITION_MODELS), choices=list(MODELS),
                       help="the position section's models; a subset adds their names to the results file's name")
+  parser.add_argument("--dtype-models", nargs="+", default=None, choices=list(MODELS),
+                      help="the dtype section's models (default: the plan's)")
   args = parser.parse_args()
   if args.quick:
     args.plan = "quick"
   plan = PLANS[args.plan]
+  if args.dtype_models:
+    plan = plan._replace(dtype_models=tuple(args.dtype_models))
   load_start = os.getloadavg()
   began = time.perf_counter()
 
@@ -673,8 +689,10 @@ def main():
   name = "decode" + ("-quick" if args.plan == "quick" else "")
   if sorted(args.sections) != sorted(SECTIONS):
     name += "-" + "-".join(s for s in SECTIONS if s in args.sections)
-  if sorted(args.models) != sorted(MODELS):
+  if sorted(args.models) != sorted(POSITION_MODELS):
     name += "-" + "-".join(args.models)
+  if args.dtype_models:
+    name += "-" + "-".join(args.dtype_models)
   path = common.write_results(
       name, rows, plan=args.plan, sections=args.sections, size=plan.size,
       layer_patterns={k: v["layer_pattern"] for k, v in MODELS.items()}, window=plan.window,

@@ -62,6 +62,10 @@ class ModelConfig:
   # compute, so every backend agrees to float32 rounding); "default" lets XLA use TF32 tensor cores on GPU (faster,
   # ~1e-3 relative). No effect on bfloat16/float16 operands.
   matmul_precision: str = "highest"
+  # The blocks' projections (q/k/v/out, FFNs, RWKV and Titans projections; not the LM head, the LoRAs or attention's
+  # own products) multiply in FP8: e4m3 operands, e5m2 gradients, current per-tensor scaling (ltm_jax.ops.fp8).
+  # Emulated off Hopper; use with dtype bfloat16 for FP8 training on H100 tensor cores.
+  fp8: bool = False
   init_std: float = 0.02
   wkv_impl: str = "auto"
   attention_impl: str = "auto"

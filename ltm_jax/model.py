@@ -28,9 +28,10 @@ from ltm_jax.config import LatentConfig, ModelConfig
 from ltm_jax.layers import Attention, ChannelMix, ChannelMixState, CrossAttention, KVCache, SwiGLU, TimeMix, TimeMixState
 from ltm_jax.layers import ChannelMix7, MemoryAsGate, MemoryAsLayer, NeuralMemoryState, TimeMix7, TimeMix7State
 from ltm_jax.layers import MMRec, MMRecState, TitansState
-from ltm_jax.layers.common import init, norm
+from ltm_jax.layers.common import fp8_projections, init, norm
 from ltm_jax.parallel import pipeline
 from ltm_jax.ops import cross_entropy
+from ltm_jax.ops.quant_matmul import weights as quant_weights
 
 SCANNED = "blocks"  # The parameter (and module) name of the scanned stack of blocks.
 LAYER_AXIS = "layers"  # The logical name of the stacked parameters' leading axis; sharding leaves it whole.
@@ -280,6 +281,11 @@ class LM(nn.Module):
       kernel = embed.embedding.T
     else:
       kernel = _HeadKernel(cfg, name="head")()
+    if quant_weights.is_quantized(kernel):  # An untied head stored quantised (see common.Dense).
+      if targets is None:
+        logits = quant_weights.matmul(x.astype(jnp.float32), kernel, 1, (cfg.padded_vocab_size,))
+        return logits[..., :cfg.vocab_size], new_state
+      kernel = quant_weights.dequantize(kernel)
     x, kernel = x.astype(cfg.dtype), kernel.astype(cfg.dtype)
     if targets is not None:
       return cross_entropy.token_nll(x, kernel, targets, cfg.vocab_size, cfg.loss_chunk), new_state
@@ -289,12 +295,14 @@ class LM(nn.Module):
 
 class _HeadKernel(nn.Module):
   """The untied LM head's kernel [d_model, padded vocab] (the parameter `head/kernel`), for the caller to multiply:
-  either into logits or chunk by chunk inside the loss."""
+  either into logits or chunk by chunk inside the loss; as stored when it is quantised."""
   cfg: ModelConfig
 
   @nn.compact
   def __call__(self) -> jax.Array:
     cfg = self.cfg
+    if self.has_variable("params", "kernel") and quant_weights.is_quantized(self.get_variable("params", "kernel")):
+      return self.get_variable("params", "kernel")
     return self.param("kernel", init(cfg.init_std, ("embed", "vocab")), (cfg.d_model, cfg.padded_vocab_size),
                       jnp.float32)
 
@@ -307,6 +315,11 @@ def run_blocks(cfg: ModelConfig, x, state: tuple[BlockState, ...] | None = None,
   Called inside a compact method, the blocks become the caller's submodules (`block_{i}`, and `blocks` when
   scanned), so a model with its own input embedding and head (ltm_jax/timeseries) runs the same layers with the same
   parameter layout, state API and padding rules as the decoder."""
+  with fp8_projections(cfg.fp8):
+    return _run_blocks(cfg, x, state, latent, latents, positions, valid, capacity)
+
+
+def _run_blocks(cfg: ModelConfig, x, state, latent, latents, positions, valid, capacity):
   layout = scan_layout(cfg)
   block_cls, new_state, v_first = _block_class(cfg, scanned=False), [], None
   for i in range(layout.prefix_layers):

@@ -7,10 +7,11 @@
 sequence is always drawn with `fold_in(key, i)`, so decoding in chunks gives exactly the tokens of one call. The
 loop stops early once every row has produced a stop token; a finished row repeats its stop token.
 
-`params` may hold int8 weights (`ltm_jax.inference.quantize`); they are dequantised inside the jitted computation,
-so the int8 values are what lives in device memory between calls. Within a `decode` call XLA dequantises once, ahead
-of the loop (the weights are loop-invariant), so the loop runs at the float model's speed with a transient float
-copy: measured on CPU, forcing the dequantisation into every step was 2.3x slower and its temporaries no smaller.
+`params` may hold quantised weights (`ltm_jax.inference.quantize`), so the integer values are what lives in device
+memory between calls. Kernels of a kind the platform reads as stored (`kernels_read_quantized`: int8 and int4 on
+GPU, none on CPU, where it was measured to be slower) are multiplied as they are inside every step, so the loop
+reads their integer bytes; the others are dequantised inside the jitted computation ahead of the loop, which then
+runs at the float model's speed on a transient float copy.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ltm_jax.inference.quantize import dequantize_params
+from ltm_jax.inference.quantize import dequantize_params, kernels_read_quantized
 from ltm_jax.layers.attention import token_positions
 from ltm_jax.ops import sample_logits
 
@@ -66,33 +67,48 @@ def prompt_mask(lengths: jax.Array, length: int) -> tuple[jax.Array, jax.Array]:
   return valid, token_positions(jnp.zeros(lengths.shape, jnp.int32), valid, length)
 
 
-def run_model(model: nn.Module, params, *args):
-  """`model.apply` on params that may hold int8 weights, dequantised here to the compute dtype (inside jit)."""
-  return model.apply({"params": dequantize_params(params, jnp.dtype(model.cfg.dtype))}, *args)
+def model_params(model: nn.Module, params, kernels_as_stored: tuple[str, ...] | None = None):
+  """Params that may hold quantised weights, as the model reads them (inside jit): quantised kernels of the kinds in
+  `kernels_as_stored` (None: the platform's `kernels_read_quantized`) stay quantised, the rest is dequantised to the
+  compute dtype."""
+  keep = kernels_read_quantized() if kernels_as_stored is None else kernels_as_stored
+  return dequantize_params(params, jnp.dtype(model.cfg.dtype), keep)
 
 
-@functools.partial(jax.jit, static_argnames=("model",))
-def prefill(model: nn.Module, params, tokens: jax.Array, lengths: jax.Array, latents=None) -> Decoding:
+def run_model(model: nn.Module, params, *args, kernels_as_stored: tuple[str, ...] | None = None):
+  """`model.apply` on params that may hold quantised weights (`model_params`; inside jit)."""
+  return model.apply({"params": model_params(model, params, kernels_as_stored)}, *args)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "kernels_as_stored"))
+def prefill(model: nn.Module, params, tokens: jax.Array, lengths: jax.Array, latents=None, *,
+            kernels_as_stored: tuple[str, ...] | None = None) -> Decoding:
   """Runs left-padded prompts tokens [B, T] (row b's last lengths[b] tokens are its prompt) through the model's
   parallel path, from empty states. `model.cache_capacity` sizes full-attention caches, which must cover prompt and
-  generation. `latents` [B, n_layers, n_per_layer, d_model] for latent models, else None."""
+  generation. `latents` [B, n_layers, n_per_layer, d_model] for latent models, else None. `kernels_as_stored`: see
+  `model_params`."""
   batch, length = tokens.shape
   valid, positions = prompt_mask(lengths, length)
-  logits, state = run_model(model, params, tokens, None, latents, positions, valid, True)
+  logits, state = run_model(model, params, tokens, None, latents, positions, valid, True,
+                            kernels_as_stored=kernels_as_stored)
   return Decoding(state, logits[:, -1], lengths.astype(jnp.int32), tokens[:, -1], jnp.zeros((batch,), bool),
                   jnp.zeros((), jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("model", "steps", "top_k", "stop_tokens"), donate_argnames=("decoding",))
+@functools.partial(jax.jit, static_argnames=("model", "steps", "top_k", "stop_tokens", "kernels_as_stored"),
+                   donate_argnames=("decoding",))
 def decode(model: nn.Module, params, decoding: Decoding, key: jax.Array, *, steps: int, temperature=1.0,
-           top_k: int | None = None, top_p=None, stop_tokens: tuple[int, ...] = (), latents=None
-           ) -> tuple[jax.Array, Decoding]:
+           top_k: int | None = None, top_p=None, stop_tokens: tuple[int, ...] = (), latents=None,
+           kernels_as_stored: tuple[str, ...] | None = None) -> tuple[jax.Array, Decoding]:
   """Samples up to `steps` tokens per row -> (tokens [B, steps] int32, the Decoding after them).
 
   Each step samples from `decoding.logits` (temperature 0 is greedy; top_k, top_p as in `ops.sample_logits`) and
   feeds the token back through the recurrent states and caches. `decoding` is donated: its buffers are reused.
+  `kernels_as_stored`: see `model_params`.
   """
   stops = jnp.asarray(stop_tokens, jnp.int32)
+  # Dequantised once, ahead of the token loop, rather than left for XLA to hoist out of it.
+  params = model_params(model, params, kernels_as_stored)
 
   def unfinished(carry):
     i, d, _ = carry
@@ -104,7 +120,7 @@ def decode(model: nn.Module, params, decoding: Decoding, key: jax.Array, *, step
                           top_p=top_p)
     token = jnp.where(d.done, d.last_token, token)
     done = (d.done | jnp.isin(token, stops)) if stop_tokens else d.done
-    logits, state = run_model(model, params, token[:, None], d.state, latents, d.positions[:, None])
+    logits, state = model.apply({"params": params}, token[:, None], d.state, latents, d.positions[:, None])
     d = Decoding(state, logits[:, -1], d.positions + 1, token, done, d.generated + 1)
     return i + 1, d, tokens.at[:, i].set(token)
 

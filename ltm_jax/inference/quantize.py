@@ -42,17 +42,18 @@ Which leaves are matmul weights, and over which axes they contract, is read from
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ltm_jax.model import LAYER_AXIS
+from ltm_jax.ops.quant_matmul.weights import Int4Weight, Int8Weight, QuantizedWeight, dequantize, is_quantized
+from ltm_jax.ops.quant_matmul.weights import matmul_operands
 
 QMAX = 127  # Symmetric range [-127, 127]: -128 is unused, so negating a weight never overflows.
 QMAX4 = 7  # int4: [-7, 7], symmetric for the same reason.
@@ -62,31 +63,6 @@ HEAD_AXES = ("heads", "kv_heads")  # Axes that "head_dim" extends into one logic
 VOCAB_AXIS = "vocab"
 
 
-class Int8Weight(NamedTuple):
-  """A quantised weight. values: int8, the weight's shape; scale: float32, the weight's shape with size 1 on the
-  contraction axes (one scale per output channel, and per layer when stacked). The weight is values * scale."""
-  values: jax.Array
-  scale: jax.Array
-
-
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("packed", "scale"),
-                   meta_fields=("shape", "perm", "group_size"))
-@dataclasses.dataclass(frozen=True)
-class Int4Weight:
-  """A weight quantised to int4 in groups along its fan-in. With the weight laid out as [layers..., K, N] (`perm`
-  orders the original axes as layers, contraction, output; K and N are their products) and G = K / group_size:
-    packed: int8 [layers..., G, group_size / 2, N], two values per byte: low nibble input i, high nibble input
-      i + group_size / 2 of the group (two's complement, values in [-7, 7]);
-    scale: float32 [layers..., G, N], one per group and output channel.
-  `shape` is the original weight's shape; the weight is `dequantize(self)`."""
-  packed: jax.Array
-  scale: jax.Array
-  shape: tuple[int, ...]
-  perm: tuple[int, ...]
-  group_size: int
-
-
-QuantizedWeight = Int8Weight | Int4Weight
 
 
 def _path_name(path) -> str:
@@ -204,36 +180,6 @@ def quantize_int4(weight: jax.Array, contract: Sequence[int], group_size: int, s
   return Int4Weight(packed.astype(jnp.int8), scale[..., 0, :].astype(jnp.float32), shape, perm, group_size)
 
 
-def unpack_int4(packed: jax.Array) -> jax.Array:
-  """int8 [..., G, group / 2, N] packed nibbles -> int8 values [..., G, group, N] (sign-extended)."""
-  low = jnp.right_shift(jnp.left_shift(packed, 4), 4)
-  high = jnp.right_shift(packed, 4)
-  return jnp.concatenate([low, high], axis=-2)
-
-
-def dequantize(weight: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
-  """One quantised weight back to its original shape in `dtype`."""
-  if isinstance(weight, Int8Weight):
-    return weight.values.astype(dtype) * weight.scale.astype(dtype)
-  w = unpack_int4(weight.packed).astype(dtype) * weight.scale.astype(dtype)[..., None, :]
-  permuted = tuple(weight.shape[i] for i in weight.perm)
-  return jnp.transpose(w.reshape(permuted), np.argsort(weight.perm))
-
-
-def matmul_operands(weight: QuantizedWeight) -> tuple[jax.Array, jax.Array, bool]:
-  """A quantised weight of one layer (no stacked axes) as `ltm_jax.ops.quant_matmul` takes it: (values int8
-  [G, rows, N], scale float32 [G, N], packed), for x [..., K] with K its contraction axes flattened in order."""
-  if isinstance(weight, Int4Weight):
-    if len(weight.packed.shape) != 3:
-      raise ValueError(f"matmul_operands takes one layer's weight, got packed values of shape {weight.packed.shape}")
-    return weight.packed, weight.scale, True
-  contract = tuple(i for i, size in enumerate(weight.scale.shape) if size == 1)
-  perm = contract + tuple(i for i in range(weight.values.ndim) if i not in contract)
-  fan_in = math.prod(weight.values.shape[i] for i in contract)
-  values = jnp.transpose(weight.values, perm).reshape(1, fan_in, -1)
-  return values, weight.scale.reshape(1, -1), False
-
-
 def _stacked(spec) -> int:
   names = tuple(spec) if spec is not None else ()
   count = 0
@@ -307,25 +253,45 @@ def _quantize_all_int4(weights: list, specs: tuple[tuple[tuple[int, ...], int], 
   return [quantize_int4(w, contract, group_size, stacked) for w, (contract, stacked) in zip(weights, specs)]
 
 
-def _is_quantized(x) -> bool:
-  return isinstance(x, (Int8Weight, Int4Weight))
-
-
 def has_quantized_weights(tree) -> bool:
   """Whether any leaf of `tree` is an Int8Weight or an Int4Weight."""
-  return any(_is_quantized(leaf) for leaf in jax.tree.leaves(tree, is_leaf=_is_quantized))
+  return any(is_quantized(leaf) for leaf in jax.tree.leaves(tree, is_leaf=is_quantized))
 
 
 def has_int8_weights(tree) -> bool:
   """Whether any leaf of `tree` is an Int8Weight."""
-  return any(isinstance(leaf, Int8Weight) for leaf in jax.tree.leaves(tree, is_leaf=_is_quantized))
+  return any(isinstance(leaf, Int8Weight) for leaf in jax.tree.leaves(tree, is_leaf=is_quantized))
 
 
-def dequantize_params(tree, dtype=jnp.float32):
+def dequantize_params(tree, dtype=jnp.float32, keep_kernels: Sequence[str] = ()):
   """The inverse of `quantize_params`: every quantised weight -> its original shape in `dtype`, other leaves
   unchanged. Call it inside jit, so only the quantised values and scales are device-resident inputs and the
-  dequantised weights are temporaries of the compiled computation."""
-  return jax.tree.map(lambda x: dequantize(x, dtype) if _is_quantized(x) else x, tree, is_leaf=_is_quantized)
+  dequantised weights are temporaries of the compiled computation.
+
+  keep_kernels: kinds ("int8", "int4") of quantised leaves named "kernel" to leave quantised: the projections and
+  the untied LM head, which the model multiplies as stored (`ltm_jax.layers.common.Dense`), so a loop over tokens
+  reads their integer values (see `kernels_read_quantized`)."""
+  def restore(path, x):
+    if not is_quantized(x):
+      return x
+    kind = "int8" if isinstance(x, Int8Weight) else "int4"
+    if kind in keep_kernels and getattr(path[-1], "key", None) == "kernel":
+      return x
+    return dequantize(x, dtype)
+
+  return jax.tree_util.tree_map_with_path(restore, tree, is_leaf=is_quantized)
+
+
+def kernels_read_quantized(platform: str | None = None) -> tuple[str, ...]:
+  """The kinds of quantised kernels a model reads as stored on `platform` (None: JAX's default backend) unless told
+  otherwise; the others are dequantised ahead of the computation. GPU: int8 and int4, multiplied by the Pallas
+  kernel of `ltm_jax.ops.quant_matmul`, which converts integer tiles in registers, so decoding reads 1 or 1/2 byte
+  per weight. CPU: none. Measured on d_model 512, 8-layer models (vocabulary 65,536, batch 1, benchmarks/decode.py,
+  dtype section): int8 kernels read as stored decode 4-7x slower than dequantised ahead (RWKV-7 86 against 14
+  ms/token; attention 280 against 49; RWKV-7 with scanned layers 158 against 36): XLA's CPU code converts the
+  integers to float in a separate pass over each weight inside every step, which costs more than the bytes saved."""
+  platform = platform or jax.default_backend()
+  return KINDS if platform == "gpu" else ()
 
 
 def param_bytes(tree) -> int:
@@ -342,7 +308,7 @@ def quantization_error(params, tree) -> dict[str, float]:
   errors = {}
 
   def visit(path, weight, quantized):
-    if not _is_quantized(quantized):
+    if not is_quantized(quantized):
       return
     w = np.asarray(weight, np.float64)
     if isinstance(quantized, Int8Weight):
@@ -357,5 +323,5 @@ def quantization_error(params, tree) -> dict[str, float]:
       err, ref = np.max(np.abs(deq - blocks), axis=-2), np.max(np.abs(blocks), axis=-2)
     errors[_path_name(path)] = float(np.max(np.where(ref > 0, err / np.where(ref > 0, ref, 1.0), 0.0)))
 
-  jax.tree_util.tree_map_with_path(visit, params, tree, is_leaf=_is_quantized)
+  jax.tree_util.tree_map_with_path(visit, params, tree, is_leaf=is_quantized)
   return errors

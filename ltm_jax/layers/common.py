@@ -10,10 +10,15 @@ Logical axis names used by every parameter (the sharding issue maps them to mesh
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from collections.abc import Sequence
 
 import flax.linen as nn
 import jax.numpy as jnp
+
+from ltm_jax.ops import fp8
+from ltm_jax.ops.quant_matmul import weights as quant_weights
 
 LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "wkv", "norm", "embed_out", "lora",
                 "layers", "memory_in", "memory_out", "conv")
@@ -24,13 +29,47 @@ def init(std: float, axes: Sequence[str]):
   return nn.with_logical_partitioning(nn.initializers.normal(std), tuple(axes))
 
 
-def dense(features, axes: Sequence[str], std: float, dtype, name: str, in_axis=-1) -> nn.DenseGeneral:
+class Dense(nn.DenseGeneral):
+  """nn.DenseGeneral (no bias, no batch dims) whose kernel may be stored quantised (an Int8Weight or Int4Weight in
+  the parameters, left there by `ltm_jax.inference.quantize.dequantize_params(keep_kernels=...)`): then the product
+  reads the integer values and applies the scales after it (`ltm_jax.ops.quant_matmul`)."""
+
+  def __call__(self, inputs):
+    stored = self.get_variable("params", "kernel") if self.has_variable("params", "kernel") else None
+    if not quant_weights.is_quantized(stored):
+      return super().__call__(inputs)
+    n_in = len(self.axis) if isinstance(self.axis, Sequence) else 1
+    features = tuple(self.features) if isinstance(self.features, Sequence) else (self.features,)
+    return quant_weights.matmul(inputs.astype(self.dtype or inputs.dtype), stored, n_in, features)
+
+
+_FP8_PROJECTIONS = contextvars.ContextVar("fp8_projections", default=False)
+
+
+@contextlib.contextmanager
+def fp8_projections(enabled: bool):
+  """While tracing a model inside this context, `dense` projections built with `projection_dot_general()` multiply
+  in FP8 (`ltm_jax.ops.fp8`) when `enabled`. The model enters it around its blocks, from model.fp8."""
+  token = _FP8_PROJECTIONS.set(enabled)
+  try:
+    yield
+  finally:
+    _FP8_PROJECTIONS.reset(token)
+
+
+def projection_dot_general():
+  """The dot_general of a projection built now: FP8's inside `fp8_projections(True)`, else None (lax.dot_general)."""
+  return fp8.dot_general if _FP8_PROJECTIONS.get() else None
+
+
+def dense(features, axes: Sequence[str], std: float, dtype, name: str, in_axis=-1) -> Dense:
   """A bias-free projection whose kernel carries the logical axes `axes` (input axes first)."""
-  return nn.DenseGeneral(features, axis=in_axis, use_bias=False, dtype=dtype, param_dtype=jnp.float32,
-                         # rules=(): flax checks the kernel's shape on its flat 2-D initial value, where a rank-3
-                         # constraint would fail; parameters are placed by ltm_jax.parallel, not by this box.
-                         kernel_init=nn.with_logical_partitioning(nn.initializers.normal(std), tuple(axes), rules=()),
-                         name=name)
+  return Dense(features, axis=in_axis, use_bias=False, dtype=dtype, param_dtype=jnp.float32,
+               dot_general=projection_dot_general(),
+               # rules=(): flax checks the kernel's shape on its flat 2-D initial value, where a rank-3
+               # constraint would fail; parameters are placed by ltm_jax.parallel, not by this box.
+               kernel_init=nn.with_logical_partitioning(nn.initializers.normal(std), tuple(axes), rules=()),
+               name=name)
 
 
 def norm(kind: str, eps: float, dtype, name: str) -> nn.Module:

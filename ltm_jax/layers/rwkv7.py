@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ltm_jax.layers.common import hold_last, token_shift
+from ltm_jax.layers.common import Dense, hold_last, projection_dot_general, token_shift
 from ltm_jax.layers.rwkv4 import ChannelMixState
 from ltm_jax.ops.wkv7 import empty_state as wkv7_empty_state
 from ltm_jax.ops.wkv7 import wkv7
@@ -69,10 +69,11 @@ def _centered_uniform(bound: float, axes: tuple[str, ...]):
   return nn.with_logical_partitioning(init, axes)
 
 
-def _projection(features: int, init, dtype, name: str) -> nn.DenseGeneral:
+def _projection(features: int, init, dtype, name: str) -> Dense:
   """A bias-free projection of the last axis; `init` carries the logical axes (the official inits are uniform or
   zero, not the normal of common.dense)."""
-  return nn.DenseGeneral(features, use_bias=False, dtype=dtype, param_dtype=jnp.float32, kernel_init=init, name=name)
+  return Dense(features, use_bias=False, dtype=dtype, param_dtype=jnp.float32, kernel_init=init,
+               dot_general=projection_dot_general(), name=name)
 
 
 class TimeMix7(nn.Module):

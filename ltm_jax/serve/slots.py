@@ -161,6 +161,7 @@ def decode_chunk(model: model_lib.LM, params, slots: Slots, active: jax.Array, *
   each row's last token)."""
   stops = jnp.asarray(stop_tokens, jnp.int32)
   slots = slots._replace(done=slots.done | ~active)
+  params = generation.model_params(model, params)  # Once, ahead of the token loop (as generation.decode does).
 
   def unfinished(carry):
     i, s, _ = carry
@@ -174,7 +175,7 @@ def decode_chunk(model: model_lib.LM, params, slots: Slots, active: jax.Array, *
     drawing = ~s.done
     budget = s.budget - drawing
     done = s.done | jnp.isin(token, stops) | (budget <= 0)
-    logits, state = generation.run_model(model, params, token[:, None], s.state, s.latents, s.positions[:, None])
+    logits, state = model.apply({"params": params}, token[:, None], s.state, s.latents, s.positions[:, None])
     s = s._replace(state=state, logits=logits[:, -1], positions=s.positions + 1, last_token=token, done=done,
                    generated=s.generated + drawing, budget=budget)
     return i + 1, s, out.at[:, i].set(token)

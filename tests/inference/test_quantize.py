@@ -15,6 +15,7 @@ from ltm_jax import model as model_lib
 from ltm_jax.config import LatentConfig
 from ltm_jax.inference.quantize import Int4Weight, Int8Weight, dequantize_params, has_int8_weights
 from ltm_jax.inference.quantize import fake_quantize_params, has_quantized_weights, param_bytes, quantization_error
+from ltm_jax.inference import quantize as quantize_lib
 from ltm_jax.inference.quantize import quantization_plan, quantize_params
 
 ROUNDING = 0.5 / 127  # The worst relative (to the channel's max|W|) error of rounding to 255 symmetric levels.
@@ -441,3 +442,62 @@ def test_fake_quantisation_rounds_forward_and_passes_gradients_straight_through(
     np.testing.assert_allclose(float(value), float(jnp.sum(cotangent * expected["ffn"]["kernel"])), rtol=1e-5)
     np.testing.assert_array_equal(np.asarray(grad["ffn"]["kernel"]), np.asarray(cotangent))
     np.testing.assert_array_equal(np.asarray(grad["norm"]["scale"]), 0.0)
+
+
+# -------------------------------------------------------------------------------- kernels read as they are stored
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_kernels_multiplied_as_stored_give_the_logits_of_their_dequantised_values(kind, quant):
+  """Every layer whose kernel stays quantised (`keep_kernels`: q/k/v/out, RWKV projections, the FFNs, Titans' and
+  the untied head, stacked or not) multiplies it through the quantised matmul, scales after the product. Its logits
+  equal those of the same weights dequantised ahead, to float32 rounding (1e-5 of their spread): the layouts of the
+  stored values (the kernels' multi-axis inputs and outputs, a scanned layer's slice, int4's nibble halves) are read
+  as `dequantize` reads them."""
+  cfg, latent, params, axes = _model(kind)
+  tree = quantize_params(params, axes, quant, GROUP)
+  tokens = jax.random.randint(jax.random.key(8), (2, 16), 0, cfg.vocab_size)
+  z = None if latent is None else jax.random.normal(jax.random.key(9), model_lib.latent_shape(cfg, latent, 2))
+  lm = model_lib.LM(cfg, latent)
+  forward = jax.jit(lambda t, keep: lm.apply({"params": dequantize_params(t, jnp.float32, keep)}, tokens,
+                                             latents=z)[0], static_argnums=1)
+  stored, ahead = (np.asarray(forward(tree, keep), np.float64) for keep in ((quant,), ()))
+  kept = [path for path, leaf in jax.tree_util.tree_flatten_with_path(
+      dequantize_params(tree, jnp.float32, (quant,)), is_leaf=quantize_lib.is_quantized)[0]
+          if quantize_lib.is_quantized(leaf)]
+  assert len(kept) >= 4 and all(_name(path).endswith("kernel") for path in kept)
+  np.testing.assert_allclose(stored, ahead, rtol=0, atol=1e-5 * ahead.std())
+
+
+def test_decoding_with_kernels_read_as_stored_holds_no_float_copy_of_them():
+  """`generate.decode(kernels_as_stored=("int8",))` (the GPU's default, `kernels_read_quantized`) multiplies a
+  scanned model's int8 kernels as stored: the compiled decoding program computes no float32 array of a stacked
+  kernel's shape from them, while decoding the same weights with every kernel dequantised ahead (CPU's default)
+  does: the control. Both give the same greedy tokens."""
+  from ltm_jax.inference import generate  # pylint: disable=g-import-not-at-top
+  cfg, latent, params, axes = _model("rwkv7_scanned_tied")
+  assert quantize_lib.kernels_read_quantized("gpu") == ("int8", "int4")
+  assert quantize_lib.kernels_read_quantized("cpu") == ()
+  tree = quantize_params(params, axes)
+  stacked = {f"f32[{','.join(map(str, leaf.values.shape))}]" for path, leaf in jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=lambda x: isinstance(x, Int8Weight))[0]
+             if isinstance(leaf, Int8Weight) and model_lib.is_stacked(path) and _name(path).endswith("kernel")}
+  assert stacked
+  lm = model_lib.LM(cfg, latent, cache_capacity=24)
+  tokens, lengths = generate.left_pad([[3, 5, 7, 2], [4, 1]])
+  programs, outputs = [], []
+  for keep in (("int8",), ()):
+    run = functools.partial(generate.decode, lm, tree, key=jax.random.key(0), steps=6, temperature=0.0,
+                            kernels_as_stored=keep)
+    decoding = generate.prefill(lm, tree, tokens, lengths, kernels_as_stored=keep)
+    programs.append(generate.decode.lower(lm, tree, decoding, jax.random.key(0), steps=6, temperature=0.0,
+                                          kernels_as_stored=keep).compile().as_text())
+    outputs.append(np.asarray(run(decoding)[0]))
+  # An instruction computing a float32 array of a stacked kernel's shape from a kernel's values (the RWKV-7 LoRAs,
+  # which are not "kernel" leaves, are dequantised ahead and may share the shape).
+  dequantised = lambda hlo: [line for line in hlo.splitlines()
+                             if any(f"= {shape}" in line for shape in stacked) and "kernel" in line.split("=", 1)[1]]
+  as_stored, control = programs
+  assert not dequantised(as_stored)
+  assert dequantised(control)
+  np.testing.assert_array_equal(outputs[0], outputs[1])

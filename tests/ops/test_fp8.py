@@ -1,0 +1,143 @@
+"""FP8 products (`ltm_jax.ops.fp8`) against a float64 reference built from the formats' definitions: the rounding of
+each operand and of the output gradient, the forward product and both backward products; and model.fp8 in a model."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import micro_config
+from ltm_jax import model as model_lib
+from ltm_jax.ops import fp8
+
+
+def _grid(exponent_bits: int, mantissa_bits: int, finite_top: bool) -> np.ndarray:
+  """Every non-negative finite value of a float8 format, sorted, from its definition: bias 2^(e-1) - 1, subnormals
+  at exponent 0. `finite_top`: the top exponent holds finite values except its all-ones mantissa (e4m3fn: no
+  infinities); otherwise the top exponent is infinity/NaN (e5m2, IEEE-like)."""
+  bias = 2 ** (exponent_bits - 1) - 1
+  values = []
+  for e in range(2 ** exponent_bits):
+    for m in range(2 ** mantissa_bits):
+      top = e == 2 ** exponent_bits - 1
+      if top and (not finite_top or m == 2 ** mantissa_bits - 1):
+        continue
+      fraction = m / 2 ** mantissa_bits
+      values.append(fraction * 2.0 ** (1 - bias) if e == 0 else (1 + fraction) * 2.0 ** (e - bias))
+  return np.array(sorted(values))
+
+
+E4M3_GRID = _grid(4, 3, finite_top=True)  # Largest 448.
+E5M2_GRID = _grid(5, 2, finite_top=False)  # Largest 57344.
+GRIDS = {"e4m3": (fp8.E4M3, E4M3_GRID), "e5m2": (fp8.E5M2, E5M2_GRID)}
+
+
+def _reference_round(x: np.ndarray, grid: np.ndarray) -> np.ndarray:
+  """float32 x rounded as the op states it: scale = max|x| / grid max (float32), x / scale in float32, the nearest
+  grid value in float64 (a tie to the neighbour with the even code), times the scale, in float32."""
+  x = np.asarray(x, np.float32)
+  scale = np.float32(np.max(np.abs(x))) / np.float32(grid[-1])
+  scaled = np.abs((x / scale).astype(np.float64))
+  upper = np.clip(np.searchsorted(grid, scaled), 1, len(grid) - 1)
+  below, above = grid[upper - 1], grid[upper]
+  tie_up = (above - scaled < scaled - below) | ((above - scaled == scaled - below) & (upper % 2 == 0))
+  nearest = np.where(tie_up, above, below)
+  return (np.sign(x) * nearest).astype(np.float32) * scale
+
+
+def _normal(seed: int, shape, spread: float = 1.0) -> np.ndarray:
+  """Gaussian values times a log-normal spread of magnitudes, so the rounding meets subnormal and large scaled
+  values, not just the middle of the grid."""
+  rng = np.random.default_rng(seed)
+  return (rng.normal(size=shape) * np.exp(spread * rng.normal(size=shape))).astype(np.float32)
+
+
+def test_grids_match_the_formats():
+  assert E4M3_GRID[-1] == 448 == float(jnp.finfo(fp8.E4M3).max) and len(E4M3_GRID) == 127
+  assert E5M2_GRID[-1] == 57344 == float(jnp.finfo(fp8.E5M2).max) and len(E5M2_GRID) == 124
+
+
+@pytest.mark.parametrize("name", sorted(GRIDS))
+def test_round_to_matches_the_reference_exactly(name):
+  """Every value (4096 of them, magnitudes over ~e^+-6) equals the reference's rounding, and the largest lands on
+  the format's largest value times the scale, so no value overflows or is clipped."""
+  dtype, grid = GRIDS[name]
+  x = _normal(1, (64, 64), spread=2.0)
+  got = np.asarray(fp8.round_to(jnp.asarray(x), dtype))
+  want = _reference_round(x, grid)
+  np.testing.assert_array_equal(got, want)
+  assert np.max(np.abs(got)) == np.float32(np.max(np.abs(x)))
+  # The rounding is real: 3 (e4m3) or 2 (e5m2) mantissa bits move most values.
+  assert np.mean(got != x) > 0.8
+
+
+def test_product_and_both_gradients_match_the_reference():
+  """y = x @ w (x [B, T, K], w [K, N]) and, for a random upstream gradient c: dx = e5m2(c) @ e4m3(w)^T and
+  dw = e4m3(x)^T @ e5m2(c), summed over B, T, each within 1e-5 of float64 products of the reference-rounded values
+  (float32 accumulation of 48-256 terms); and the product moves visibly from the unrounded one (e4m3 steps)."""
+  x, w, c = _normal(2, (2, 8, 48), 0.5), _normal(3, (48, 24), 0.5), _normal(4, (2, 8, 24), 0.5)
+  dims = (((2,), (0,)), ((), ()))
+  f = lambda x, w: fp8.dot_general(x, w, dims)
+  y, pullback = jax.vjp(f, jnp.asarray(x), jnp.asarray(w))
+  dx, dw = pullback(jnp.asarray(c))
+  xq, wq, cq = (_reference_round(a, GRIDS[n][1]).astype(np.float64)
+                for a, n in ((x, "e4m3"), (w, "e4m3"), (c, "e5m2")))
+  expected = {"y": xq @ wq, "dx": cq @ wq.T, "dw": np.einsum("btk,btn->kn", xq, cq)}
+  for name, got in (("y", y), ("dx", dx), ("dw", dw)):
+    want = expected[name]
+    err = np.max(np.abs(np.asarray(got, np.float64) - want)) / np.max(np.abs(want))
+    assert err < 1e-5, (name, err)
+  exact = x.astype(np.float64) @ w.astype(np.float64)
+  assert np.max(np.abs(np.asarray(y) - exact)) / np.max(np.abs(exact)) > 1e-3
+
+
+def test_an_all_zero_operand_gives_zeros_not_nans():
+  x = jnp.zeros((4, 16), jnp.float32)
+  w = jnp.asarray(_normal(5, (16, 8)))
+  y, (dx, dw) = jax.value_and_grad(lambda x, w: jnp.sum(fp8.dot_general(x, w, (((1,), (0,)), ((), ())))),
+                                   argnums=(0, 1))(x, w)
+  assert float(y) == 0 and np.all(np.isfinite(dx)) and np.all(np.asarray(dw) == 0)
+
+
+RMS_DRIFT = 0.12
+
+
+@pytest.mark.parametrize("pattern", ["RA", "W"])
+def test_model_fp8_rounds_the_projections_and_keeps_the_gradient_direction(pattern):
+  """model.fp8 puts every block projection through the FP8 product (float8 converts appear in the traced program
+  only then); the logits' RMS drift from the float32 logits stays within 12% of their spread (e4m3 rounds to 2^-4
+  relative, compounded over the layers of a tiny random model: measured 4.7% RA, 7.3% RWKV-7), and the loss gradient
+  of every projection kernel keeps its direction (cosine > 0.95; measured 0.989-0.996)."""
+  overrides = {"layer_pattern": pattern}
+  if pattern == "W":
+    overrides.update(rwkv7_head_size=16)
+  cfg = micro_config(**overrides).model
+  params = jax.jit(model_lib.init_params, static_argnums=(0, 2))(cfg, jax.random.key(0), None)
+  params = jax.tree.map(lambda w: w + 0.05 * jax.random.normal(jax.random.key(1), w.shape)
+                        if w.ndim == 2 else w, params)  # Move RWKV-7's zero-initialised kernels.
+  tokens = jax.random.randint(jax.random.key(2), (2, 17), 0, cfg.vocab_size)
+
+  def loss(params, c):
+    logits = model_lib.LM(c).apply({"params": params}, tokens[:, :-1])[0]
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1))
+
+  fp8_cfg = dataclasses.replace(cfg, fp8=True)
+  for c, expected in ((cfg, False), (fp8_cfg, True)):
+    assert ("float8_e4m3fn" in str(jax.make_jaxpr(loss, static_argnums=1)(params, c))) == expected
+  run = jax.jit(lambda p, c: (model_lib.LM(c).apply({"params": p}, tokens)[0], jax.grad(loss)(p, c)),
+                static_argnums=1)
+  (logits, grads), (logits8, grads8) = run(params, cfg), run(params, fp8_cfg)
+  drift, spread = np.asarray(logits8, np.float64) - np.asarray(logits, np.float64), float(np.std(logits))
+  assert np.sqrt(np.mean(drift ** 2)) < RMS_DRIFT * spread
+  kernels = [(path, g, g8) for (path, g), g8 in zip(jax.tree_util.tree_flatten_with_path(grads)[0],
+                                                     jax.tree.leaves(grads8)) if "kernel" in jax.tree_util.keystr(path)
+             and "head" not in jax.tree_util.keystr(path)]
+  assert len(kernels) >= 4
+  for path, g, g8 in kernels:
+    g, g8 = np.asarray(g, np.float64).ravel(), np.asarray(g8, np.float64).ravel()
+    cosine = g @ g8 / (np.linalg.norm(g) * np.linalg.norm(g8))
+    assert cosine > 0.95, (jax.tree_util.keystr(path), cosine)
