@@ -322,24 +322,36 @@ def _train_step(config_name: str) -> Builder:
   return build
 
 
-def _generation(config_name: str, batch: int = 8, prompt: int = 512, new_tokens: int = 64) -> Builder:
+def _generation(config_name: str, batch: int = 8, prompt: int = 512, new_tokens: int = 64,
+                quantize: str | None = None) -> Builder:
   """Prefill of `batch` left-padded prompts and the on-device decode loop (ltm_jax.inference.generate), sampling with
-  temperature and top-p, as `LanguageModel.generate` runs them."""
+  temperature and top-p, as `LanguageModel.generate` runs them. `quantize` ("int8", "int4"): the weights of
+  `LanguageModel.quantize`, every kernel read as stored (a GPU's default; the compiling host is a CPU, so it is
+  passed explicitly)."""
 
   def build(abstract: Abstract, block_sizes=None):
     del block_sizes
     # pylint: disable=g-import-not-at-top
     from ltm_jax import model as model_lib
     from ltm_jax.inference import generate
+    from ltm_jax.inference import quantize as quantize_lib
 
     cfg = _config(config_name)
     capacity = -(-(prompt + new_tokens) // 64) * 64
     model = model_lib.LM(cfg.model, cfg.latent, cache_capacity=capacity)
-    params = jax.eval_shape(lambda: model_lib.init_params(cfg.model, jax.random.key(0), cfg.latent))
+    axes = model_lib.param_axes(cfg.model, cfg.latent)
+
+    def make_params():
+      params = model_lib.init_params(cfg.model, jax.random.key(0), cfg.latent)
+      return params if quantize is None else quantize_lib.quantize_params(params, axes, quantize)
+
+    params = jax.eval_shape(make_params)
+    keep = None if quantize is None else quantize_lib.kernels_read_quantized("gpu")
 
     def run(params, tokens, lengths, key):
-      decoding = generate.prefill(model, params, tokens, lengths)
-      return generate.decode(model, params, decoding, key, steps=new_tokens, temperature=0.8, top_p=0.95)
+      decoding = generate.prefill(model, params, tokens, lengths, kernels_as_stored=keep)
+      return generate.decode(model, params, decoding, key, steps=new_tokens, temperature=0.8, top_p=0.95,
+                             kernels_as_stored=keep)
 
     args = (_place(params, abstract), abstract((batch, prompt), jnp.int32), abstract((batch,), jnp.int32),
             abstract((2,), jnp.uint32))
@@ -362,6 +374,12 @@ def _model_cases() -> list[Case]:
            head_dim=64),
       Case("generate_base_125m", "base_125m prefill B8 T512 + 64-token decode loop", ("flash_attention_forward",),
            _generation("base_125m"), group="models", head_dim=64),
+      Case("generate_small_rwkv7_int4", "small_rwkv7 int4 g128 weights read as stored: prefill B8 T512 + 64-token "
+           "decode loop", ("quant_matmul_int4", "wkv7_forward_primal"), _generation("small_rwkv7", quantize="int4"),
+           group="models", head_dim=64),
+      Case("generate_small_rwkv7_int8", "small_rwkv7 int8 weights read as stored: prefill B8 T512 + 64-token decode "
+           "loop", ("quant_matmul_int8", "wkv7_forward_primal"), _generation("small_rwkv7", quantize="int8"),
+           group="models", head_dim=64),
   ]
 
 

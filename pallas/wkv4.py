@@ -517,15 +517,25 @@ def _forward(w, u, k, v, state, layout, interpret, checkpoints=True):
   return y[:, :layout.length, :c], final, ckpts if checkpoints else None
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _wkv4(w, u, k, v, state, layout, interpret):
-  y, final, _ = _forward(w, u, k, v, state, layout, interpret, checkpoints=False)
-  return y, final
+def _differentiable(layout: "_Layout", interpret, optimize_remat: bool):
+  """The kernels as one differentiable function of (w, u, k, v, state) for this layout."""
 
+  @jax.custom_vjp
+  def run(w, u, k, v, state):
+    y, final, _ = _forward(w, u, k, v, state, layout, interpret, checkpoints=False)
+    return y, final
 
-def _wkv4_fwd(w, u, k, v, state, layout, interpret):
-  y, final, ckpts = _forward(w, u, k, v, state, layout, interpret)
-  return (y, final), (w, u, k, v, state, ckpts)
+  def run_fwd(w, u, k, v, state):
+    y, final, ckpts = _forward(w, u, k, v, state, layout, interpret)
+    return (y, final), (w, u, k, v, state, ckpts)
+
+  def run_bwd(residuals, cotangents):
+    return _wkv4_bwd(layout, interpret, residuals, cotangents)
+
+  # Under jax.checkpoint the forward pass then runs the primal (no checkpoints written) and only the recomputation in
+  # the backward pass runs run_fwd (jax#21303: otherwise both write them).
+  run.defvjp(run_fwd, run_bwd, optimize_remat=optimize_remat)
+  return run
 
 
 def _wkv4_bwd(layout, interpret, residuals, cotangents):
@@ -542,10 +552,6 @@ def _wkv4_bwd(layout, interpret, residuals, cotangents):
           dstate)
 
 
-# Under jax.checkpoint the forward pass then runs the primal (no checkpoints written) and only the recomputation in
-# the backward pass runs _wkv4_fwd (jax#21303: otherwise both write them).
-_wkv4.defvjp(_wkv4_fwd, _wkv4_bwd, optimize_remat=True)
-
 
 def wkv4(
     w: jax.Array,
@@ -558,6 +564,7 @@ def wkv4(
     block_c: int = BLOCK_C,
     parallel: bool | None = None,
     interpret: bool | None = None,
+    optimize_remat: bool = True,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
   """WKV-4 by the Pallas kernels, differentiable by the fused backward kernel.
 
@@ -569,10 +576,13 @@ def wkv4(
     block_c: channels per program (a power of two; clipped to C rounded up to one).
     parallel: parallelise over T as well; None decides by B·C (see PARALLEL_BELOW).
     interpret: None lets `ltm_pallas.backend` choose (interpret unless on GPU).
+    optimize_remat: under jax.checkpoint, run the checkpoint-free primal forward and write checkpoints only in the
+      backward pass's recomputation. False writes them in both passes (jax#21303), which jax needs inside a
+      shard_map under remat and nested scans, where its dead-code elimination of the optimised form fails.
 
   Returns:
     y [B, T, C] in v's dtype and the state after the last token, (num, den, max) each [B, C] float32.
   """
   batch, length, channels = k.shape
   layout = _Layout.make(batch, length, channels, chunk, block_c, parallel)
-  return _wkv4(w, u, k, v, tuple(state), layout, interpret)
+  return _differentiable(layout, interpret, optimize_remat)(w, u, k, v, tuple(state))

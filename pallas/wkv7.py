@@ -185,7 +185,7 @@ def _backward(r, w, k, v, a, b, ckpt, dy, ds_out, *, chunk, block, interpret):
 
 
 @functools.lru_cache(maxsize=None)
-def _fused(chunk: int, forward_block: int, backward_block: int, interpret: bool | None):
+def _fused(chunk: int, forward_block: int, backward_block: int, interpret: bool | None, optimize_remat: bool):
   """The custom_vjp function for one static configuration (inputs' T must be a multiple of `chunk`)."""
 
   @jax.custom_vjp
@@ -208,7 +208,7 @@ def _fused(chunk: int, forward_block: int, backward_block: int, interpret: bool 
 
   # Under jax.checkpoint the forward pass then runs the primal (no checkpoints written) and only the recomputation in
   # the backward pass runs run_fwd (jax#21303: otherwise both write them).
-  run.defvjp(run_fwd, run_bwd, optimize_remat=True)
+  run.defvjp(run_fwd, run_bwd, optimize_remat=optimize_remat)
   return run
 
 
@@ -225,6 +225,7 @@ def wkv7(
     forward_block: int = FORWARD_BLOCK,
     backward_block: int = BACKWARD_BLOCK,
     interpret: bool | None = None,
+    optimize_remat: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
   """Fused WKV-7, differentiable in every argument.
 
@@ -234,6 +235,9 @@ def wkv7(
     chunk: tokens between forward checkpoints (the backward replays up to chunk - 1 tokens per step).
     forward_block, backward_block: value rows per program (BV, a power of two; min(BV, N) must divide N).
     interpret: force the Pallas interpreter (None: interpret unless on a GPU).
+    optimize_remat: under jax.checkpoint, run the checkpoint-free primal forward and write checkpoints only in the
+      backward pass's recomputation. False writes them in both passes (jax#21303), which jax needs inside a
+      shard_map under remat and nested scans, where its dead-code elimination of the optimised form fails.
 
   Returns:
     y [B, T, H, N] in v's dtype, and the final state [B, H, N, N] float32.
@@ -244,5 +248,5 @@ def wkv7(
   if pad:  # Zero tokens are identity steps (e^0 = 1, no rank-1 terms) and read out y = 0; sliced off below.
     widen = lambda x: jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
     r, w, k, v, a, b = (widen(x) for x in (r, w, k, v, a, b))
-  y, final = _fused(chunk, forward_block, backward_block, interpret)(r, w, k, v, a, b, state.astype(jnp.float32))
+  y, final = _fused(chunk, forward_block, backward_block, interpret, optimize_remat)(r, w, k, v, a, b, state.astype(jnp.float32))
   return y[:, :length], final

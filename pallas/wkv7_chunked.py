@@ -342,7 +342,7 @@ def _backward(r, w, k, v, a, b, ckpt, dy, ds_out, *, chunk, block, warps, operan
 
 @functools.lru_cache(maxsize=None)
 def _fused(chunk: int, forward_block: int, backward_block: int, forward_warps: int, backward_warps: int,
-           operands: str, interpret: bool | None):
+           operands: str, interpret: bool | None, optimize_remat: bool):
   """The custom_vjp function for one static configuration (inputs' T must be a multiple of `chunk`)."""
   operands = jnp.dtype(operands)
   fwd = functools.partial(_forward, chunk=chunk, block=forward_block, warps=forward_warps, operands=operands,
@@ -365,7 +365,7 @@ def _fused(chunk: int, forward_block: int, backward_block: int, forward_warps: i
 
   # Under jax.checkpoint the forward pass then runs the primal (no chunk states written), and only the recomputation
   # in the backward pass writes them (jax#21303).
-  run.defvjp(run_fwd, run_bwd, optimize_remat=True)
+  run.defvjp(run_fwd, run_bwd, optimize_remat=optimize_remat)
   return run
 
 
@@ -391,6 +391,7 @@ def wkv7(
     backward_warps: int | None = None,
     operands=None,
     interpret: bool | None = None,
+    optimize_remat: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
   """Chunked WKV-7, differentiable in every argument; exact for w >= min_log_decay(chunk) (see `in_range`).
 
@@ -405,6 +406,9 @@ def wkv7(
       float32: None for `operand_dtype(r.dtype)`, bfloat16 for 16-bit inputs (full-rate tensor cores, half the
       registers), else float32 (TF32 products on a GPU). The [L, L] inverse always takes float32 operands.
     interpret: force the Pallas interpreter (None: interpret unless compiling for a GPU).
+    optimize_remat: under jax.checkpoint, run the checkpoint-free primal forward and write checkpoints only in the
+      backward pass's recomputation. False writes them in both passes (jax#21303), which jax needs inside a
+      shard_map under remat and nested scans, where its dead-code elimination of the optimised form fails.
 
   Returns:
     y [B, T, H, N] in v's dtype, and the final state [B, H, N, N] float32.
@@ -425,6 +429,6 @@ def wkv7(
     widen = lambda x: jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
     r, w, k, v, a, b = (widen(x) for x in (r, w, k, v, a, b))
   run = _fused(chosen["chunk"], chosen["forward_block"], chosen["backward_block"], chosen["forward_warps"],
-               chosen["backward_warps"], operands.name, interpret)
+               chosen["backward_warps"], operands.name, interpret, optimize_remat)
   y, final = run(r, w, k, v, a, b, state.astype(jnp.float32))
   return y[:, :length], final

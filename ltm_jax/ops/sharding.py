@@ -70,6 +70,13 @@ def _unsplit(name: str, size: int, axes: tuple[str, ...], mesh, array: str) -> N
     warnings.warn(f"{message} (mesh.strict=true makes this an error)", UnsplitDimensionWarning, stacklevel=4)
 
 
+def inside_shard_map() -> bool:
+  """Whether the code being traced runs per shard (in a shard_map body). Kernels with a remat-optimised custom VJP
+  are given optimize_remat=False there: jax's dead-code elimination of that form fails inside a shard_map under
+  remat and nested scans (a scanned latent model with a block remat policy on a sharded mesh)."""
+  return bool(jax.sharding.get_abstract_mesh().manual_axes)
+
+
 def _active_mesh():
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.manual_axes:  # No mesh, or already inside a shard_map body.

@@ -10,6 +10,7 @@ import pytest
 
 from ltm_jax.inference.quantize import dequantize_params, matmul_operands, quantize_params
 from ltm_jax.ops.quant_matmul import AVAILABLE, quant_matmul
+from ltm_pallas import backend as kernel_backend
 
 # float32 inputs, float32 accumulation over K <= 96 terms: ~1e-7 of the output's scale; allow 2e-6. bfloat16 x is
 # rounded before the reference sees it, so only the output's rounding (2^-8 relative) and float32 sums remain.
@@ -50,6 +51,20 @@ def test_matches_a_float64_product(name, impl):
   got = quant_matmul(xb, values, scale, packed=CASES[name][-1], impl=impl)
   assert got.dtype == jnp.bfloat16 and got.shape == expected.shape
   np.testing.assert_allclose(np.asarray(got, np.float64), expected, rtol=0, atol=BF16_RTOL * np.max(np.abs(expected)))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_auto_traces_every_platform_branch(name, monkeypatch):
+  """Under impl="auto" in a process that may compile for a GPU (a deviceless H100 compile, a GPU host), the op's
+  arguments become operands of lax.platform_dependent, and the GPU branch (the Pallas kernel, which takes `packed`
+  statically) is traced too: here, on the CPU, with that possibility forced on, the jitted op traces both branches
+  and runs the CPU one, matching the float64 product."""
+  monkeypatch.setattr(kernel_backend, "may_compile_for_gpu", lambda: True)
+  x, weight, values, scale = _case(3, *CASES[name])
+  run = jax.jit(lambda x, v, s: quant_matmul(x, v, s, packed=CASES[name][-1]))
+  expected = x @ weight
+  np.testing.assert_allclose(np.asarray(run(jnp.asarray(x, jnp.float32), values, scale)), expected, rtol=0,
+                             atol=F32_RTOL * np.max(np.abs(expected)))
 
 
 def test_reads_the_weights_quantize_stores():

@@ -232,6 +232,27 @@ def kernels_under_mesh():
   return out
 
 
+def scanned_latent_remat():
+  """A scanned latent model whose WKV-4 runs the Pallas kernel (interpreted) under remat=full: one train step on the
+  2x2x2 mesh against one device. The kernel's custom VJP runs per shard inside remat inside the layer scan and the
+  latent inner loop's scan (see ops.sharding.inside_shard_map)."""
+  base = _config(MESHES["mixed"], layer_pattern="R", scan_layers=True, remat="full", wkv_impl="pallas")
+  base = config_lib.validate(config_lib.apply_overrides(base, ["latent.enabled=true", "latent.n_per_layer=2",
+                                                               "latent.inner_steps=2"]))
+  optimizer = make_optimizer(base.train)
+  host_state = jax.device_get(create_train_state(
+      model_lib.init_params(base.model, jax.random.key(0), base.latent), optimizer, 0))
+  batch = _batch(base)
+  one = jax.devices()[0]
+  single = dataclasses.replace(base, mesh=dataclasses.replace(base.mesh, data=1, fsdp=1, tensor=1))
+  ref_loss, ref_grads, _, _, _ = _gradients(single, jax.device_put(host_state, one), jax.device_put(batch, one))
+  layout = parallel.make_layout(base, optimizer)
+  loss, grads, _, _, _ = _gradients(base, jax.device_put(host_state, layout.state),
+                                    parallel.put_batch(batch, layout.batch), layout)
+  return {"loss": loss, "ref_loss": ref_loss, "grad_diff": _max_diff(grads, ref_grads),
+          "grad_scale": max(float(np.max(np.abs(g))) for g in jax.tree.leaves(ref_grads))}
+
+
 if __name__ == "__main__":
   # CHECK[:ARG] ...: several checks share one interpreter (jax start-up is a good part of each one's time).
   results = {}

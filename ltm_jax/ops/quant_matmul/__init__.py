@@ -10,6 +10,8 @@ Per-output-channel int8 is G = 1. The result has x's dtype; products accumulate 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 
 from ltm_jax.ops import backend
@@ -38,9 +40,11 @@ def quant_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, *, packed: b
   if k != groups * rows * (2 if packed else 1):
     raise ValueError(f"quant_matmul: x has {k} inputs but the weight holds {groups} groups of {rows} "
                      f"{'packed ' if packed else ''}rows")
-  backends = _BACKENDS
+  # `packed` is bound here, not passed through: under "auto" the arguments become operands of
+  # lax.platform_dependent, which would trace it, and the kernel takes it as a static argument.
+  backends = {name: functools.partial(fn, packed=packed) for name, fn in _BACKENDS.items()}
   if impl == "auto" and not pallas.supported(k, n, groups, packed):
-    backends = {"xla": xla.quant_matmul}
+    backends = {"xla": backends["xla"]}
   run = backend.select("quant_matmul", impl, backends, AUTO if "pallas" in backends else {})
   flat = x.reshape(-1, k)
-  return run(flat, values, scale, packed).reshape(*x.shape[:-1], n)
+  return run(flat, values, scale).reshape(*x.shape[:-1], n)

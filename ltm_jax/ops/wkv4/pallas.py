@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import jax
 
+from ltm_jax.ops import sharding
 from ltm_pallas import wkv4 as kernel
 
 
@@ -22,4 +23,4 @@ def wkv4(
   Arguments and results as `ltm_jax.ops.wkv4.wkv4`, with `state` a plain (num, den, max) tuple of [B, C] float32.
   The kernel's default chunk and channel block apply, and it parallelises over T by itself when B·C is small.
   """
-  return kernel.wkv4(w, u, k, v, state)
+  return kernel.wkv4(w, u, k, v, state, optimize_remat=not sharding.inside_shard_map())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 
+from ltm_jax.ops import sharding
 from ltm_pallas import wkv7 as kernels
 
 
@@ -20,4 +21,4 @@ def wkv7(
 
   Arguments and results as `ltm_jax.ops.wkv7.wkv7`. The kernels' block sizes are their defaults.
   """
-  return kernels.wkv7(r, w, k, v, a, b, state)
+  return kernels.wkv7(r, w, k, v, a, b, state, optimize_remat=not sharding.inside_shard_map())

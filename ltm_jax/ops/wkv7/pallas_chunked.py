@@ -11,9 +11,12 @@ kernels statically.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 from jax import lax
 
+from ltm_jax.ops import sharding
 from ltm_pallas import wkv7 as sequential
 from ltm_pallas import wkv7_chunked as chunked
 
@@ -32,7 +35,10 @@ def wkv7(
   Arguments and results as `ltm_jax.ops.wkv7.wkv7`. The kernels' settings are their defaults for the head size.
   """
   size, operands = r.shape[-1], chunked.operand_dtype(r.dtype)
+  optimize = not sharding.inside_shard_map()
+  run_sequential = functools.partial(sequential.wkv7, optimize_remat=optimize)
   if not chunked.fits(size, operands):
-    return sequential.wkv7(r, w, k, v, a, b, state)
+    return run_sequential(r, w, k, v, a, b, state)
   chunk = chunked.settings(size, operands)["chunk"]
-  return lax.cond(chunked.in_range(w, chunk), chunked.wkv7, sequential.wkv7, r, w, k, v, a, b, state)
+  run_chunked = functools.partial(chunked.wkv7, optimize_remat=optimize)
+  return lax.cond(chunked.in_range(w, chunk), run_chunked, run_sequential, r, w, k, v, a, b, state)
