@@ -47,7 +47,9 @@ def pytest_unconfigure(config):
 _LONG_FIRST = ("tests/test_notebooks.py::test_notebook_runs[02", "tests/test_gpu_aot.py::test_kernels_compile",
                "tests/parallel/test_mesh.py::test_meshes_match", "tests/test_notebooks.py::test_notebook_runs[01",
                "tests/parallel/test_multiprocess.py", "tests/test_latent.py::test_decoder_gradient",
-               "tests/test_latent_training.py::test_iterates_gradient", "tests/test_gpu_sweep.py")
+               "tests/test_latent_training.py::test_iterates_gradient", "tests/test_gpu_sweep.py",
+               "tests/test_remat_scan.py::test_scanned_layers", "tests/test_latent.py::test_inner_loop_is_the_same",
+               "tests/parallel/test_mesh.py::test_kernels_init")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -48,33 +48,37 @@ def _loss_fn(cfg, latent, inputs, targets):
   return loss
 
 
-# Pattern, layers, remat policy of the scanned model (against the unscanned model without remat, so these also check
-# that remat changes no value), with or without latents. "WA" keeps its first unit (the first RWKV-7 layer) separate.
-SCAN_CASES = [("RA", 4, "full", True), ("A", 3, "minimal", True), ("WA", 6, "save_mixer", True),
-              ("WA", 6, "save_ffn", False)]
+# Pattern, layers, remat policies of the scanned model (against the unscanned model without remat, computed once per
+# case, so these also check that remat changes no value), with or without latents. "WA" keeps its first unit (the
+# first RWKV-7 layer) separate.
+SCAN_CASES = [("RA", 4, ("full",), True), ("A", 3, ("minimal",), False), ("WA", 6, ("save_mixer", "save_ffn"), True)]
 
 
-@pytest.mark.parametrize("pattern, n_layers, remat, with_latents", SCAN_CASES)
-def test_scanned_layers_give_the_same_logits_and_gradients(pattern, n_layers, remat, with_latents):
+@pytest.mark.parametrize("pattern, n_layers, remats, with_latents", SCAN_CASES,
+                         ids=[f"{p}{n}-{'+'.join(r)}{'-latent' if z else ''}" for p, n, r, z in SCAN_CASES])
+def test_scanned_layers_give_the_same_logits_and_gradients(pattern, n_layers, remats, with_latents):
   cfg = micro_config(layer_pattern=pattern, n_layers=n_layers, rwkv7_head_size=8, ln0=pattern == "WA").model
-  scanned_cfg = dataclasses.replace(cfg, scan_layers=True, remat=remat)
   latent = LATENT if with_latents else None
   params = _random_params(cfg, latent)
-  scanned_params = model_lib.scan_params(scanned_cfg, params)
-  assert model_lib.SCANNED in scanned_params and not any(k == f"block_{n_layers - 1}" for k in scanned_params)
   inputs, targets = _batch(cfg)
   z = None if latent is None else jax.random.normal(jax.random.key(3), model_lib.latent_shape(cfg, latent, 2))
   argnums = (0, 1) if with_latents else 0
   grad = lambda c, p: jax.jit(jax.value_and_grad(_loss_fn(c, latent, inputs, targets), argnums, has_aux=True))(p, z)
   (loss, logits), grads = grad(cfg, params)
-  (scanned_loss, scanned_logits), scanned_grads = grad(scanned_cfg, scanned_params)
   scale = float(np.abs(logits).max())
-  np.testing.assert_allclose(scanned_logits, logits, atol=FLOAT32_ATOL * scale, rtol=0)
-  np.testing.assert_allclose(scanned_loss, loss, rtol=1e-5)
-  if with_latents:  # The gradient the latent inner loop follows, too.
-    np.testing.assert_allclose(scanned_grads[1], grads[1], atol=1e-4 * float(np.abs(grads[1]).max()), rtol=0)
-    grads, scanned_grads = grads[0], scanned_grads[0]
-  chex.assert_trees_all_close(model_lib.unscan_params(scanned_cfg, scanned_grads), grads, atol=1e-5, rtol=1e-4)
+  for remat in remats:
+    scanned_cfg = dataclasses.replace(cfg, scan_layers=True, remat=remat)
+    scanned_params = model_lib.scan_params(scanned_cfg, params)
+    assert model_lib.SCANNED in scanned_params and not any(k == f"block_{n_layers - 1}" for k in scanned_params)
+    (scanned_loss, scanned_logits), scanned_grads = grad(scanned_cfg, scanned_params)
+    np.testing.assert_allclose(scanned_logits, logits, atol=FLOAT32_ATOL * scale, rtol=0)
+    np.testing.assert_allclose(scanned_loss, loss, rtol=1e-5)
+    model_grads = grads
+    if with_latents:  # The gradient the latent inner loop follows, too.
+      np.testing.assert_allclose(scanned_grads[1], grads[1], atol=1e-4 * float(np.abs(grads[1]).max()), rtol=0)
+      model_grads, scanned_grads = grads[0], scanned_grads[0]
+    chex.assert_trees_all_close(model_lib.unscan_params(scanned_cfg, scanned_grads), model_grads, atol=1e-5,
+                                rtol=1e-4)
 
 
 def test_scanned_segments_with_carried_state_equal_one_call():
