@@ -266,7 +266,8 @@ def parser() -> argparse.ArgumentParser:
   gen.add_argument("--step", type=int, default=None)
   gen.add_argument("--quantize", choices=("int8", "int4"), default=None,
                    help="int8: matmul weights stored as int8 with per-output-channel scales; int4: as int4 with a "
-                        "scale per --quantize-group inputs and output channel; dequantised on the fly")
+                        "scale per --quantize-group inputs and output channel; read as stored by the GPU's "
+                        "quantised matmul, dequantised ahead of the decode loop on CPU")
   gen.add_argument("--quantize-group", type=_positive_int, default=128,
                    help="with --quantize int4: inputs per scale (even, dividing every weight's fan-in, or longer)")
   gen.add_argument("--chunk", type=_positive_int, default=16,
@@ -332,7 +333,7 @@ def parser() -> argparse.ArgumentParser:
                    help="requests that may wait for a row; more are answered 429")
   srv.add_argument("--quantize", choices=("int8", "int4"), default=None,
                    help="int8: matmul weights stored as int8 with per-output-channel scales; int4: in groups of 128 "
-                        "inputs; dequantised on the fly")
+                        "inputs; read as stored by the GPU's quantised matmul, dequantised ahead on CPU")
   srv.add_argument("--chunk", type=_positive_int, default=16,
                    help="decode steps per on-device loop: new requests join and text is sent at its boundaries")
   srv.add_argument("--grace", type=_non_negative, default=30.0,
