@@ -155,6 +155,16 @@ def test_finished_run_is_not_repeated(uninterrupted):
   assert result.step == 120 and _tree_digest(workdir / "checkpoints") == before
 
 
+def test_fp8_and_the_compute_dtype_are_runtime_choices():
+  """A float32 run may resume or be evaluated with FP8 projections in bfloat16 (and back): same parameters."""
+  plain = loop_config()
+  fp8 = apply_overrides(plain, ["model.fp8=true", "model.dtype=bfloat16"])
+  ckpt_lib.check_compatible(plain, fp8, "w")
+  ckpt_lib.check_compatible(fp8, plain, "w")
+  with pytest.raises(CheckpointError, match=r"model.d_model"):
+    ckpt_lib.check_compatible(plain, apply_overrides(fp8, ["model.d_model=64"]), "w")
+
+
 def test_memory_keys_matter_only_to_models_with_their_layers():
   plain, titans = loop_config(), loop_config(layer_pattern="MA", window=8)
   deeper = lambda cfg: apply_overrides(cfg, ["model.memory_depth=2", "model.memory_impl=scan"])
