@@ -123,20 +123,8 @@ def _programs():
     return run, (abstract((4096, 1024), jnp.bfloat16), abstract((1024, 4096), jnp.bfloat16),
                  abstract((4096, 4096), jnp.bfloat16))
 
-  def train_step(abstract):
-    original = aot_cases._config  # pylint: disable=protected-access
-
-    def with_fp8(name):
-      cfg = original(name)
-      return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, fp8=True))
-
-    aot_cases._config = with_fp8  # pylint: disable=protected-access
-    try:
-      return aot_cases._train_step("small_rwkv7")(abstract)  # pylint: disable=protected-access
-    finally:
-      aot_cases._config = original  # pylint: disable=protected-access
-
-  return {"projection_4096x1024x4096": projection, "train_small_rwkv7_fp8": train_step}
+  return {"projection_4096x1024x4096": projection,
+          "train_small_rwkv7_fp8": aot_cases.train_step("small_rwkv7", ("model.fp8=true",))}
 
 
 def _worker(name: str) -> None:

@@ -294,14 +294,16 @@ def _place(tree, abstract: Abstract):
   return jax.tree.map(lambda x: abstract(x.shape, x.dtype), tree)
 
 
-def _config(name: str):
-  from ltm_jax.config import load_config  # pylint: disable=g-import-not-at-top
+def _config(name: str, overrides: tuple[str, ...] = ()):
+  from ltm_jax.config import apply_overrides, load_config, validate  # pylint: disable=g-import-not-at-top
 
-  return load_config(ROOT / "configs" / f"{name}.py")
+  cfg = load_config(ROOT / "configs" / f"{name}.py")
+  return validate(apply_overrides(cfg, list(overrides))) if overrides else cfg
 
 
-def _train_step(config_name: str) -> Builder:
-  """The config's whole train step (ltm_jax.train.step, one device) at its batch_size x seq_len."""
+def train_step(config_name: str, overrides: tuple[str, ...] = ()) -> Builder:
+  """The config's whole train step (ltm_jax.train.step, one device) at its batch_size x seq_len; `overrides`:
+  key=value config overrides."""
 
   def build(abstract: Abstract, block_sizes=None):
     del block_sizes
@@ -310,7 +312,7 @@ def _train_step(config_name: str) -> Builder:
     from ltm_jax.train.optimizer import learning_rate, make_optimizer
     from ltm_jax.train.step import create_train_state, make_train_step
 
-    cfg = _config(config_name)
+    cfg = _config(config_name, overrides)
     m, t = cfg.model, cfg.train
     optimizer = make_optimizer(t)
     state = jax.eval_shape(lambda: create_train_state(
@@ -364,9 +366,9 @@ def _model_cases() -> list[Case]:
   attention = ATTENTION_KERNELS
   return [
       Case("train_small_rwkv7", "small_rwkv7 train step, bf16 B32 T1024 (WKV-7 N64, window-512 attention D64)",
-           WKV7_KERNELS + attention, _train_step("small_rwkv7"), group="models", head_dim=64),
+           WKV7_KERNELS + attention, train_step("small_rwkv7"), group="models", head_dim=64),
       Case("train_base_125m", "base_125m train step, bf16 B64 T2048 (GQA 12:4 attention D64)", attention,
-           _train_step("base_125m"), group="models", head_dim=64),
+           train_step("base_125m"), group="models", head_dim=64),
       # Decoding steps take the reference paths (one token: scan, cache attention: xla); the prefill takes the
       # forward kernels (its padding is a segment id).
       Case("generate_small_rwkv7", "small_rwkv7 prefill B8 T512 + 64-token decode loop",

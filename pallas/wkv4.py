@@ -517,6 +517,7 @@ def _forward(w, u, k, v, state, layout, interpret, checkpoints=True):
   return y[:, :layout.length, :c], final, ckpts if checkpoints else None
 
 
+@functools.lru_cache(maxsize=None)
 def _differentiable(layout: "_Layout", interpret, optimize_remat: bool):
   """The kernels as one differentiable function of (w, u, k, v, state) for this layout."""
 

@@ -188,6 +188,12 @@ def _stacked(spec) -> int:
   return count
 
 
+def _stacked_by_name(axes) -> dict[str, int]:
+  """Leaf path -> its leading stacked "layers" axes, from `model.param_axes`-style logical axes."""
+  return {_path_name(path): _stacked(spec) for path, spec in jax.tree_util.tree_flatten_with_path(
+      axes, is_leaf=lambda x: isinstance(x, tuple))[0]}
+
+
 def quantize_params(params, axes, kind: str = "int8", group_size: int = DEFAULT_GROUP_SIZE):
   """`params` with every matmul weight replaced by an Int8Weight (`kind="int8"`: per output channel, per layer when
   stacked) or an Int4Weight (`kind="int4"`: per group of `group_size` inputs and output channel), every other leaf
@@ -199,8 +205,7 @@ def quantize_params(params, axes, kind: str = "int8", group_size: int = DEFAULT_
     raise ValueError(f"unknown quantization {kind!r}; choose from {', '.join(KINDS)}")
   plan = quantization_plan(params, axes)
   leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-  stacked = {_path_name(path): _stacked(spec) for path, spec in jax.tree_util.tree_flatten_with_path(
-      axes, is_leaf=lambda x: isinstance(x, tuple))[0]}
+  stacked = _stacked_by_name(axes)
   chosen = [(i, _path_name(path), plan[_path_name(path)]) for i, (path, _) in enumerate(leaves)
             if plan[_path_name(path)] is not None]
   if kind == "int4":
@@ -224,8 +229,7 @@ def fake_quantize_params(params, axes, kind: str = "int8", group_size: int = DEF
   if kind not in KINDS:
     raise ValueError(f"unknown quantization {kind!r}; choose from {', '.join(KINDS)}")
   plan = quantization_plan(params, axes)
-  stacked = {_path_name(path): _stacked(spec) for path, spec in jax.tree_util.tree_flatten_with_path(
-      axes, is_leaf=lambda x: isinstance(x, tuple))[0]}
+  stacked = _stacked_by_name(axes)
 
   def fake(path, w):
     name = _path_name(path)

@@ -79,7 +79,7 @@ def inside_shard_map() -> bool:
 
 def _active_mesh():
   mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or mesh.manual_axes:  # No mesh, or already inside a shard_map body.
+  if mesh.empty or inside_shard_map():  # No mesh, or already inside a shard_map body.
     return None
   return mesh
 
