@@ -35,6 +35,7 @@ ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas")
 WKV7_IMPLS = ("auto", "scan", "chunked", "pallas")
 TOKENIZERS = ("byte", "rwkv_world")
 VOCAB_MULTIPLE = 128
+MARKOV_MAX_SYMBOLS = 62  # data.source=markov writes its symbols as the printable bytes 'A'..'~'.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,14 +171,18 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  """`source`: "embedded" (Python's own documentation), a text file, a folder of .txt/.md files, or a .bin file of
-  uint16/uint32 token ids (dtype from `bin_dtype`)."""
+  """`source`: "embedded" (Python's own documentation), a text file, a folder of .txt/.md files, a .bin file of
+  uint16/uint32 token ids (dtype from `bin_dtype`), or "markov": synthetic documents, one per sequence of
+  train.seq_len + 1 symbols, each from its own Markov chain over `markov_symbols` states whose transition rows are
+  drawn from a symmetric Dirichlet(`markov_concentration`) (ltm_jax/data/markov.py: the optimal losses are known)."""
   source: str = "embedded"
   tokenizer: str = "byte"
   bin_dtype: str = "uint16"
   val_fraction: float = 0.05  # For user text/.bin sources; the embedded corpus has a fixed split.
   worker_threads: int = 2  # Background threads that assemble batches.
   prefetch: int = 4  # Batches prepared ahead of the training step.
+  markov_symbols: int = 16
+  markov_concentration: float = 0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,6 +241,13 @@ class LatentConfig:
   # split in [T/4, 3T/4)), the decoder scored on the rest, so z is read as a memory of text it has not seen. The
   # other sequences are trained as usual (z fitted on, and the decoder scored on, the whole sequence).
   continuation_fraction: float = 0.0
+  # Semi-amortised inference: a small encoder (ltm_jax/layers/latent_encoder.py: local n-gram features of the tokens
+  # z is fitted on, pooled by one learned query per latent vector) proposes the inner loop's starting (mu, logvar),
+  # so fewer inner steps reach a good posterior. It is trained on the ELBO at its own proposal, whose gradient is
+  # the one the inner loop's first step computes anyway. Adds parameters: a checkpoint binds it.
+  encoder: bool = False
+  encoder_width: int = 128  # A multiple of 32 (its attention pooling has heads of 32 dimensions).
+  encoder_context: int = 4  # Tokens each position's n-gram feature reads: itself and the context - 1 before it.
 
 
 SAMPLERS = ("dpm++", "ddpm")
@@ -584,6 +596,11 @@ def validate(config: Config) -> Config:
   need(0 < d.val_fraction < 1, f"data.val_fraction must be in (0, 1), got {d.val_fraction}")
   need(d.worker_threads >= 0 and d.prefetch >= 0, "data.worker_threads and data.prefetch must be >= 0")
   need(bool(d.source), "data.source is empty")
+  need(2 <= d.markov_symbols <= MARKOV_MAX_SYMBOLS,
+       f"data.markov_symbols must be in [2, {MARKOV_MAX_SYMBOLS}], got {d.markov_symbols}")
+  need(d.markov_concentration > 0, f"data.markov_concentration must be positive, got {d.markov_concentration}")
+  need(d.source != "markov" or d.tokenizer == "byte",
+       f"data.source=markov writes its symbols as bytes: set data.tokenizer=byte, got {d.tokenizer!r}")
   if d.tokenizer == "byte":
     need(m.vocab_size >= 259, f"model.vocab_size={m.vocab_size} is smaller than the byte tokenizer's 259 ids")
   if d.tokenizer == "rwkv_world":
@@ -640,6 +657,9 @@ def validate(config: Config) -> Config:
   need(z.decoder_objective == "final" or z.continuation_fraction == 0,
        "latent.decoder_objective=iterates scores the tokens z is fitted on; it cannot be combined with "
        "latent.continuation_fraction > 0")
+  need(z.encoder_width >= 32 and z.encoder_width % 32 == 0,
+       f"latent.encoder_width must be a positive multiple of 32, got {z.encoder_width}")
+  need(z.encoder_context >= 1, f"latent.encoder_context must be >= 1, got {z.encoder_context}")
   _validate_timeseries(config.timeseries)
   _validate_mesh(config)
   return config

@@ -66,6 +66,10 @@ def test_bad_overrides_name_the_problem(override, message):
     (["model.memory_max_lr=1.5"], r"model.memory_max_lr must be in \(0, 1\], got 1.5"),
     (["model.memory_impl=pallas"], r"model.memory_impl='pallas' is not one of auto, scan, chunked"),
     (["model.layer_pattern=G", "model.d_model=12", "model.n_heads=4"], r"d_model/n_heads=3 must be even for RoPE"),
+    (["data.markov_symbols=1"], r"data.markov_symbols must be in \[2, 62\], got 1"),
+    (["data.markov_symbols=63"], r"data.markov_symbols must be in \[2, 62\], got 63"),
+    (["data.markov_concentration=0"], r"data.markov_concentration must be positive, got 0.0"),
+    (["data.source=markov", "data.tokenizer=rwkv_world", "model.vocab_size=65536"], r"set data.tokenizer=byte"),
 ])
 def test_validation_rejects_inconsistent_values(overrides, message):
   with pytest.raises(ConfigError, match=message):

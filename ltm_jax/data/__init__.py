@@ -2,11 +2,13 @@
 
 from ltm_jax.data.corpus import Splits, check_model_reads, load_splits
 from ltm_jax.data.embedded import embedded_corpus, embedded_corpus_stats, embedded_documents
-from ltm_jax.data.loader import TrainLoader, eval_batches
+from ltm_jax.data.loader import DocumentLoader, TrainLoader, eval_batches
+from ltm_jax.data.sources import TokenSource, open_source
 from ltm_jax.data.tokenizer import ByteTokenizer, get_tokenizer
 
 __all__ = [
     "ByteTokenizer",
+    "DocumentLoader",
     "Splits",
     "TrainLoader",
     "check_model_reads",
@@ -16,4 +18,6 @@ __all__ = [
     "eval_batches",
     "get_tokenizer",
     "load_splits",
+    "open_source",
+    "TokenSource",
 ]

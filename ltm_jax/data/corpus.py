@@ -36,10 +36,18 @@ class Splits(NamedTuple):
 def load_splits(data_cfg: DataConfig, vocab_size: int, seq_len: int) -> Splits:
   """Loads `data_cfg.source` as train/validation token arrays; each holds at least one (seq_len+1)-token window.
 
+  `source` is "embedded", a text file (its last `val_fraction` of tokens is validation), a .bin file of token ids
+  (split the same way) or a folder. A folder that holds both `train.txt` and `val.txt` (such as a corpus written by
+  `ltm_jax.data.pycorpus`) is read as already split: train.txt is the training split and val.txt the validation
+  split, and its other files are ignored. Any other folder's .txt/.md files are split by file.
+
   Raises DataError for a missing path, an empty corpus, a .bin id >= `vocab_size`, or a split that is too small.
   """
   tokenizer = get_tokenizer(data_cfg.tokenizer)
   source = data_cfg.source
+  if source == "markov":
+    raise DataError("data.source=markov generates its documents as it goes and has no fixed token splits; this "
+                    "command needs a text corpus (embedded, a file or a folder)")
   if source == EMBEDDED:
     _check_vocab(tokenizer, vocab_size)
     train, val, meta = _load_embedded(tokenizer)
@@ -134,7 +142,14 @@ def _text_files(folder: pathlib.Path) -> list[str]:
 
 def _load_folder(folder: pathlib.Path, tokenizer: ByteTokenizer, val_fraction: float,
                  seq_len: int) -> tuple[np.ndarray, np.ndarray, int]:
-  """Splits by file (stable hash of the relative path); falls back to a token tail split if a side is too small."""
+  """Splits by file (stable hash of the relative path); falls back to a token tail split if a side is too small.
+
+  A folder holding both train.txt and val.txt is already split: those two files are the splits.
+  """
+  presplit = (folder / "train.txt", folder / "val.txt")
+  if all(path.is_file() for path in presplit):
+    train, val = (_encode(tokenizer, _read_text(path)) for path in presplit)
+    return train, val, len(presplit)
   names = _text_files(folder)
   if not names:
     raise DataError(f"folder {folder} contains no .txt or .md files")

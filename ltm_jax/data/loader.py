@@ -185,3 +185,35 @@ def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int, n_batches: i
   # Strictly increasing since available >= count: distinct windows spread over the whole split.
   starts = (np.arange(count, dtype=np.int64) * available // count) * seq_len
   return [_gather(tokens, starts[i:i + batch_size], seq_len) for i in range(0, count, batch_size)]
+
+
+def _document_batch(documents, batch_size: int, rows: slice, batch: int) -> dict[str, np.ndarray]:
+  """Batch `batch` of a document stream: documents batch * batch_size + [rows], each a row of seq_len + 1 tokens."""
+  indices = np.arange(batch * batch_size, (batch + 1) * batch_size)[rows]
+  windows = np.asarray(documents(indices), dtype=np.int32)
+  return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
+
+
+class DocumentLoader(ResumableLoader):
+  """Endless stream of batches whose every row is one whole document of a generated stream (never repeated).
+
+  `documents(indices) -> [n, seq_len + 1]` token ids must be a pure function of each index (a synthetic source such
+  as `ltm_jax.data.markov`), so batch b is documents [b * batch_size, (b + 1) * batch_size) whichever thread or
+  process draws it, and the position is the batch counter. `shard` as for `TrainLoader`."""
+  STATE_FORMAT = "ltm_jax.DocumentLoader/1"
+  _ENDLESS = 1 << 40  # Batches: far beyond any run, and finite as grain's MapDataset needs.
+
+  def __init__(self, documents, batch_size: int, stream_keys: dict[str, Any], worker_threads: int = 2,
+               prefetch: int = 4, shard: tuple[int, int] = (0, 1)):
+    index, count = shard
+    if batch_size <= 0 or count < 1 or not 0 <= index < count or batch_size % count:
+      raise ValueError(f"batch_size={batch_size} must be positive and shard {shard} (index, count) with count "
+                       "dividing it")
+    self.batch_size, self._keys = int(batch_size), dict(stream_keys, batch_size=int(batch_size))
+    rows = slice(index * batch_size // count, (index + 1) * batch_size // count)
+    batches = grain.MapDataset.range(self._ENDLESS).map(
+        functools.partial(_document_batch, documents, self.batch_size, rows))
+    super().__init__(batches, grain.ReadOptions(num_threads=worker_threads, prefetch_buffer_size=prefetch))
+
+  def stream_keys(self) -> dict[str, Any]:
+    return dict(self._keys)

@@ -57,9 +57,8 @@ def make_task(cfg: Config, optimizer: optax.GradientTransformation) -> Task:
 def language_task(cfg: Config, optimizer: optax.GradientTransformation) -> Task:
   """The decoder LM on token windows of the configured corpus, sharded by `cfg.mesh` over several devices."""
   m, t = cfg.model, cfg.train
-  tokenizer = data_lib.get_tokenizer(cfg.data.tokenizer)
-  splits = data_lib.load_splits(cfg.data, m.vocab_size, t.seq_len)
-  bytes_per_token = None if splits.is_token_file else tokenizer.bytes_per_token
+  source = data_lib.open_source(cfg.data, m.vocab_size, t.seq_len)
+  bytes_per_token = source.bytes_per_token
   model = model_lib.LM(m, cfg.latent)
   layout = parallel.make_layout(cfg, optimizer)  # ConfigError on a mesh that does not fit, before any compilation.
   sharded = parallel.sharded_if_multi_device(layout)
@@ -70,7 +69,7 @@ def language_task(cfg: Config, optimizer: optax.GradientTransformation) -> Task:
   # This process loads only the rows of each batch its devices hold (all of them on one process).
   start_row, stop_row = parallel.process_rows(layout.batch, t.batch_size, t.seq_len)
   shard = (start_row // (stop_row - start_row), t.batch_size // (stop_row - start_row))
-  eval_batches = data_lib.eval_batches(splits.val, t.batch_size, t.seq_len, t.eval_batches)
+  eval_batches = source.validation_batches(t.batch_size, t.eval_batches)
   if sharded is not None:
     eval_batches = [parallel.put_batch(b, parallel.batch_sharding(layout.mesh, layout.rules, len(b["inputs"])))
                     for b in eval_batches]
@@ -85,8 +84,8 @@ def language_task(cfg: Config, optimizer: optax.GradientTransformation) -> Task:
     return row
 
   def make_loader():
-    return data_lib.TrainLoader(splits.train, t.batch_size, t.seq_len, seed=t.seed,
-                                worker_threads=cfg.data.worker_threads, prefetch=cfg.data.prefetch, shard=shard)
+    return source.train_loader(t.batch_size, t.seed, worker_threads=cfg.data.worker_threads,
+                               prefetch=cfg.data.prefetch, shard=shard)
 
   put = (lambda b: b) if sharded is None else (lambda b: parallel.put_batch(b, sharded.batch, t.batch_size))
   return Task(model, state, make_loader, None, evaluate, info_lib.model_info(cfg)["flops_per_step_train"],
