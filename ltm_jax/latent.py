@@ -9,6 +9,11 @@ No gradient flows through the inner loop to the decoder: the decoder's parameter
 (stop_gradient), and the training step takes its decoder gradient with z held fixed, either at a sample of the
 fitted posterior or (latent.decoder_objective=iterates) at every iterate of the loop, whose decoder gradients the
 loop's own backward passes yield (`fit(..., params=)`).
+
+With latent.encoder the loop starts from an encoder's proposal (`propose`) rather than from the prior-like
+`initial_posterior`; the encoder learns the ELBO at its own proposal, from the gradient the loop takes there.
+
+The second half of the module is the decoder's objective for one training micro-batch (`decoder_terms`).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
@@ -35,10 +41,15 @@ class Posterior(NamedTuple):
     return self.mu + jnp.exp(0.5 * self.logvar) * eps
 
 
-def initial_posterior(key: jax.Array, shape: tuple[int, ...], cfg: LatentConfig) -> Posterior:
-  """mu = init_mu_std * N(0, 1) (a small random start breaks the symmetry between latent vectors), logvar const."""
+def initial_posterior(key: jax.Array, shape: tuple[int, ...], cfg: LatentConfig,
+                      proposal: Posterior | None = None) -> Posterior:
+  """Where the inner loop starts: mu = init_mu_std * N(0, 1) (a small random start breaks the symmetry between
+  latent vectors) and logvar = init_logvar, or with a `proposal` (an encoder's) its mu plus the same noise and its
+  logvar."""
   mu = cfg.init_mu_std * jax.random.normal(key, shape, jnp.float32)
-  return Posterior(mu, jnp.full(shape, cfg.init_logvar, jnp.float32))
+  if proposal is None:
+    return Posterior(mu, jnp.full(shape, cfg.init_logvar, jnp.float32))
+  return Posterior(proposal.mu + mu, proposal.logvar)
 
 
 def kl_divergence(posterior: Posterior) -> jax.Array:
@@ -59,6 +70,8 @@ class FitResult(NamedTuple):
   path: Posterior  # The steps + 1 posteriors the loop visited (start, after each step): leaves [steps + 1, *z].
   # With `params`: the sum over those steps + 1 iterates of d/dparams of sum_b nll_b at z = q_k.sample(eps); else None.
   params_grad: Any = None
+  # With start_grad: d/d(mu, logvar) of sum_b (nll_b + kl_b) at the starting posterior (a Posterior); else None.
+  start_grad: Posterior | None = None
 
 
 def fit(
@@ -69,6 +82,7 @@ def fit(
     steps: int | None = None,
     *,
     params: Any = None,
+    start_grad: bool = False,
 ) -> FitResult:
   """Runs `steps` (default cfg.inner_steps) Adam steps on (mu, logvar) from `posterior`, inside one `lax.scan`.
 
@@ -84,6 +98,8 @@ def fit(
       decoder then also yields the decoder's gradient at that iterate (the cost of the weight-gradient products
       only), summed into `params_grad`; the iterates themselves still do not depend on `params` (no gradient flows
       through the updates of (mu, logvar)).
+    start_grad: also return the negative ELBO's gradient at the starting posterior (the first step's own gradient;
+      with 0 steps, computed once).
 
   Returns:
     the fitted posterior (gradients stopped), the per-sequence NLL and KL trace and the path of iterates. Sequences
@@ -105,27 +121,31 @@ def fit(
     (_, aux), grads = grad_fn(q, params)
     return aux, (grads if with_params else (grads, None))
 
-  def step(carry, _):
-    q, opt_state, params_grad = carry
+  def step(carry, index):
+    q, opt_state, params_grad, first_grad = carry
     (nll, kl), (q_grad, p_grad) = gradients(q)
     updates, opt_state = optimizer.update(q_grad, opt_state, q)
     if with_params:
       params_grad = jax.tree.map(jnp.add, params_grad, p_grad)
-    return (optax.apply_updates(q, updates), opt_state, params_grad), (nll, kl, q)
+    if start_grad:
+      first_grad = jax.tree.map(lambda kept, g: jnp.where(index == 0, g, kept), first_grad, q_grad)
+    return (optax.apply_updates(q, updates), opt_state, params_grad, first_grad), (nll, kl, q)
 
   posterior = jax.lax.stop_gradient(posterior)
   zeros = jax.tree.map(jnp.zeros_like, params) if with_params else None
-  (posterior, _, params_grad), (nll, kl, path) = jax.lax.scan(
-      step, (posterior, optimizer.init(posterior), zeros), None, length=steps)
+  first = jax.tree.map(jnp.zeros_like, posterior) if start_grad else None
+  (posterior, _, params_grad, first), (nll, kl, path) = jax.lax.scan(
+      step, (posterior, optimizer.init(posterior), zeros, first), jnp.arange(steps))
   posterior = jax.lax.stop_gradient(posterior)
-  if with_params:
-    (last_nll, last_kl), (_, p_grad) = gradients(posterior)
-    params_grad = jax.tree.map(jnp.add, params_grad, p_grad)
+  if with_params or (start_grad and steps == 0):
+    (last_nll, last_kl), (q_grad, p_grad) = gradients(posterior)
+    params_grad = jax.tree.map(jnp.add, params_grad, p_grad) if with_params else None
+    first = q_grad if steps == 0 else first
   else:
     _, (last_nll, last_kl) = terms(posterior, None)
   append = lambda trace, last: jnp.concatenate([trace, last[None]])
   path = jax.lax.stop_gradient(jax.tree.map(append, path, posterior))
-  return FitResult(posterior, append(nll, last_nll), append(kl, last_kl), path, params_grad)
+  return FitResult(posterior, append(nll, last_nll), append(kl, last_kl), path, params_grad, first)
 
 
 def token_nll(model, params, inputs: jax.Array, targets: jax.Array, latents: jax.Array | None = None,
@@ -139,6 +159,18 @@ def token_nll(model, params, inputs: jax.Array, targets: jax.Array, latents: jax
   return nll
 
 
+def propose(model: model_lib.LM, params, tokens: jax.Array, visible: jax.Array) -> Posterior:
+  """The amortised encoder's q(z|x) from the `visible` [B, T] tokens of `tokens` [B, T] (a model with
+  latent.encoder; `params` are the model's, holding the encoder's under model_lib.ENCODER)."""
+  encoder = model_lib.latent_encoder(model.cfg, model.latent)
+  if model_lib.ENCODER not in params:
+    raise ValueError("latent.encoder is on but the parameters hold no latent encoder; initialise them with "
+                     "model.init_params(..., latent) of the same latent config")
+  mu, logvar = encoder.apply({"params": params[model_lib.ENCODER]}, tokens, visible)
+  shape = model_lib.latent_shape(model.cfg, model.latent, tokens.shape[0])
+  return Posterior(mu.reshape(shape), logvar.reshape(shape))
+
+
 def infer(
     model: model_lib.LM,
     params,
@@ -150,6 +182,9 @@ def infer(
     target_mask: jax.Array | None = None,
     valid: jax.Array | None = None,
     decoder_grad: bool = False,
+    length: int | None = None,
+    proposal: Posterior | None = None,
+    start_grad: bool = False,
 ) -> tuple[FitResult, jax.Array]:
   """Fits q(z|x) for each sequence of a batch with the inner loop; returns the fit and its fixed noise eps.
 
@@ -164,14 +199,26 @@ def infer(
       count.
     decoder_grad: also return, as `params_grad`, the decoder's gradient of the counted targets' summed NLL at every
       iterate, summed over the iterates (see `fit`).
+    length: read only the first `length` positions (static): every counted target must lie before it. The decoder
+      is causal, so the fit is the same as on the whole rows, for a fraction of the cost.
+    proposal: where to start instead of the model's own start (the encoder's proposal from the counted targets with
+      latent.encoder, else the prior-like `initial_posterior`); the loop's symmetry-breaking noise is added to it.
+    start_grad: also return the gradient at the start (see `fit`), from which an encoder learns.
   """
   cfg = model.latent
+  if length is not None:
+    inputs, targets = inputs[:, :length], targets[:, :length]
+    target_mask = None if target_mask is None else target_mask[:, :length]
+    valid = None if valid is None else valid[:, :length]
   shape = model_lib.latent_shape(model.cfg, cfg, inputs.shape[0])
   init_key, eps_key = jax.random.split(key)
   params = jax.lax.stop_gradient(params)
 
   if valid is not None:
     target_mask = valid if target_mask is None else target_mask & valid
+  if proposal is None and cfg.encoder:
+    counted = jnp.ones(targets.shape, bool) if target_mask is None else target_mask
+    proposal = propose(model, params, targets, counted)
 
   def nll_fn(z, p=params):
     nll = token_nll(model, p, inputs, targets, z, valid)
@@ -180,5 +227,92 @@ def infer(
     return nll.sum(-1)
 
   eps = jax.random.normal(eps_key, shape, jnp.float32)
-  start = initial_posterior(init_key, shape, cfg)
-  return fit(nll_fn, start, eps, cfg, steps, params=params if decoder_grad else None), eps
+  start = initial_posterior(init_key, shape, cfg, jax.lax.stop_gradient(proposal) if proposal is not None else None)
+  return fit(nll_fn, start, eps, cfg, steps, params=params if decoder_grad else None, start_grad=start_grad), eps
+
+
+# ------------------------------------------------------------------------------------------ the decoder's objective
+
+
+def continuation_masks(key: jax.Array, shape: tuple[int, int], fraction: float) -> tuple[jax.Array, jax.Array]:
+  """(fit [B, T], score [B, T]) bool masks over the targets of a batch. The first round(fraction * B) rows are
+  continuation rows: z is fitted on their targets before a split drawn uniformly from [T/4, split_bound(T)) and
+  the decoder scores the targets from the split on. Every other row is fitted and scored whole."""
+  batch, length = shape
+  rows = round(fraction * batch)
+  split = jax.random.randint(key, (batch, 1), length // 4, split_bound(length))
+  split = jnp.where(jnp.arange(batch)[:, None] < rows, split, length)
+  before = jnp.arange(length)[None, :] < split
+  return before | (split == length), ~before | (split == length)
+
+
+def split_bound(length: int) -> int:
+  """Continuation splits of rows of `length` targets lie below this (3/4 of the row): no fitted target beyond."""
+  return max(3 * length // 4, length // 4 + 1)
+
+
+class DecoderTerms(NamedTuple):
+  """What the decoder is trained on for one micro-batch of a latent model (`decoder_terms`).
+
+  scored: (z [B, ...], mask [B, T] or None, length or None) triples; the loss is the NLL of every triple's masked
+  targets given its z (held constant), read on the first `length` positions (None: all), summed over the triples and
+  divided by the number of scored targets. None with iterates_grad.
+  iterates_grad: with latent.decoder_objective=iterates, the decoder's gradient itself (else None).
+  encoder_grad: with latent.encoder, the gradient of the encoder's parameters (the ELBO per fitted token at its
+  proposal), to add to theirs (else None).
+  metrics: kl (per fitted token) and the inner loop's ELBO per fitted token at its start and end (and `loss` with
+  iterates_grad)."""
+  scored: tuple[tuple[jax.Array, jax.Array | None, int | None], ...] | None
+  iterates_grad: Any
+  encoder_grad: Any
+  metrics: dict[str, jax.Array]
+
+
+def decoder_terms(model: nn.Module, params, batch, key: jax.Array) -> DecoderTerms:
+  """The inner loop's fit for one micro-batch, and the decoder objective that follows from it.
+
+  latent.decoder_objective=final: z is drawn (fresh noise) from the posterior fitted on each row's fit mask
+  (`continuation_masks`; whole rows when latent.continuation_fraction is 0) and scores the row's score mask.
+  Continuation rows also score their prefix, under z_0 = the prior-like start (`initial_posterior` with the loop's
+  noise, which carries no information), so the decoder learns from every token: what z fitted on text before the
+  split adds to the rest, and how to do without it. When every row is a continuation row, the inner loop and the
+  prefix's scoring read only the positions before split_bound.
+  iterates: the decoder's gradient of the mean over the K + 1 iterates of the NLL per token, taken by the inner
+  loop's own backward passes.
+  With latent.encoder the loop starts from the encoder's proposal for the fitted targets."""
+  latent = model.latent
+  fit_key, sample_key, split_key = jax.random.split(key, 3)
+  inputs, targets = batch["inputs"], batch["targets"]
+  fit_mask = score_mask = prefix = None
+  if latent.continuation_fraction > 0:
+    fit_mask, score_mask = continuation_masks(split_key, targets.shape, latent.continuation_fraction)
+    if round(latent.continuation_fraction * targets.shape[0]) == targets.shape[0]:
+      prefix = split_bound(targets.shape[1])
+  iterates = latent.decoder_objective == "iterates"
+  proposal = encoder_grad_fn = None
+  if latent.encoder:
+    visible = jnp.ones(targets.shape, bool) if fit_mask is None else fit_mask
+    proposal, encoder_grad_fn = jax.vjp(
+        lambda p: propose(model, dict(params, **{model_lib.ENCODER: p}), targets[:, :prefix], visible[:, :prefix]),
+        params[model_lib.ENCODER])
+  fitted, eps = infer(model, params, inputs, targets, fit_key, target_mask=fit_mask, decoder_grad=iterates,
+                      length=prefix, proposal=proposal, start_grad=latent.encoder)
+  tokens = targets.size if fit_mask is None else fit_mask.sum()
+  metrics = {
+      "kl": fitted.kl[-1].sum() / tokens,
+      "inner_elbo_start": (fitted.nll[0] + fitted.kl[0]).sum() / tokens,
+      "inner_elbo_end": (fitted.nll[-1] + fitted.kl[-1]).sum() / tokens,
+  }
+  encoder_grad = None
+  if encoder_grad_fn is not None:  # The start is the proposal plus noise: its gradient is the proposal's.
+    (encoder_grad,) = encoder_grad_fn(jax.tree.map(lambda g: g / tokens, fitted.start_grad))
+  if iterates:
+    count = fitted.nll.shape[0] * tokens  # (K + 1) iterates of every fitted token.
+    metrics["loss"] = fitted.nll.sum() / count
+    return DecoderTerms(None, jax.tree.map(lambda g: g / count, fitted.params_grad), encoder_grad, metrics)
+  z = fitted.posterior.sample(jax.random.normal(sample_key, eps.shape, eps.dtype))
+  if fit_mask is None:
+    return DecoderTerms(((z, None, None),), None, encoder_grad, metrics)
+  init_key = jax.random.split(fit_key)[0]  # As `infer` splits it: the loop's own symmetry-breaking draw.
+  z_0 = initial_posterior(init_key, eps.shape, latent).sample(eps)
+  return DecoderTerms(((z, score_mask, None), (z_0, fit_mask & ~score_mask, prefix)), None, encoder_grad, metrics)

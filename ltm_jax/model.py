@@ -29,6 +29,7 @@ from ltm_jax.layers import Attention, ChannelMix, ChannelMixState, CrossAttentio
 from ltm_jax.layers import ChannelMix7, MemoryAsGate, MemoryAsLayer, NeuralMemoryState, TimeMix7, TimeMix7State
 from ltm_jax.layers import MMRec, MMRecState, TitansState
 from ltm_jax.layers.common import fp8_projections, init, norm
+from ltm_jax.layers.latent_encoder import LatentEncoder
 from ltm_jax.parallel import pipeline
 from ltm_jax.ops import cross_entropy
 from ltm_jax.ops.quant_matmul import weights as quant_weights
@@ -491,7 +492,8 @@ def _init_variables(cfg: ModelConfig, latent: LatentConfig | None, key: jax.Arra
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, latent: LatentConfig | None = None):
-  """Float32 parameters (unboxed) of `LM(cfg, latent)`; logical axis names stay available via `param_axes`.
+  """Float32 parameters (unboxed) of `LM(cfg, latent)`; logical axis names stay available via `param_axes`. With
+  latent.encoder they also hold the amortised posterior encoder's, under ENCODER (see `latent_encoder`).
 
   The decoder's parameters do not depend on `latent`: the same key gives the same decoder with or without latents,
   which only add each block's cross-attention (so comparisons start from identical decoders). Nor do they depend on
@@ -499,14 +501,41 @@ def init_params(cfg: ModelConfig, key: jax.Array, latent: LatentConfig | None = 
   keeps its depth-dependent RWKV initialisation, and the same key gives the same model either way."""
   if cfg.scan_layers:
     return scan_params(cfg, init_params(dataclasses.replace(cfg, scan_layers=False), key, latent))
-  return nn.meta.unbox(_init_variables(cfg, latent, key)["params"])
+  params = nn.meta.unbox(_init_variables(cfg, latent, key)["params"])
+  encoder = latent_encoder(cfg, latent)
+  if encoder is not None:
+    params[ENCODER] = nn.meta.unbox(_init_encoder(encoder, jax.random.fold_in(key, _ENCODER_SEED))["params"])
+  return params
 
 
 def param_axes(cfg: ModelConfig, latent: LatentConfig | None = None):
   """The logical axis names of every parameter, as a pytree of PartitionSpec-like tuples (no computation); stacked
   parameters of scanned layers lead with LAYER_AXIS."""
   variables = jax.eval_shape(lambda: _init_variables(cfg, latent, jax.random.key(0)))
-  return nn.get_partition_spec(variables["params"])
+  axes = nn.get_partition_spec(variables["params"])
+  encoder = latent_encoder(cfg, latent)
+  if encoder is not None:
+    axes = dict(axes, **{ENCODER: nn.get_partition_spec(
+        jax.eval_shape(lambda: _init_encoder(encoder, jax.random.key(0)))["params"])})
+  return axes
+
+
+ENCODER = "latent_encoder"  # The encoder's parameters sit beside the decoder's under this key.
+_ENCODER_SEED = 0x1A7E  # Folded into the init key: the decoder's own initialisation is left as it was.
+
+
+def latent_encoder(cfg: ModelConfig, latent: LatentConfig | None) -> LatentEncoder | None:
+  """The amortised posterior encoder of a model with latent.encoder (None otherwise): it proposes q(z|x) for every
+  latent vector, [B, n_layers * n_per_layer, d_model] (see `ltm_jax.latent.propose`)."""
+  latent = uses_latents(latent)
+  if latent is None or not latent.encoder:
+    return None
+  return LatentEncoder(cfg.padded_vocab_size, cfg.n_layers * latent.n_per_layer, cfg.d_model,
+                       latent.encoder_width, latent.encoder_context, latent.init_logvar, cfg.init_std)
+
+
+def _init_encoder(encoder: LatentEncoder, key: jax.Array, seq_len: int = 8):
+  return encoder.init(key, jnp.zeros((1, seq_len), jnp.int32), jnp.ones((1, seq_len), bool))
 
 
 def count_params(params) -> int:

@@ -18,7 +18,7 @@ from ltm_jax import latent as latent_lib
 from ltm_jax import model as model_lib
 from ltm_jax.config import ConfigError, LatentConfig, apply_overrides, validate
 from ltm_jax.train.evaluation import CURVE_STEPS, full_evaluation
-from ltm_jax.train.step import create_train_state, latent_decoder_terms, make_train_step
+from ltm_jax.train.step import create_train_state, make_train_step
 
 # Every test fits with STEPS inner steps on [3, 16] batches where it can, so jitted inner loops are compiled once.
 STEPS = 4
@@ -93,7 +93,7 @@ def test_decoder_gradient_equals_gradient_with_z_frozen():
   grads = jax.tree.map(jnp.subtract, params, new_state.params)
 
   key = jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(state.rng), 0), 0)
-  z = jax.jit(latent_decoder_terms, static_argnums=0)(model, params, batch, key).scored[0][0]
+  z = jax.jit(latent_lib.decoder_terms, static_argnums=0)(model, params, batch, key).scored[0][0]
   frozen = jax.lax.stop_gradient(z)
   loss = lambda p: latent_lib.token_nll(model, p, batch["inputs"], batch["targets"], frozen).mean()
   expected = jax.jit(jax.grad(loss))(params)
@@ -121,7 +121,7 @@ def _jitted_infer(model, params, inputs, targets, key, steps):
 def _unstopped_fit(model, params, batch, key):
   """The inner loop written without stop_gradient (what the original PyTorch code effectively does)."""
   cfg = model.latent
-  fit_key, sample_key, _ = jax.random.split(key, 3)  # As latent_decoder_terms splits its key.
+  fit_key, sample_key, _ = jax.random.split(key, 3)  # As latent_lib.decoder_terms splits its key.
   init_key, eps_key = jax.random.split(fit_key)
   shape = model_lib.latent_shape(model.cfg, cfg, batch["inputs"].shape[0])
   q = latent_lib.initial_posterior(init_key, shape, cfg)
@@ -229,6 +229,9 @@ def test_full_evaluation_of_latent_and_plain_models():
     ("latent.decoder_objective=all", "decoder_objective='all' is not one of final, iterates"),
     ("latent.continuation_fraction=1.5", r"continuation_fraction must be in \[0, 1\]"),
     ("latent.decoder_objective=iterates latent.continuation_fraction=0.5", "cannot be combined"),
+    ("latent.encoder_width=48", "encoder_width must be a positive multiple of 32, got 48"),
+    ("latent.encoder_width=0", "encoder_width must be a positive multiple of 32, got 0"),
+    ("latent.encoder_context=0", "encoder_context must be >= 1, got 0"),
 ])
 def test_bad_latent_settings_are_refused(override, message):
   with pytest.raises(ConfigError, match=message):

@@ -14,6 +14,7 @@ import optax
 import pytest
 
 from conftest import micro_config
+from ltm_jax import cli
 from ltm_jax import data as data_lib
 from ltm_jax import latent as latent_lib
 from ltm_jax import model as model_lib
@@ -21,7 +22,8 @@ from ltm_jax.api import load
 from ltm_jax.config import LatentConfig
 from ltm_jax.train import train
 from ltm_jax.train.evaluation import full_evaluation
-from ltm_jax.train.step import continuation_masks, create_train_state, latent_decoder_terms, make_train_step
+from ltm_jax.latent import continuation_masks
+from ltm_jax.train.step import create_train_state, make_train_step
 
 STEPS = 3
 LATENT = LatentConfig(enabled=True, n_per_layer=2, inner_steps=STEPS, inner_lr=0.3)
@@ -38,18 +40,18 @@ def _setup(seed=0, model_overrides=None, **latent_overrides):
 
 @functools.partial(jax.jit, static_argnames="model")
 def _terms(model, params, batch, key):
-  return latent_decoder_terms(model, params, batch, key)
+  return latent_lib.decoder_terms(model, params, batch, key)
 
 
 def _mean_nll_grad(model, params, batch, z):
-  return _scored_nll_grad(model, params, batch, ((z, None),))
+  return _scored_nll_grad(model, params, batch, ((z, None, None),))
 
 
 def _scored_nll_grad(model, params, batch, scored):
   """The NLL per scored target, each (z, mask) pair's targets given its z (held fixed), and its gradient."""
   def loss(p):
     total, count = 0.0, 0.0
-    for z, mask in scored:
+    for z, mask, _ in scored:  # Every position read: a prefix's own length must not change its NLL.
       nll = latent_lib.token_nll(model, p, batch["inputs"], batch["targets"], jax.lax.stop_gradient(z))
       mask = jnp.ones(nll.shape, bool) if mask is None else mask
       total, count = total + jnp.where(mask, nll, 0.0).sum(), count + mask.sum()
@@ -114,7 +116,7 @@ def test_continuation_masks():
 def test_continuation_rows_fit_z_without_the_scored_tokens():
   _, model, params, batch = _setup(continuation_fraction=0.5)
   key = jax.random.key(5)
-  z, score = _terms(model, params, batch, key).scored[0]
+  z, score, _ = _terms(model, params, batch, key).scored[0]
   # Change every row's last target: scored, never fitted, in continuation rows (0, 1); fitted in rows 2, 3.
   changed = dict(batch, targets=batch["targets"].at[:, -1].set((batch["targets"][:, -1] + 7) % 256))
   z2 = _terms(model, params, changed, key).scored[0][0]
@@ -135,7 +137,7 @@ def test_final_decoder_gradient_is_the_scored_nll_with_z_frozen(fraction):
   if fraction == 0:
     assert len(scored) == 1 and scored[0][1] is None  # Every target, under z fitted on the whole row.
   else:
-    (_, score), (z_0, prefix) = scored
+    (_, score, _), (z_0, prefix, _) = scored
     fit, expected_score = continuation_masks(jax.random.split(key, 3)[2], batch["targets"].shape, fraction)
     np.testing.assert_array_equal(score, expected_score)
     np.testing.assert_array_equal(prefix, fit & ~expected_score)  # Continuation rows' prefixes only.
@@ -202,3 +204,20 @@ def test_training_logs_the_latent_diagnostics_ltm_eval_reports(trained_latent):
     assert last[f"val_{key}"] == pytest.approx(evaluation[key], rel=1e-5), key
   assert last["val_active_units"] == evaluation["active_units"]
   assert last["val_loss"] == pytest.approx(evaluation["elbo"], rel=1e-5)
+
+
+def test_ltm_eval_measures_the_elbo_curve_on_the_batches_it_is_asked_to(trained_latent, capsys):
+  cfg, workdir = trained_latent
+  t = cfg.train
+  assert cli.main(["eval", "--workdir", str(workdir), "--batches", "2", "--curve-steps", "0", "1",
+                   "--curve-batches", "1"]) == 0
+  metrics = json.loads((workdir / "eval.json").read_text())
+  assert set(metrics["elbo_ppl_by_inner_steps"]) == {"0", "1", str(STEPS)}
+  assert metrics["curve_tokens"] == t.batch_size * t.seq_len and metrics["tokens"] == 2 * t.batch_size * t.seq_len
+  # The curve at the trained steps over the first batch equals the main ELBO of that batch alone.
+  lm = load(workdir)
+  first = data_lib.open_source(cfg.data, cfg.model.vocab_size, t.seq_len).validation_batches(t.batch_size, 2)[:1]
+  alone = full_evaluation(lm.model, lm.params, first, seed=t.seed, curve_steps=())
+  assert alone["elbo_ppl_by_inner_steps"] == {} and alone["curve_tokens"] == 0
+  assert metrics["elbo_ppl_by_inner_steps"][str(STEPS)] == pytest.approx(alone["elbo_ppl"], rel=1e-5)
+  capsys.readouterr()

@@ -5,7 +5,8 @@ Logical axis names used by every parameter (the sharding issue maps them to mesh
   square d_model x d_model gate, named apart from `embed` so the two axes can map to different mesh axes), and lora (the
   narrow inner axis of RWKV-7's low-rank projections, meant to stay replicated), and layers (the leading axis that
   model.scan_layers stacks the scanned blocks' parameters along; meant to stay unsharded), memory_in and memory_out (the
-  Titans memory MLP's weight axes) and conv (the taps of a short convolution).
+  Titans memory MLP's weight axes), conv (the taps of a short convolution) and latent (the latent vectors of the
+  amortised posterior encoder's queries).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from ltm_jax.ops import fp8
 from ltm_jax.ops.quant_matmul import weights as quant_weights
 
 LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "wkv", "norm", "embed_out", "lora",
-                "layers", "memory_in", "memory_out", "conv")
+                "layers", "memory_in", "memory_out", "conv", "latent")
 
 
 def init(std: float, axes: Sequence[str]):

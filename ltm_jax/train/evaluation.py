@@ -10,7 +10,8 @@ For a latent model, per token over the validation windows (see README, "Evaluati
   shuffled_nll      NLL with z fitted on another sequence of the batch (the decoder uses z if this is worse than nll)
   active_units      latent dimensions whose posterior mean varies across sequences (Var > 0.01, Burda et al. 2016)
   mu_abs            mean |mu| of the posterior means (prior units: 0 is the prior's mean, 1 its standard deviation)
-  elbo_ppl_by_inner_steps  elbo_ppl when the inner loop runs 0, 4, 8, 16, 32, 64 steps
+  elbo_ppl_by_inner_steps  elbo_ppl when the inner loop runs 0, 4, 8, 16, 32, 64 steps, over the first
+                    `curve_batches` batches (curve_tokens tokens)
 The plain decoder gets the same keys where they mean something: kl = 0, elbo_ppl = exp(nll) exactly.
 
 Training runs the same computation at every evaluation (without the inner-steps curve, `validation_metrics`), so
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -44,17 +45,18 @@ def batch_metrics(model, params, inputs, targets, key, steps: int, full: bool) -
     nll = latent_lib.token_nll(model, params, inputs, targets)
     return {"nll": nll.sum(), "kl": jnp.zeros(()), "continuation_nll": (nll * second_half).sum()}
 
-  def posterior_sample(key, mask=None):
+  def posterior_sample(key, mask=None, prefix=None):
     fit_key, sample_key = jax.random.split(key)
-    fitted, eps = latent_lib.infer(model, params, inputs, targets, fit_key, steps=steps, target_mask=mask)
+    fitted, eps = latent_lib.infer(model, params, inputs, targets, fit_key, steps=steps, target_mask=mask,
+                                   length=prefix)
     return fitted.posterior, fitted.posterior.sample(jax.random.normal(sample_key, eps.shape))
 
   keys = jax.random.split(key, 3)
   posterior, z = posterior_sample(keys[0])
   out = {"nll": latent_lib.token_nll(model, params, inputs, targets, z).sum(),
          "kl": latent_lib.kl_divergence(posterior).sum()}
-  if full:
-    _, z_first_half = posterior_sample(keys[1], jnp.broadcast_to(~second_half, targets.shape))
+  if full:  # The first half's fit reads the first half only: the decoder is causal, so it is the same fit.
+    _, z_first_half = posterior_sample(keys[1], jnp.broadcast_to(~second_half, targets.shape), length // 2)
     nll = latent_lib.token_nll(model, params, inputs, targets, z_first_half)
     out["continuation_nll"] = (nll * second_half).sum()
     out["prior_nll"] = latent_lib.token_nll(model, params, inputs, targets,
@@ -79,22 +81,26 @@ _jitted_batch_metrics = jax.jit(batch_metrics, static_argnums=(0, 5, 6))
 
 def full_evaluation(model: model_lib.LM, params, batches: Iterable[dict[str, Any]], *, seed: int = 0,
                     bytes_per_token: float | None = None, curve_steps: Iterable[int] = CURVE_STEPS,
-                    metrics_fn=None) -> dict[str, Any]:
+                    curve_batches: int | None = None, metrics_fn=None,
+                    progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
   """Every metric of the module docstring over `batches` (dicts of [B, T] inputs/targets); z draws from `seed`;
-  the ELBO curve at `curve_steps` inner steps (and at latent.inner_steps). `metrics_fn`: `make_batch_metrics`'s
-  function to run (default: one jitted for the model on the default device)."""
+  the ELBO curve at `curve_steps` inner steps (and at latent.inner_steps) over the first `curve_batches` batches
+  (None: all). `metrics_fn`: `make_batch_metrics`'s function to run (default: one jitted for the model on the
+  default device). `progress(done, total)` is called after every batch."""
   metrics_fn = metrics_fn or functools.partial(_jitted_batch_metrics, model)
   latent = model_lib.uses_latents(model.latent)
   batches = list(batches)
   if latent is not None and any(b["inputs"].shape[0] < 2 for b in batches):
     raise ValueError("shuffled_nll needs at least 2 sequences per batch; raise --batch-size")
-  curve = sorted(set(curve_steps) | {latent.inner_steps}) if latent is not None else []
+  curve_batches = len(batches) if curve_batches is None else min(curve_batches, len(batches))
+  curve_steps = list(curve_steps) if curve_batches else []
+  curve = sorted(set(curve_steps) | {latent.inner_steps}) if latent is not None and curve_steps else []
   main_steps = latent.inner_steps if latent is not None else 0
   totals: dict[str, float] = {}
   curve_totals = {steps: 0.0 for steps in curve}
   mu_sum = mu_sq = None
   mu_abs = 0.0
-  tokens = sequences = 0
+  tokens = sequences = curve_tokens = 0
   for index, batch in enumerate(batches):
     key = jax.random.fold_in(jax.random.key(seed), index)
     out = jax.device_get(metrics_fn(params, batch["inputs"], batch["targets"], key, main_steps, True))
@@ -106,14 +112,17 @@ def full_evaluation(model: model_lib.LM, params, batches: Iterable[dict[str, Any
       mu_sum = mu.sum(0) if mu_sum is None else mu_sum + mu.sum(0)
       mu_sq = (mu**2).sum(0) if mu_sq is None else mu_sq + (mu**2).sum(0)
       mu_abs += float(np.abs(mu).sum())
-    for steps in curve:
+    for steps in curve if index < curve_batches else ():
       if steps == main_steps:
         curve_totals[steps] += float(out["nll"]) + float(out["kl"])
       else:
         part = metrics_fn(params, batch["inputs"], batch["targets"], key, steps, False)
         curve_totals[steps] += float(part["nll"]) + float(part["kl"])
+    curve_tokens += batch["targets"].size if index < curve_batches else 0
     tokens += batch["targets"].size
     sequences += batch["targets"].shape[0]
+    if progress is not None:
+      progress(index + 1, len(batches))
   if not tokens:
     raise ValueError("no validation batches to evaluate")
 
@@ -132,7 +141,8 @@ def full_evaluation(model: model_lib.LM, params, batches: Iterable[dict[str, Any
       "active_units": None,
       "latent_dims": None,
       "mu_abs": None,
-      "elbo_ppl_by_inner_steps": {str(s): math.exp(v / tokens) for s, v in curve_totals.items()},
+      "elbo_ppl_by_inner_steps": {str(s): math.exp(v / curve_tokens) for s, v in curve_totals.items()},
+      "curve_tokens": curve_tokens if curve else 0,
       "inner_steps": main_steps,
       "tokens": tokens,
       "sequences": sequences,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import flax
 import flax.linen as nn
@@ -43,70 +43,11 @@ def create_train_state(params, optimizer: optax.GradientTransformation, seed: in
                     jax.random.key_data(run_keys(seed)[1]), loss_scale_lib.initial())
 
 
-def token_nll(model: nn.Module, params, batch, latents=None) -> tuple[jax.Array, jax.Array]:
-  """Per-token negative log-likelihood [B, T] (float32) and the number of tokens."""
-  nll = latent_lib.token_nll(model, params, batch["inputs"], batch["targets"], latents)
+def token_nll(model: nn.Module, params, batch, latents=None, length: int | None = None) -> tuple[jax.Array, jax.Array]:
+  """Per-token negative log-likelihood [B, T] (float32; [B, length] of the first `length` positions) and the number
+  of tokens."""
+  nll = latent_lib.token_nll(model, params, batch["inputs"][:, :length], batch["targets"][:, :length], latents)
   return nll, jnp.asarray(nll.size, jnp.float32)
-
-
-def continuation_masks(key: jax.Array, shape: tuple[int, int], fraction: float) -> tuple[jax.Array, jax.Array]:
-  """(fit [B, T], score [B, T]) bool masks over the targets of a batch. The first round(fraction * B) rows are
-  continuation rows: z is fitted on their targets before a split drawn uniformly from [T/4, 3T/4) and the decoder
-  scores the targets from the split on. Every other row is fitted and scored whole."""
-  batch, length = shape
-  rows = round(fraction * batch)
-  split = jax.random.randint(key, (batch, 1), length // 4, max(3 * length // 4, length // 4 + 1))
-  split = jnp.where(jnp.arange(batch)[:, None] < rows, split, length)
-  before = jnp.arange(length)[None, :] < split
-  return before | (split == length), ~before | (split == length)
-
-
-class DecoderTerms(NamedTuple):
-  """What the decoder is trained on for one micro-batch of a latent model (`latent_decoder_terms`).
-
-  scored: (z [B, ...], mask [B, T] or None) pairs; the loss is the NLL of every pair's masked targets given its z
-  (held constant), summed over the pairs and divided by the number of scored targets. None with iterates_grad.
-  iterates_grad: with latent.decoder_objective=iterates, the decoder's gradient itself (else None).
-  metrics: kl (per fitted token) and the inner loop's ELBO per fitted token at its start and end (and `loss` with
-  iterates_grad)."""
-  scored: tuple[tuple[jax.Array, jax.Array | None], ...] | None
-  iterates_grad: Any
-  metrics: dict[str, jax.Array]
-
-
-def latent_decoder_terms(model: nn.Module, params, batch, key: jax.Array) -> DecoderTerms:
-  """The inner loop's fit for one micro-batch, and the decoder objective that follows from it.
-
-  latent.decoder_objective=final: z is drawn (fresh noise) from the posterior fitted on each row's fit mask
-  (`continuation_masks`; whole rows when latent.continuation_fraction is 0) and scores the row's score mask.
-  Continuation rows also score their prefix, under z_0 = the inner loop's starting point (the initial posterior with
-  the loop's noise, which carries no information), so the decoder learns from every token: what z fitted on text
-  before the split adds to the rest, and how to do without it.
-  iterates: the decoder's gradient of the mean over the K + 1 iterates of the NLL per token, taken by the inner
-  loop's own backward passes."""
-  latent = model.latent
-  fit_key, sample_key, split_key = jax.random.split(key, 3)
-  fit_mask = score_mask = None
-  if latent.continuation_fraction > 0:
-    fit_mask, score_mask = continuation_masks(split_key, batch["targets"].shape, latent.continuation_fraction)
-  iterates = latent.decoder_objective == "iterates"
-  fitted, eps = latent_lib.infer(model, params, batch["inputs"], batch["targets"], fit_key, target_mask=fit_mask,
-                                 decoder_grad=iterates)
-  tokens = batch["targets"].size if fit_mask is None else fit_mask.sum()
-  metrics = {
-      "kl": fitted.kl[-1].sum() / tokens,
-      "inner_elbo_start": (fitted.nll[0] + fitted.kl[0]).sum() / tokens,
-      "inner_elbo_end": (fitted.nll[-1] + fitted.kl[-1]).sum() / tokens,
-  }
-  if iterates:
-    count = fitted.nll.shape[0] * tokens  # (K + 1) iterates of every fitted token.
-    metrics["loss"] = fitted.nll.sum() / count
-    return DecoderTerms(None, jax.tree.map(lambda g: g / count, fitted.params_grad), metrics)
-  z = fitted.posterior.sample(jax.random.normal(sample_key, eps.shape, eps.dtype))
-  if fit_mask is None:
-    return DecoderTerms(((z, None),), None, metrics)
-  z_0 = jax.tree.map(lambda x: x[0], fitted.path).sample(eps)
-  return DecoderTerms(((z, score_mask), (z_0, fit_mask & ~score_mask)), None, metrics)
 
 
 def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
@@ -118,7 +59,7 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, s
   inputs/targets, with latent inference when the model has latents.
 
   With latents (model.latent enabled) each micro-batch first fits its posterior in the inner loop (fast learning),
-  then the decoder takes one gradient with z held constant (slow learning; `latent_decoder_terms`): of the NLL
+  then the decoder takes one gradient with z held constant (slow learning; `latent.decoder_terms`): of the NLL
   given z sampled from the fitted posterior, or of the mean NLL over the loop's iterates. `loss` is that decoder
   objective per scored token; `kl` (per fitted token) is logged beside it, so with whole-sequence fits and the final
   objective, loss + kl is the training ELBO per token.
@@ -145,10 +86,10 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, s
       value = token_nll(model, params, micro)[0].mean()
     else:
       total = count = 0.0
-      for z, mask in scored:
-        nll, size = token_nll(model, params, micro, z)
-        total, count = (total + nll.sum(), count + size) if mask is None else (total + (nll * mask).sum(),
-                                                                              count + mask.sum())
+      for z, mask, length in scored:
+        nll, size = token_nll(model, params, micro, z, length)
+        total, count = (total + nll.sum(), count + size) if mask is None else (
+            total + (nll * mask[:, :length]).sum(), count + mask.sum())
       value = total / count
     return (loss_scale_lib.scale_loss(scale, value) if scaled else value), (value, extra)
 
@@ -171,16 +112,22 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, s
 
     def accumulate(grads_sum, xs):
       mb, index = xs
-      terms = DecoderTerms(None, None, {})
+      terms = latent_lib.DecoderTerms(None, None, None, {})
       if latent is not None:
-        terms = latent_decoder_terms(model, inner_params, mb, jax.random.fold_in(step_key, index))
+        terms = latent_lib.decoder_terms(model, inner_params, mb, jax.random.fold_in(step_key, index))
       grads, extra = terms.iterates_grad, dict(terms.metrics)
+      # The inner loop's gradients (the iterates', the encoder's) come unscaled: scale them like the loss gradient.
+      rescale = lambda tree: jax.tree.map(lambda g: loss_scale_lib.scale_loss(state.loss_scale, g), tree) if (
+          scaled) else tree
       if grads is None:
         (_, (value, loss_metrics)), grads = jax.value_and_grad(loss, has_aux=True)(
             state.params, mb, terms.scored, state.loss_scale)
         extra.update(loss_metrics, loss=value)
-      elif scaled:  # The iterates' gradient comes unscaled from the inner loop: scale it like the loss gradient.
-        grads = jax.tree.map(lambda g: loss_scale_lib.scale_loss(state.loss_scale, g), grads)
+      else:
+        grads = rescale(grads)
+      if terms.encoder_grad is not None:
+        encoder = model_lib.ENCODER
+        grads = dict(grads, **{encoder: jax.tree.map(jnp.add, grads[encoder], rescale(terms.encoder_grad))})
       # Each micro-batch's gradient and the running sum stay in the split parameters' shards: no micro-batch gathers
       # or all-reduces a whole gradient into a replicated accumulator.
       return like_params(jax.tree.map(jnp.add, grads_sum, like_params(grads))), extra
