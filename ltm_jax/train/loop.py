@@ -80,8 +80,11 @@ def _qat_view(cfg: Config, params):
   return view
 
 
-def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = None) -> TrainResult:
+def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = None,
+          stop_at: int | None = None) -> TrainResult:
   """Trains `cfg` in `workdir`, resuming from its latest checkpoint. `progress=None` shows a bar only on a terminal.
+  `stop_at` ends this call after that step (evaluating and saving a checkpoint there), with the learning-rate
+  schedule still that of train.steps: a long run trained in pieces equals the run trained at once.
   What is trained (the decoder LM on tokens, or with timeseries.enabled a time-series model on labelled series)
   comes from `ltm_jax.train.task`; everything else here is shared.
 
@@ -153,8 +156,9 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = N
     step, unit = start, task.unit
     first_nonfinite = jnp.full((2,), -1, jnp.int32)  # The first steps whose loss / grad_norm were not finite.
     interval_start, interval_steps = time.time(), 0
+    last_step = t.steps if stop_at is None else min(t.steps, stop_at)
     with StopFlag().installed() as stop:
-      while step < t.steps and stop.signum is None:
+      while step < last_step and stop.signum is None:
         batch = task.put_batch(next(loader))
         state, metrics = train_step(state, batch)
         first_nonfinite = _track_nonfinite(first_nonfinite, metrics["loss"], metrics["grad_norm"], state.step)
@@ -175,7 +179,7 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = N
             extra = "".join(f" {k} {row[k]:.4f}" for k in ("kl", "accuracy", "rmse") if k in row)
             say(f"step {step}/{t.steps} loss {row['loss']:.4f}{extra} lr {row['lr']:.2e} "
                 f"grad_norm {row['grad_norm']:.3f} {unit}/s {row[f'{unit}_per_sec']:.0f}")
-        if step % t.eval_every == 0 or step == t.steps:
+        if step % t.eval_every == 0 or step == last_step:
           evaluation = task.evaluate(evaluated(state.params), step == t.steps)  # Empty without validation data.
           row.update(evaluation, **{unit: step * task.units_per_step})
           if evaluation:
@@ -187,7 +191,7 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = N
             writer.write(step, row)
           last.update(row)
           interval_start, interval_steps = time.time(), 0
-        if save_now or step == t.steps:
+        if save_now or step == last_step:
           _save(checkpointer, step, state, loader.get_state(), cfg, saved_step)
           saved_step = step
         bar.update(1)

@@ -105,6 +105,23 @@ def test_stopped_run_resumes_to_the_uninterrupted_metrics(uninterrupted, tmp_pat
         assert resumed[step][key] == pytest.approx(row[key], rel=RESUME_RTOL), (step, key)
 
 
+def test_a_run_trained_in_pieces_logs_the_uninterrupted_metrics(uninterrupted, tmp_path):
+  """train(stop_at=...) ends at that step with an evaluation and a checkpoint, and keeps train.steps' schedule."""
+  reference = {r["step"]: r for r in read_metrics(uninterrupted[0])}
+  workdir = tmp_path / "pieces"
+  for stop_at, evaluated in ((50, [50]), (90, [50, 60, 90])):
+    result = train(loop_config(), workdir, progress=False, stop_at=stop_at)
+    assert result.step == stop_at and result.interrupted_by is None
+    assert ckpt_lib.Checkpointer(workdir, read_only=True).latest_step() == stop_at
+    assert [r["step"] for r in read_metrics(workdir) if "val_loss" in r] == evaluated
+  assert train(loop_config(), workdir, progress=False).step == 120
+  pieces = {r["step"]: r for r in read_metrics(workdir)}
+  for step, row in reference.items():
+    for key in COMPARED:
+      if key in row:
+        assert pieces[step][key] == pytest.approx(row[key], rel=RESUME_RTOL), (step, key)
+
+
 def test_checkpoint_round_trip(tmp_path):
   cfg = micro_config()
   params = model_lib.init_params(cfg.model, jax.random.key(3))
