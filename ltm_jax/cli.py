@@ -1,5 +1,5 @@
-"""The `ltm` command: train, eval, generate, fit-prior, train-prior, info, convert-rwkv, serve. Bad input prints one
-line `error: ...` and exits with status 2 (set LTM_DEBUG=1 for the traceback)."""
+"""The `ltm` command: train, eval, generate, fit-prior, train-prior, info, build-corpus, convert-rwkv, serve. Bad
+input prints one line `error: ...` and exits with status 2 (set LTM_DEBUG=1 for the traceback)."""
 
 from __future__ import annotations
 
@@ -32,6 +32,8 @@ def _train(args) -> int:
 
 
 def _eval(args) -> int:
+  import tqdm
+
   from ltm_jax import data as data_lib
   from ltm_jax.api import load
   from ltm_jax.train.evaluation import full_evaluation
@@ -41,11 +43,14 @@ def _eval(args) -> int:
   batch_size = args.batch_size or t.batch_size
   # Before the corpus is read: text through a tokenizer that is not the model's would be scored without complaint.
   data_lib.check_model_reads(lm.config.data, lm.config.model.vocab_size)
-  splits = data_lib.load_splits(lm.config.data, lm.config.model.vocab_size, t.seq_len)
-  batches = data_lib.eval_batches(splits.val, batch_size, t.seq_len, args.batches or 10**9)
+  source = data_lib.open_source(lm.config.data, lm.config.model.vocab_size, t.seq_len)
+  batches = source.validation_batches(batch_size, args.batches or 10**9)
   started = time.time()
-  bytes_per_token = None if splits.is_token_file else lm.tokenizer.bytes_per_token
-  evaluation = full_evaluation(lm.model, lm.params, batches, seed=t.seed, bytes_per_token=bytes_per_token)
+  bytes_per_token = source.bytes_per_token
+  with tqdm.tqdm(total=len(batches), unit="batch", desc="eval", file=sys.stderr, disable=None) as bar:
+    evaluation = full_evaluation(lm.model, lm.params, batches, seed=t.seed, bytes_per_token=bytes_per_token,
+                                 curve_steps=args.curve_steps, curve_batches=args.curve_batches,
+                                 progress=lambda done, total: bar.update(done - bar.n))
   # val_loss / val_bpb: the names training logs, (NLL + KL) per token (exact NLL for the plain decoder).
   aliases = {"val_loss": evaluation["elbo"]}
   if "elbo_bpb" in evaluation:
@@ -168,6 +173,14 @@ def _check_listen(host: str, port: int) -> None:
     raise LtmError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
+def _build_corpus(args) -> int:
+  from ltm_jax.data import pycorpus
+  manifest = pycorpus.build(args.specs or pycorpus.DEFAULT_PACKAGES, args.out,
+                            max_file_bytes=args.max_file_bytes or pycorpus.MAX_FILE_BYTES, overwrite=args.overwrite)
+  print(pycorpus.summary(manifest, args.out))
+  return 0
+
+
 def _info(args) -> int:
   from ltm_jax import config as config_lib
   from ltm_jax.info import compiled_memory, format_info, model_info
@@ -205,6 +218,13 @@ def _positive_int(text: str) -> int:
   value = int(text)
   if value < 1:
     raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+  return value
+
+
+def _non_negative_int(text: str) -> int:
+  value = int(text)
+  if value < 0:
+    raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
   return value
 
 
@@ -249,6 +269,11 @@ def parser() -> argparse.ArgumentParser:
   ev.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
   ev.add_argument("--batches", type=_positive_int, default=None, help="limit validation batches (default: all)")
   ev.add_argument("--batch-size", type=_positive_int, default=None)
+  ev.add_argument("--curve-steps", type=_non_negative_int, nargs="*", default=[0, 4, 8, 16, 32, 64],
+                  help="latent models: inner steps of the ELBO curve elbo_ppl_by_inner_steps (default 0 4 8 16 32 "
+                       "64; the trained latent.inner_steps is always one of them)")
+  ev.add_argument("--curve-batches", type=_non_negative_int, default=2,
+                  help="latent models: validation batches the ELBO curve is measured on (default 2; 0: no curve)")
   ev.add_argument("overrides", nargs="*", metavar="key=value",
                   help="runtime changes, e.g. latent.inner_steps=32 model.wkv_impl=scan")
   ev.set_defaults(run=_eval)
@@ -310,6 +335,18 @@ def parser() -> argparse.ArgumentParser:
                          "analysis: compiled_temp_bytes etc.")
   info.add_argument("overrides", nargs="*", metavar="key=value")
   info.set_defaults(run=_info)
+
+  corpus = sub.add_parser("build-corpus", help="write a text corpus folder (train.txt, val.txt, manifest.json with "
+                                                "its hash) from the .py files of installed Python packages; "
+                                                "train on it with data.source=FOLDER")
+  corpus.add_argument("--out", required=True, help="the corpus folder to write (refused if it exists and is not empty)")
+  corpus.add_argument("--max-file-bytes", type=_positive_int, default=None,
+                      help="skip source files larger than this (default 1,000,000: generated tables, not code)")
+  corpus.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+  corpus.add_argument("specs", nargs="*", metavar="NAME[==VERSION]",
+                      help="installed distributions to read (default: the pinned set of ltm_jax.data.pycorpus."
+                           "DEFAULT_PACKAGES); a missing one, or one at another version than pinned, is refused")
+  corpus.set_defaults(run=_build_corpus)
 
   conv = sub.add_parser("convert-rwkv", help="turn an official RWKV-7 (x070) or RWKV-4 .pth checkpoint into a workdir "
                                              "(needs torch; the CPU build is enough)")
