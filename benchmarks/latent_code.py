@@ -1,0 +1,61 @@
+"""Latent thoughts on real text big enough to matter: the windowed decoder with and without latents on the
+Python-source corpus (configs/ltm_code.py, configs/ltm_code_plain.py), at equal tokens.
+
+  ltm build-corpus --out runs/corpus-py                 # once (seconds)
+  python benchmarks/latent_code.py                      # every variant (hours on 2 CPU cores)
+  python benchmarks/latent_code.py --only plain ltm
+
+Each variant trains in ROOT/<name> (resumable) on the same batches, then is evaluated by `ltm eval`'s full
+evaluation on the same validation windows: continuation_ppl (z fitted on the first half of each 512-byte window,
+the second half scored) is the number comparable between the latent and the plain decoder; `shuffled_cost` and
+`prior_cost` are what z fitted on another window, or drawn from the prior, costs against the window's own z (nats
+per byte over whole windows): how much the decoder reads z. Writes benchmarks/results/<name>-<device>.json and a
+plot of continuation perplexity against training tokens (<name>-<device>.png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+
+import common  # First: puts the checkout on sys.path.
+import latent_runs
+
+LTM, PLAIN = "configs/ltm_code.py", "configs/ltm_code_plain.py"
+VARIANTS = {
+    "plain": (PLAIN, [], "the windowed decoder (receptive field 125 bytes) without latents"),
+    "ltm": (LTM, [], "latents: encoder proposal + 2 inner steps, continuation training"),
+}
+COLUMNS = ("model", "train_s", "train_tokens", "continuation_ppl", "vs_plain", "nll", "kl", "shuffled_cost",
+           "prior_cost", "active_units")
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--only", nargs="*", choices=sorted(VARIANTS), help="variants to run (default: all)")
+  parser.add_argument("--steps", type=int, default=None, help="train.steps of every variant (default: the config's)")
+  parser.add_argument("--eval-batches", type=int, default=16, help="validation batches of 16 x 512 bytes")
+  parser.add_argument("--curve", type=int, nargs="*", default=[0, 2, 8], help="inner steps of the ELBO curve")
+  parser.add_argument("--root", default=str(common.ROOT / "runs" / "latent-code"))
+  parser.add_argument("--name", default="latent-code", help="results file: benchmarks/results/NAME-<device>.json")
+  args = parser.parse_args()
+
+  def costs(row):
+    if row["shuffled_nll"] is None:
+      return row
+    return {**row, "shuffled_cost": row["shuffled_nll"] - row["nll"], "prior_cost": row["prior_nll"] - row["nll"]}
+
+  rows, curves = latent_runs.run_variants(VARIANTS, args.only or list(VARIANTS), pathlib.Path(args.root),
+                                          eval_batches=args.eval_batches, curve_steps=args.curve, steps=args.steps,
+                                          row_fn=costs, columns=COLUMNS)
+  plain = next((r["continuation_ppl"] for r in rows if r["model"] == "plain"), None)
+  for row in rows:
+    row["vs_plain"] = row["continuation_ppl"] / plain if plain else None
+  common.print_table(rows, COLUMNS)
+  out = common.write_results(args.name, rows, eval_batches=args.eval_batches, curves=curves)
+  latent_runs.plot(curves, out.with_suffix(".png"), "Python source: second halves of 512-byte windows (window 32)")
+  print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,88 @@
+"""Latent thoughts where the answer is known: documents from per-document random Markov chains
+(configs/ltm_markov.py), scored on their second halves against three closed-form predictors.
+
+  python benchmarks/latent_markov.py                    # every variant (hours on 2 CPU cores)
+  python benchmarks/latent_markov.py --only plain ltm   # some of them
+  python benchmarks/latent_markov.py --steps 200 --root /tmp/markov --name latent-markov-quick   # a short run
+
+The references, in nats per symbol over the same positions of the same validation documents:
+  oracle   knows each document's chain;
+  bayes    the Bayes-optimal predictor from everything earlier in the document (Dirichlet-multinomial counts);
+  window   the Bayes predictor from only the last R symbols, R the windowed decoder's receptive field: the best a
+           windowed decoder without z can do.
+`closed` is the fraction of the window-to-bayes gap a model closes: (window - nll) / (window - bayes); 1 is the
+Bayes optimum, 0 the best any decoder limited to its window can reach, negative worse than that.
+
+Each variant trains in ROOT/<name> (resumable) on the same stream of training documents (seed 0), then is evaluated
+by `ltm eval`'s full evaluation (z fitted on the first half of each document, the second half scored). Prints one row
+per variant, writes benchmarks/results/<name>-<device>.json with the rows, the references and every run's validation
+curve, and plots continuation perplexity against training tokens (<name>-<device>.png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import pathlib
+
+import common  # First: puts the checkout on sys.path.
+import latent_runs
+
+from ltm_jax import data as data_lib
+from ltm_jax.data import markov
+
+LTM, PLAIN = "configs/ltm_markov.py", "configs/ltm_markov_plain.py"
+# name -> (config, overrides, what it is).
+VARIANTS = {
+    "plain": (PLAIN, [], "the windowed decoder (receptive field 61) without latents"),
+    "plain_full_attention": (PLAIN, ["model.window=none"], "the same decoder with full attention over 256 symbols"),
+    "ltm": (LTM, [], "latents: encoder proposal + 2 inner steps, continuation training"),
+    "ltm_loop8": (LTM, ["latent.encoder=false", "latent.inner_steps=8", "latent.inner_lr=0.3"],
+                  "latents inferred by 8 inner steps from the prior-like start, no encoder"),
+}
+COLUMNS = ("model", "train_s", "train_tokens", "continuation_nll", "closed", "nll", "kl", "prior_nll",
+           "shuffled_nll", "active_units")
+
+
+def references(cfg, eval_batches: int) -> dict:
+  """The closed-form losses over the positions `full_evaluation` scores for continuation (targets t >= T/2) of the
+  validation documents it reads."""
+  source = data_lib.open_source(cfg.data, cfg.model.vocab_size, cfg.train.seq_len)
+  count = sum(len(b["targets"]) for b in source.validation_batches(cfg.train.batch_size, eval_batches))
+  reach = cfg.model.receptive_field
+  refs = markov.references(source.validation_documents(), range(count), window=reach,
+                           score_from=cfg.train.seq_len // 2)
+  return {**refs.as_dict(), "receptive_field": reach, "documents": count}
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--only", nargs="*", choices=sorted(VARIANTS), help="variants to run (default: all)")
+  parser.add_argument("--steps", type=int, default=None, help="train.steps of every variant (default: the config's)")
+  parser.add_argument("--eval-batches", type=int, default=16, help="validation batches of 16 documents")
+  parser.add_argument("--curve", type=int, nargs="*", default=[0, 2, 8], help="inner steps of the ELBO curve")
+  parser.add_argument("--root", default=str(common.ROOT / "runs" / "latent-markov"))
+  parser.add_argument("--name", default="latent-markov", help="results file: benchmarks/results/NAME-<device>.json")
+  args = parser.parse_args()
+  root = pathlib.Path(args.root)
+  refs = references(latent_runs.load_config(PLAIN), args.eval_batches)
+  print("references (nats/symbol, second halves): " + ", ".join(f"{k} {v:.4f}" for k, v in refs.items()
+                                                                 if isinstance(v, float)))
+
+  def closed(row):
+    nll = math.log(row["continuation_ppl"])
+    return {**row, "continuation_nll": nll, "closed": (refs["window"] - nll) / (refs["window"] - refs["bayes"])}
+
+  rows, curves = latent_runs.run_variants(VARIANTS, args.only or list(VARIANTS), root, eval_batches=args.eval_batches,
+                                          curve_steps=args.curve, steps=args.steps, row_fn=closed, columns=COLUMNS)
+  common.print_table(rows, COLUMNS)
+  print("continuation_nll: nats/symbol on the second halves, z fitted on the first halves; references: " +
+        ", ".join(f"{k} {refs[k]:.4f}" for k in ("oracle", "bayes", "window", "uniform")))
+  out = common.write_results(args.name, rows, eval_batches=args.eval_batches, references=refs, curves=curves)
+  latent_runs.plot(curves, out.with_suffix(".png"), "Markov documents: second halves, z fitted on the first halves",
+                   references={k: math.exp(refs[k]) for k in ("oracle", "bayes", "window")})
+  print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+  main()

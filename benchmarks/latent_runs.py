@@ -1,0 +1,116 @@
+"""Training and evaluating the variants of a latent-versus-plain comparison: shared by latent_window.py,
+latent_markov.py, latent_code.py and latent_recipe.py.
+
+A variant is (config file, overrides); it trains in ROOT/<name> (an interrupted or finished run resumes; a finished
+one is only evaluated), and its `bench-train.json` records the steps, seconds and tokens of its training.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+
+import common
+
+from ltm_jax import config as config_lib
+from ltm_jax import data as data_lib
+from ltm_jax.api import load
+from ltm_jax.train import train
+from ltm_jax.train.evaluation import full_evaluation
+
+
+def load_config(path: str, overrides=(), steps: int | None = None) -> config_lib.Config:
+  overrides = list(overrides) + ([f"train.steps={steps}"] if steps else [])
+  return config_lib.load_config(common.ROOT / path if not pathlib.Path(path).is_absolute() else path, overrides)
+
+
+def trained(workdir: pathlib.Path) -> dict:
+  """{steps, train_s} of the training `train_variant` recorded in `workdir` (zeros before any)."""
+  record = workdir / "bench-train.json"
+  return json.loads(record.read_text()) if record.exists() else {"steps": 0, "train_s": 0.0}
+
+
+def train_variant(name: str, cfg: config_lib.Config, root: pathlib.Path, stop_at: int | None = None) -> dict:
+  """Trains `cfg` in root/name up to train.steps (or `stop_at`); returns {steps, train_s, train_tokens} of what the
+  workdir holds, train_s summed over every call that trained it."""
+  workdir = root / name
+  record = workdir / "bench-train.json"
+  info = trained(workdir)
+  target = cfg.train.steps if stop_at is None else min(stop_at, cfg.train.steps)
+  if info["steps"] < target:
+    started = time.time()
+    result = train(cfg, workdir, progress=False, stop_at=target)
+    if result.step < target:
+      raise SystemExit(f"{name}: training stopped at step {result.step} (signal {result.interrupted_by}); rerun to "
+                       "resume")
+    info = {"steps": result.step, "train_s": info["train_s"] + time.time() - started}
+  info["train_tokens"] = info["steps"] * cfg.train.batch_size * cfg.train.seq_len
+  record.write_text(json.dumps(info) + "\n")
+  return info
+
+
+def evaluate_variant(workdir: pathlib.Path, eval_batches: int, curve_steps=(), overrides=()) -> dict:
+  """`ltm eval`'s full evaluation of the workdir's latest checkpoint on its first `eval_batches` validation batches,
+  with `curve_steps` inner steps in the ELBO curve and runtime `overrides` (e.g. latent.inner_steps=32)."""
+  lm = load(workdir, overrides=list(overrides))
+  t = lm.config.train
+  source = data_lib.open_source(lm.config.data, lm.config.model.vocab_size, t.seq_len)
+  batches = source.validation_batches(t.batch_size, eval_batches)
+  return full_evaluation(lm.model, lm.params, batches, seed=0, bytes_per_token=source.bytes_per_token,
+                         curve_steps=curve_steps)
+
+
+def metrics_rows(workdir: pathlib.Path) -> list[dict]:
+  """The rows of the workdir's metrics.jsonl (none before training)."""
+  path = workdir / "metrics.jsonl"
+  return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def validation_curve(workdir: pathlib.Path) -> list[dict]:
+  """(tokens, val_continuation_ppl, val_nll, val_shuffled_nll, val_prior_nll, val_kl) at every training eval."""
+  keys = ("tokens", "val_continuation_ppl", "val_nll", "val_shuffled_nll", "val_prior_nll", "val_kl")
+  return [{k: row[k] for k in keys if k in row} for row in metrics_rows(workdir) if "val_continuation_ppl" in row]
+
+
+def plot(curves: dict[str, list[dict]], out: pathlib.Path, title: str, log_y: bool = False,
+         references: dict[str, float] | None = None) -> None:
+  """Validation continuation perplexity against training tokens, one line per variant (dashed: plain decoders), and
+  horizontal lines at `references` (name -> perplexity)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for name, points in curves.items():
+    ax.plot([p["tokens"] / 1e6 for p in points], [p["val_continuation_ppl"] for p in points], marker="o",
+            label=name, linestyle="--" if name.startswith("plain") else "-")
+  for name, value in (references or {}).items():
+    ax.axhline(value, color="gray", linewidth=0.8, linestyle=":")
+    ax.annotate(name, (0, value), textcoords="offset points", xytext=(2, 2), fontsize=8, color="gray")
+  if log_y:
+    ax.set_yscale("log")
+  ax.set_xlabel("training tokens (M)")
+  ax.set_ylabel("validation continuation perplexity")
+  ax.set_title(title)
+  ax.grid(alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(out, dpi=120)
+
+
+def run_variants(variants: dict, names, root: pathlib.Path, *, eval_batches: int, curve_steps=(),
+                 steps: int | None = None, row_fn=None, columns=()) -> tuple[list[dict], dict]:
+  """Trains and evaluates `names` of `variants` (name -> (config file, overrides, what it is)) in root, printing each
+  row as it is done; `row_fn(row)` adds derived columns. Returns (rows, validation curves by name)."""
+  root.mkdir(parents=True, exist_ok=True)
+  rows, curves = [], {}
+  for name in names:
+    path, overrides, what = variants[name]
+    cfg = load_config(path, overrides, steps)
+    info = train_variant(name, cfg, root)
+    row = {"model": name, "config": path, "overrides": overrides, "what": what, **info,
+           **evaluate_variant(root / name, eval_batches, curve_steps)}
+    rows.append(row_fn(row) if row_fn else row)
+    curves[name] = validation_curve(root / name)
+    common.print_table(rows[-1:], columns)
+  return rows, curves
