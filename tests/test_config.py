@@ -11,7 +11,7 @@ from ltm_jax import config as config_lib
 from ltm_jax.errors import ConfigError
 
 
-@pytest.mark.parametrize("name", ["tiny", "small", "base_125m", "base_350m"])
+@pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "configs").glob("*.py")))
 def test_shipped_configs_load_and_round_trip(name):
   cfg = config_lib.load_config(ROOT / "configs" / f"{name}.py")
   assert cfg.name == name

@@ -116,3 +116,15 @@ def test_encoder_learns_the_elbo_at_its_proposal_and_the_train_step_applies_it(f
     np.testing.assert_allclose(g, w, rtol=2e-4, atol=1e-7)
   assert max(float(jnp.max(jnp.abs(w))) for w in jax.tree.leaves(want)) > 1e-3
   assert float(metrics["inner_elbo_start"]) == pytest.approx(float(value), rel=1e-5)
+
+
+def test_quantisation_keeps_the_encoder_in_float32():
+  """It runs once per prompt: int8 serving quantises the decoder's kernels and leaves every encoder weight as is."""
+  from ltm_jax.inference import quantize  # noqa: PLC0415
+
+  cfg, model, params, batch = _setup()
+  quantized = quantize.quantize_params(params, model_lib.param_axes(cfg.model, cfg.latent), "int8")
+  for got, want in zip(jax.tree.leaves(quantized[model_lib.ENCODER]), jax.tree.leaves(params[model_lib.ENCODER]),
+                       strict=True):
+    assert got is want
+  assert quantize.is_quantized(quantized["block_0"]["mixer"]["q"]["kernel"])

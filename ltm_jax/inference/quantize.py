@@ -38,6 +38,8 @@ Which leaves are matmul weights, and over which axes they contract, is read from
   5. Any other floating-point leaf with 2 or more body axes (more than two features, missing or unnamed axes, a
      "layers" axis that is not leading) raises a ValueError: a new weight is never silently left unquantised or
      quantised along the wrong axes. A new layer whose kernels follow `dense()`'s convention is covered by rule 3.
+  6. The amortised posterior encoder (under `model.ENCODER`, with latent.encoder) is kept in float32 whole: it runs
+     once per prompt, never per generated token, and its pooling queries are not a matmul kernel.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ltm_jax.model import LAYER_AXIS
+from ltm_jax.model import ENCODER, LAYER_AXIS
 from ltm_jax.ops.quant_matmul.weights import Int4Weight, Int8Weight, QuantizedWeight, dequantize, is_quantized
 from ltm_jax.ops.quant_matmul.weights import matmul_operands
 
@@ -116,7 +118,8 @@ def quantization_plan(params, axes) -> dict[str, tuple[int, ...] | None]:
 
   def visit(path, leaf, spec):
     name = _path_name(path)
-    classified[name] = (_classify(name, leaf, spec), tuple(spec) if spec is not None else ())
+    kept = name.startswith(f"{ENCODER}/")
+    classified[name] = (None if kept else _classify(name, leaf, spec), tuple(spec) if spec is not None else ())
 
   jax.tree_util.tree_map_with_path(visit, params, axes)
   is_table = lambda features, names: names[features[0][0]] == VOCAB_AXIS

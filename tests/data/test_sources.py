@@ -82,3 +82,17 @@ def test_text_sources_are_the_corpus_windows(tmp_path):
 def test_a_markov_source_has_no_token_splits():
   with pytest.raises(DataError, match="data.source=markov generates its documents"):
     load_splits(MARKOV, 259, T)
+
+
+def test_a_model_trains_and_evaluates_on_the_markov_stream(tmp_path, capsys):
+  from conftest import micro_config  # noqa: PLC0415  (the suite's shared config, only for this end-to-end case)
+
+  from ltm_jax import cli
+  from ltm_jax.config import apply_overrides
+  from ltm_jax.train import train
+  cfg = apply_overrides(micro_config(layer_pattern="A", window=4), [
+      "data.source=markov", "data.markov_symbols=4", "train.steps=2", "train.eval_every=2", "train.seq_len=16"])
+  result = train(cfg, tmp_path, progress=False)
+  assert result.step == 2 and 0 < result.metrics["val_loss"] < 10
+  assert cli.main(["eval", "--workdir", str(tmp_path), "--batches", "2"]) == 0
+  assert "continuation_ppl" in capsys.readouterr().out
