@@ -121,3 +121,13 @@ def test_generate_refuses_before_printing_anything(foreign_vocabulary, capsys):
   _fails(capsys, "generate", "--workdir", foreign_vocabulary, "--prompt", "Hello", match=message)
   _fails(capsys, "generate", "--workdir", foreign_vocabulary, "--prompt", "Hello", "--quantize", "int8", match=message)
   _fails(capsys, "generate", "--workdir", foreign_vocabulary, "--prompt", "a", "--prompt", "b", match=message)
+
+
+def test_build_corpus_refuses_a_missing_package_and_an_occupied_folder(tmp_path, capsys):
+  _fails(capsys, "build-corpus", "--out", tmp_path / "corpus", "no-such-package-xyz", match="'no-such-package-xyz'")
+  assert not (tmp_path / "corpus").exists()
+  (tmp_path / "busy").mkdir()
+  (tmp_path / "busy" / "mine.txt").write_text("keep me")
+  _fails(capsys, "build-corpus", "--out", tmp_path / "busy", "absl-py", match="not empty")
+  assert [p.name for p in (tmp_path / "busy").iterdir()] == ["mine.txt"]
+  _argparse_fails(capsys, "eval", "--workdir", tmp_path, "--curve-batches", "-1", match="must be >= 0, got -1")
