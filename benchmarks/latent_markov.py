@@ -36,7 +36,8 @@ LTM, PLAIN = "configs/ltm_markov.py", "configs/ltm_markov_plain.py"
 VARIANTS = {
     "plain": (PLAIN, [], "the windowed decoder (receptive field 61) without latents"),
     "plain_full_attention": (PLAIN, ["model.window=none"], "the same decoder with full attention over 256 symbols"),
-    "ltm": (LTM, [], "latents: encoder proposal + 2 inner steps, continuation training"),
+    "ltm": (LTM, [], "latents (16 per layer): the encoder's mean + 2 inner steps, continuation training"),
+    "ltm_4latents": (LTM, ["latent.n_per_layer=4"], "the same with 4 latent vectors per layer"),
     "ltm_loop8": (LTM, ["latent.encoder=false", "latent.inner_steps=8", "latent.inner_lr=0.3"],
                   "latents inferred by 8 inner steps from the prior-like start, no encoder"),
 }

@@ -242,12 +242,16 @@ class LatentConfig:
   # other sequences are trained as usual (z fitted on, and the decoder scored on, the whole sequence).
   continuation_fraction: float = 0.0
   # Semi-amortised inference: a small encoder (ltm_jax/layers/latent_encoder.py: local n-gram features of the tokens
-  # z is fitted on, pooled by one learned query per latent vector) proposes the inner loop's starting (mu, logvar),
-  # so fewer inner steps reach a good posterior. It is trained on the ELBO at its own proposal, whose gradient is
-  # the one the inner loop's first step computes anyway. Adds parameters: a checkpoint binds it.
+  # z is fitted on, pooled by one learned query per latent vector) proposes the inner loop's starting mu, so fewer
+  # inner steps reach a good posterior. It is trained on the ELBO at its own proposal, whose gradient is the one the
+  # inner loop's first step computes anyway. Adds parameters: a checkpoint binds it.
   encoder: bool = False
   encoder_width: int = 128  # A multiple of 32 (its attention pooling has heads of 32 dimensions).
   encoder_context: int = 4  # Tokens each position's n-gram feature reads: itself and the context - 1 before it.
+  # Also propose logvar (else the start's logvar is init_logvar). Learned widths tighten the ELBO by orders of
+  # magnitude, but early in training, before the decoder reads z, they widen towards the prior and z carries
+  # almost nothing the decoder could learn to read (benchmarks/latent_markov.py, the ltm_learned_logvar row).
+  encoder_logvar: bool = False
 
 
 SAMPLERS = ("dpm++", "ddpm")

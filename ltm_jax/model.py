@@ -531,7 +531,8 @@ def latent_encoder(cfg: ModelConfig, latent: LatentConfig | None) -> LatentEncod
   if latent is None or not latent.encoder:
     return None
   return LatentEncoder(cfg.padded_vocab_size, cfg.n_layers * latent.n_per_layer, cfg.d_model,
-                       latent.encoder_width, latent.encoder_context, latent.init_logvar, cfg.init_std)
+                       latent.encoder_width, latent.encoder_context, latent.init_logvar, latent.encoder_logvar,
+                       cfg.init_std)
 
 
 def _init_encoder(encoder: LatentEncoder, key: jax.Array, seq_len: int = 8):

@@ -85,12 +85,13 @@ def test_a_prefix_fit_equals_the_fit_on_whole_rows():
   np.testing.assert_allclose(prefix.nll, whole.nll, rtol=1e-5)
 
 
-@pytest.mark.parametrize("fraction", [0.5, 1.0])
-def test_encoder_learns_the_elbo_at_its_proposal_and_the_train_step_applies_it(fraction):
+@pytest.mark.parametrize("fraction, logvar", [(0.5, False), (1.0, True)])
+def test_encoder_learns_the_elbo_at_its_proposal_and_the_train_step_applies_it(fraction, logvar):
   """The encoder's gradient in the train step (SGD at rate 1: old - new weights) equals the gradient of the ELBO per
   fitted token at the loop's start, written directly: proposal plus the loop's noise, z drawn with the loop's eps,
-  on whole rows (with fraction 1 the step reads prefixes only)."""
-  cfg, model, params, batch = _setup(continuation_fraction=fraction)
+  on whole rows (with fraction 1 the step reads prefixes only); with latent.encoder_logvar through both heads."""
+  cfg, model, params, batch = _setup(continuation_fraction=fraction, encoder_logvar=logvar)
+  assert ("logvar" in params[model_lib.ENCODER]) == logvar
   params = _randomised_encoder(params)
   optimizer = optax.sgd(1.0)
   state = create_train_state(params, optimizer, seed=5)

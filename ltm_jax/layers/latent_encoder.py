@@ -4,8 +4,9 @@ The inner loop (ltm_jax/latent.py) starts from this proposal instead of from the
 reach a good posterior (semi-amortised inference, Kim et al. 2018). Shape of the network: each token's embedding
 joined with the `context` tokens before it (local n-gram features, as wide as `width`), a residual MLP, then one
 learned query per latent vector attending over the visible tokens (attention pooling, as a Perceiver reads), a
-residual MLP per latent vector, and two zero-initialised heads for mu and logvar. At initialisation every output is
-(0, init_logvar): the prior-like start of the plain loop, before the loop's symmetry-breaking noise.
+residual MLP per latent vector, and a zero-initialised head for mu (and, with `learn_logvar`, one for logvar; else
+logvar is init_logvar). At initialisation every output is (0, init_logvar): the prior-like start of the plain loop,
+before the loop's symmetry-breaking noise.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class LatentEncoder(nn.Module):
   width: int
   context: int
   init_logvar: float
+  learn_logvar: bool = False
   std: float = 0.02
 
   @nn.compact
@@ -54,14 +56,16 @@ class LatentEncoder(nn.Module):
     p = dense(w, ("heads", "head_dim", "embed"), self.std, jnp.float32, "pool_out", in_axis=(-2, -1))(pooled)
     p = p + self._mlp(p, "latent_mlp")
     p = norm("layernorm", 1e-5, jnp.float32, "out_norm")(p)
-    mu = nn.Dense(self.d_out, dtype=jnp.float32, kernel_init=nn.with_logical_partitioning(
-        nn.initializers.zeros, ("embed", "embed_out")), bias_init=nn.with_logical_partitioning(
-            nn.initializers.zeros, ("embed_out",)), name="mu")(p)
-    logvar = nn.Dense(self.d_out, dtype=jnp.float32, kernel_init=nn.with_logical_partitioning(
-        nn.initializers.zeros, ("embed", "embed_out")), bias_init=nn.with_logical_partitioning(
-            nn.initializers.constant(self.init_logvar), ("embed_out",)), name="logvar")(p)
+    mu = self._head(p, 0.0, "mu")
+    logvar = self._head(p, self.init_logvar, "logvar") if self.learn_logvar else jnp.full_like(mu, self.init_logvar)
     keep = seen[:, None, None]
     return jnp.where(keep, mu, 0.0), jnp.where(keep, logvar, self.init_logvar)
+
+  def _head(self, x: jax.Array, start: float, name: str) -> jax.Array:
+    """A dense head whose output starts at `start` for every input (zero kernel, constant bias)."""
+    return nn.Dense(self.d_out, dtype=jnp.float32, kernel_init=nn.with_logical_partitioning(
+        nn.initializers.zeros, ("embed", "embed_out")), bias_init=nn.with_logical_partitioning(
+            nn.initializers.constant(start), ("embed_out",)), name=name)(x)
 
   def _mlp(self, x: jax.Array, name: str) -> jax.Array:
     y = norm("layernorm", 1e-5, jnp.float32, f"{name}_norm")(x)

@@ -233,7 +233,7 @@ MMREC_MODEL_KEYS = ("mmrec_slots", "mmrec_segment")
 
 # Latent keys that shape the parameters or what they compute; the inner-loop settings stay free (e.g. more eval steps).
 STRUCTURAL_LATENT_KEYS = ("enabled", "n_per_layer", "rope", "rope_span", "encoder", "encoder_width",
-                          "encoder_context")
+                          "encoder_context", "encoder_logvar")
 
 # Time-series keys of the model itself; the data keys (source, split, normalisation) are checked by the data
 # stream's fingerprint when a run resumes.
