@@ -58,9 +58,17 @@ def kl_divergence(posterior: Posterior) -> jax.Array:
   return per_dim.reshape(per_dim.shape[0], -1).sum(-1)
 
 
-def inner_schedule(cfg: LatentConfig, steps: int) -> optax.Schedule:
-  """inner_lr cosine-decayed to inner_lr * inner_min_lr_ratio over `steps` steps."""
-  return optax.cosine_decay_schedule(cfg.inner_lr, max(steps, 1), alpha=cfg.inner_min_lr_ratio)
+def inner_schedule(cfg: LatentConfig, steps: int | jax.Array) -> optax.Schedule:
+  """inner_lr cosine-decayed to inner_lr * inner_min_lr_ratio over `steps` steps (optax's cosine decay, written out
+  so that `steps` may be a traced integer)."""
+  steps = jnp.maximum(jnp.asarray(steps, jnp.float32), 1.0)
+  alpha = cfg.inner_min_lr_ratio
+
+  def schedule(count):
+    cosine = 0.5 * (1.0 + jnp.cos(jnp.pi * jnp.minimum(count, steps) / steps))
+    return cfg.inner_lr * ((1.0 - alpha) * cosine + alpha)
+
+  return schedule
 
 
 class FitResult(NamedTuple):
@@ -148,6 +156,24 @@ def fit(
   return FitResult(posterior, append(nll, last_nll), append(kl, last_kl), path, params_grad, first)
 
 
+def fit_posterior(nll_fn: Callable[[jax.Array], jax.Array], posterior: Posterior, eps: jax.Array, cfg: LatentConfig,
+                  steps: jax.Array) -> Posterior:
+  """`fit(nll_fn, posterior, eps, cfg, steps).posterior` for a number of steps that may be known only at run time
+  (a traced integer): one compiled program serves every step count, as evaluation's sweep over inner steps needs.
+  Keeps no trace of the iterates."""
+  optimizer = optax.adam(inner_schedule(cfg, steps), b1=cfg.inner_b1, b2=cfg.inner_b2)
+  negative_elbo = lambda q: (nll_fn(q.sample(eps)) + kl_divergence(q)).sum()
+
+  def step(_, carry):
+    q, opt_state = carry
+    updates, opt_state = optimizer.update(jax.grad(negative_elbo)(q), opt_state, q)
+    return optax.apply_updates(q, updates), opt_state
+
+  posterior = jax.lax.stop_gradient(posterior)
+  fitted, _ = jax.lax.fori_loop(0, steps, step, (posterior, optimizer.init(posterior)))
+  return jax.lax.stop_gradient(fitted)
+
+
 def token_nll(model, params, inputs: jax.Array, targets: jax.Array, latents: jax.Array | None = None,
               valid: jax.Array | None = None) -> jax.Array:
   """Per-token negative log-likelihood [B, T] float32 of `targets` under `model` given `latents` (or none), without
@@ -185,6 +211,7 @@ def infer(
     length: int | None = None,
     proposal: Posterior | None = None,
     start_grad: bool = False,
+    trace: bool = True,
 ) -> tuple[FitResult, jax.Array]:
   """Fits q(z|x) for each sequence of a batch with the inner loop; returns the fit and its fixed noise eps.
 
@@ -204,6 +231,8 @@ def infer(
     proposal: where to start instead of the model's own start (the encoder's proposal from the counted targets with
       latent.encoder, else the prior-like `initial_posterior`); the loop's symmetry-breaking noise is added to it.
     start_grad: also return the gradient at the start (see `fit`), from which an encoder learns.
+    trace: False returns only the fitted posterior (the FitResult's traces and path are None), and `steps` may then
+      be a traced integer (`fit_posterior`).
   """
   cfg = model.latent
   if length is not None:
@@ -228,6 +257,9 @@ def infer(
 
   eps = jax.random.normal(eps_key, shape, jnp.float32)
   start = initial_posterior(init_key, shape, cfg, jax.lax.stop_gradient(proposal) if proposal is not None else None)
+  if not trace:
+    steps = cfg.inner_steps if steps is None else steps
+    return FitResult(fit_posterior(nll_fn, start, eps, cfg, steps), None, None, None), eps
   return fit(nll_fn, start, eps, cfg, steps, params=params if decoder_grad else None, start_grad=start_grad), eps
 
 

@@ -71,6 +71,21 @@ def test_zero_inner_steps_decode_with_the_initial_posterior():
   np.testing.assert_allclose(fitted.nll[0], expected, rtol=1e-6)
 
 
+def test_a_run_time_step_count_fits_as_the_scanned_loop_in_one_program():
+  """Evaluation's inner loop takes its step count at run time (fit_posterior): one compiled program, and for every
+  count the posterior the scanned loop of that many steps reaches."""
+  _, model, params, batch = _setup()
+  key = jax.random.key(6)
+  traced = jax.jit(lambda steps: latent_lib.infer(model, params, batch["inputs"], batch["targets"], key, steps=steps,
+                                                  trace=False)[0].posterior)
+  for steps in (0, 1, STEPS):
+    want = _fit(model, params, batch, key, steps)[0].posterior
+    got = traced(steps)
+    np.testing.assert_allclose(got.mu, want.mu, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got.logvar, want.logvar, rtol=1e-5, atol=1e-6)
+  assert traced._cache_size() == 1
+
+
 def test_inner_loop_is_the_same_with_and_without_jit():
   _, model, params, batch = _setup()
   batch = {k: v[:1, :6] for k, v in batch.items()}  # Eager execution dispatches op by op: keep it small.

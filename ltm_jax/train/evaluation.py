@@ -36,8 +36,9 @@ CURVE_STEPS = (0, 4, 8, 16, 32, 64)
 ACTIVE_UNIT_THRESHOLD = 0.01
 
 
-def batch_metrics(model, params, inputs, targets, key, steps: int, full: bool) -> dict[str, jax.Array]:
-  """Sums over one batch [B, T]. `full` adds everything beyond the ELBO (continuation, prior, shuffled, mu)."""
+def batch_metrics(model, params, inputs, targets, key, steps: int | jax.Array, full: bool) -> dict[str, jax.Array]:
+  """Sums over one batch [B, T], the posteriors fitted with `steps` inner steps (a traced integer is fine). `full`
+  adds everything beyond the ELBO (continuation, prior, shuffled, mu)."""
   latent = model_lib.uses_latents(model.latent)
   length = targets.shape[1]
   second_half = jnp.arange(length) >= length // 2
@@ -48,7 +49,7 @@ def batch_metrics(model, params, inputs, targets, key, steps: int, full: bool) -
   def posterior_sample(key, mask=None, prefix=None):
     fit_key, sample_key = jax.random.split(key)
     fitted, eps = latent_lib.infer(model, params, inputs, targets, fit_key, steps=steps, target_mask=mask,
-                                   length=prefix)
+                                   length=prefix, trace=False)
     return fitted.posterior, fitted.posterior.sample(jax.random.normal(sample_key, eps.shape))
 
   keys = jax.random.split(key, 3)
@@ -67,16 +68,17 @@ def batch_metrics(model, params, inputs, targets, key, steps: int, full: bool) -
 
 
 def make_batch_metrics(model, layout=None):
-  """`batch_metrics` for `model`, jitted as fn(params, inputs, targets, key, steps, full) (steps and full static);
-  with a `layout` (ltm_jax.parallel) compiled for its mesh, params and batch as placed, results replicated."""
+  """`batch_metrics` for `model`, jitted as fn(params, inputs, targets, key, steps, full) (full static; the inner
+  steps are a run-time value, so every step count runs the same program); with a `layout` (ltm_jax.parallel)
+  compiled for its mesh, params and batch as placed, results replicated."""
   fn = functools.partial(batch_metrics, model)
   if layout is None:
-    return jax.jit(fn, static_argnums=(4, 5))
-  return layout.jit(fn, static_argnums=(4, 5), out_shardings=layout.replicated)
+    return jax.jit(fn, static_argnums=5)
+  return layout.jit(fn, static_argnums=5, out_shardings=layout.replicated)
 
 
-# The default for one device: jitted with the model static, so each model compiles once per (steps, full).
-_jitted_batch_metrics = jax.jit(batch_metrics, static_argnums=(0, 5, 6))
+# The default for one device: jitted with the model static, so each model compiles once per value of `full`.
+_jitted_batch_metrics = jax.jit(batch_metrics, static_argnums=(0, 6))
 
 
 def full_evaluation(model: model_lib.LM, params, batches: Iterable[dict[str, Any]], *, seed: int = 0,
