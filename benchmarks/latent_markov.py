@@ -9,7 +9,9 @@ The references, in nats per symbol over the same positions of the same validatio
   oracle   knows each document's chain;
   bayes    the Bayes-optimal predictor from everything earlier in the document (Dirichlet-multinomial counts);
   window   the Bayes predictor from only the last R symbols, R the windowed decoder's receptive field: the best a
-           windowed decoder without z can do.
+           windowed decoder without z can do;
+  memory   the same plus every transition of the first half: what a windowed decoder reading a z that holds the
+           first half's statistics exactly can do.
 `closed` is the fraction of the window-to-bayes gap a model closes: (window - nll) / (window - bayes); 1 is the
 Bayes optimum, 0 the best any decoder limited to its window can reach, negative worse than that.
 
@@ -78,10 +80,10 @@ def main():
                                           curve_steps=args.curve, steps=args.steps, row_fn=closed, columns=COLUMNS)
   common.print_table(rows, COLUMNS)
   print("continuation_nll: nats/symbol on the second halves, z fitted on the first halves; references: " +
-        ", ".join(f"{k} {refs[k]:.4f}" for k in ("oracle", "bayes", "window", "uniform")))
+        ", ".join(f"{k} {refs[k]:.4f}" for k in ("oracle", "bayes", "memory", "window", "uniform")))
   out = common.write_results(args.name, rows, eval_batches=args.eval_batches, references=refs, curves=curves)
   latent_runs.plot(curves, out.with_suffix(".png"), "Markov documents: second halves, z fitted on the first halves",
-                   references={k: math.exp(refs[k]) for k in ("oracle", "bayes", "window")})
+                   references={k: math.exp(refs[k]) for k in ("oracle", "bayes", "memory", "window")})
   print(f"wrote {out} and {out.with_suffix('.png')}")
 
 

@@ -13,6 +13,8 @@ log-losses of predicting x_{t+1} from x_0..x_t have closed forms:
            window's first symbol. It leaves out what the first symbol's own probability says about P (one draw from
            the chain's marginal, a small fraction of a nat of information about a K x K matrix), so a windowed
            predictor could beat it by at most that much.
+  memory   the window's counts plus those of every transition among x_0..x_m: a windowed predictor that also
+           remembers the document's first m + 1 symbols exactly, as a latent z fitted on them could.
 
 Symbols are written as the bytes 'A', 'B', ... (token id SYMBOL_BASE + k), so a document decodes as text and the
 byte-level models read it unchanged. Every draw comes from numpy's generator seeded by (stream, seed, index): a
@@ -89,9 +91,11 @@ def oracle_nll(symbols: np.ndarray, chains: np.ndarray) -> np.ndarray:
   return -np.log(chains[rows, symbols[:, :-1], symbols[:, 1:]])
 
 
-def bayes_nll(symbols: np.ndarray, symbols_k: int, concentration: float, window: int | None = None) -> np.ndarray:
+def bayes_nll(symbols: np.ndarray, symbols_k: int, concentration: float, window: int | None = None,
+              memory: int = 0) -> np.ndarray:
   """[n, L - 1]: the Dirichlet-multinomial predictor's -log p(x_{t+1} | x_<=t) for every t, from the transition
-  counts of the whole prefix (`window` None) or of the last `window` symbols x_{t-window+1}..x_t (window >= 1)."""
+  counts of the whole prefix (`window` None) or of the last `window` symbols x_{t-window+1}..x_t (window >= 1),
+  together with every transition among x_0..x_memory (a memory of the document's start, as z fitted there)."""
   if window is not None and window < 1:
     raise ValueError(f"window must be at least 1 symbol, got {window}")
   n, length = symbols.shape
@@ -103,7 +107,7 @@ def bayes_nll(symbols: np.ndarray, symbols_k: int, concentration: float, window:
     if t >= 1:  # The transition ending at x_t enters the counts ...
       counts[rows, symbols[:, t - 1], symbols[:, t]] += 1
     start = t - window + 1 if window is not None else 0
-    if start >= 1:  # ... and, with a window, the one ending at its first symbol x_start leaves them.
+    if start > max(memory, 0):  # ... and, with a window, the one ending at its first symbol leaves them.
       counts[rows, symbols[:, start - 1], symbols[:, start]] -= 1
     i, j = symbols[:, t], symbols[:, t + 1]
     out[:, t] = -np.log((counts[rows, i, j] + alpha) / (counts[rows, i].sum(-1) + k * alpha))
@@ -113,10 +117,12 @@ def bayes_nll(symbols: np.ndarray, symbols_k: int, concentration: float, window:
 @dataclasses.dataclass(frozen=True)
 class References:
   """Mean nats per predicted symbol over scored positions: oracle, bayes (whole prefix), window (last R symbols),
-  uniform (log K)."""
+  memory (last R symbols and the transitions before the scored part: a windowed decoder with a perfect memory of
+  the unscored start), uniform (log K)."""
   oracle: float
   bayes: float
   window: float
+  memory: float
   uniform: float
 
   def as_dict(self) -> dict[str, float]:
@@ -124,11 +130,13 @@ class References:
 
 
 def references(source: MarkovDocuments, indices, window: int, score_from: int) -> References:
-  """The three closed-form losses of the documents at `indices`, averaged over the targets t >= score_from (target
-  t is the prediction of symbol t + 1, as a model's targets[:, t] with inputs = document[:-1])."""
+  """The closed-form losses of the documents at `indices`, averaged over the targets t >= score_from (target t is
+  the prediction of symbol t + 1, as a model's targets[:, t] with inputs = document[:-1]); the memory reference
+  remembers the symbols up to x_{score_from}, those of the targets before the scored ones."""
   symbols, chains = source.documents(indices)
   mean = lambda losses: float(losses[:, score_from:].mean())
   return References(oracle=mean(oracle_nll(symbols, chains)),
                     bayes=mean(bayes_nll(symbols, source.symbols, source.concentration)),
                     window=mean(bayes_nll(symbols, source.symbols, source.concentration, window)),
+                    memory=mean(bayes_nll(symbols, source.symbols, source.concentration, window, memory=score_from)),
                     uniform=math.log(source.symbols))

@@ -73,6 +73,21 @@ def test_bayes_losses_equal_dirichlet_normalisers(k, alpha, window):
                                  rtol=1e-10)
 
 
+def test_memory_counts_are_the_union_of_the_start_and_the_window():
+  """Against counts built from the explicit set of transitions each prediction may use."""
+  k, alpha, window, memory = 3, 0.4, 4, 6
+  seqs = np.random.default_rng(7).integers(0, k, size=(3, 18))
+  got = markov.bayes_nll(seqs, k, alpha, window, memory=memory)
+  for s, seq in enumerate(seqs):
+    for t in range(seqs.shape[1] - 1):
+      ends = set(range(1, min(memory, t) + 1)) | set(range(max(1, t - window + 2), t + 1))
+      counts = np.zeros((k, k))
+      for e in ends:
+        counts[seq[e - 1], seq[e]] += 1
+      i, j = seq[t], seq[t + 1]
+      assert got[s, t] == pytest.approx(-math.log((counts[i, j] + alpha) / (counts[i].sum() + k * alpha)), rel=1e-12)
+
+
 def test_a_window_as_long_as_the_document_is_the_whole_prefix():
   source = markov.MarkovDocuments(symbols=6, concentration=0.2, length=40, seed=3)
   symbols, _ = source.documents(range(4))
@@ -138,7 +153,7 @@ def test_references_order_and_the_window_gap_of_the_benchmark_setting():
   predictor beats the windowed one by about 0.3 nats on the second half (the benchmark needs a gap that large)."""
   source = markov.MarkovDocuments(symbols=16, concentration=0.1, length=257, seed=0, stream=markov.VALIDATION_STREAM)
   refs = markov.references(source, range(64), window=61, score_from=128)
-  assert refs.oracle < refs.bayes < refs.window < refs.uniform
+  assert refs.oracle < refs.bayes < refs.memory < refs.window < refs.uniform
   assert 0.25 < refs.window - refs.bayes < 0.4
 
 
