@@ -9,7 +9,9 @@ Each variant trains in ROOT/<name> (resumable) on the same batches, then is eval
 evaluation on the same validation windows: continuation_ppl (z fitted on the first half of each 512-byte window,
 the second half scored) is the number comparable between the latent and the plain decoder; `shuffled_cost` and
 `prior_cost` are what z fitted on another window, or drawn from the prior, costs against the window's own z (nats
-per byte over whole windows): how much the decoder reads z. Writes benchmarks/results/<name>-<device>.json and a
+per byte over whole windows): how much the decoder reads z. `vs_plain` divides the final continuation perplexities;
+`vs_plain_equal_tokens` divides the training-time validation curves at the last token count both runs reached, which
+stays fair when a run was stopped early with --stop-at. Writes benchmarks/results/<name>-<device>.json and a
 plot of continuation perplexity against training tokens (<name>-<device>.png).
 """
 
@@ -26,14 +28,16 @@ VARIANTS = {
     "plain": (PLAIN, [], "the windowed decoder (receptive field 125 bytes) without latents"),
     "ltm": (LTM, [], "latents: encoder proposal + 2 inner steps, continuation training"),
 }
-COLUMNS = ("model", "train_s", "train_tokens", "continuation_ppl", "vs_plain", "nll", "kl", "shuffled_cost",
-           "prior_cost", "active_units")
+COLUMNS = ("model", "train_s", "train_tokens", "continuation_ppl", "vs_plain", "vs_plain_equal_tokens", "nll", "kl",
+           "shuffled_cost", "prior_cost", "active_units")
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--only", nargs="*", choices=sorted(VARIANTS), help="variants to run (default: all)")
   parser.add_argument("--steps", type=int, default=None, help="train.steps of every variant (default: the config's)")
+  parser.add_argument("--stop-at", type=int, default=None,
+                      help="stop every variant's training at this step of its schedule (a run already past it stays)")
   parser.add_argument("--eval-batches", type=int, default=16, help="validation batches of 16 x 512 bytes")
   parser.add_argument("--curve", type=int, nargs="*", default=[0, 2, 8], help="inner steps of the ELBO curve")
   parser.add_argument("--root", default=str(common.ROOT / "runs" / "latent-code"))
@@ -47,10 +51,11 @@ def main():
 
   rows, curves = latent_runs.run_variants(VARIANTS, args.only or list(VARIANTS), pathlib.Path(args.root),
                                           eval_batches=args.eval_batches, curve_steps=args.curve, steps=args.steps,
-                                          row_fn=costs, columns=COLUMNS)
+                                          stop_at=args.stop_at, row_fn=costs, columns=COLUMNS)
   plain = next((r["continuation_ppl"] for r in rows if r["model"] == "plain"), None)
   for row in rows:
     row["vs_plain"] = row["continuation_ppl"] / plain if plain else None
+    row["vs_plain_equal_tokens"] = latent_runs.at_equal_tokens(curves, row["model"], "plain")
   common.print_table(rows, COLUMNS)
   out = common.write_results(args.name, rows, eval_batches=args.eval_batches, curves=curves)
   latent_runs.plot(curves, out.with_suffix(".png"), "Python source: second halves of 512-byte windows (window 32)")

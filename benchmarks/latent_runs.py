@@ -99,18 +99,28 @@ def plot(curves: dict[str, list[dict]], out: pathlib.Path, title: str, log_y: bo
 
 
 def run_variants(variants: dict, names, root: pathlib.Path, *, eval_batches: int, curve_steps=(),
-                 steps: int | None = None, row_fn=None, columns=()) -> tuple[list[dict], dict]:
-  """Trains and evaluates `names` of `variants` (name -> (config file, overrides, what it is)) in root, printing each
-  row as it is done; `row_fn(row)` adds derived columns. Returns (rows, validation curves by name)."""
+                 steps: int | None = None, stop_at: int | None = None, row_fn=None,
+                 columns=()) -> tuple[list[dict], dict]:
+  """Trains (up to `stop_at` steps of the schedule, when given) and evaluates `names` of `variants` (name -> (config
+  file, overrides, what it is)) in root, printing each row as it is done; `row_fn(row)` adds derived columns.
+  Returns (rows, validation curves by name)."""
   root.mkdir(parents=True, exist_ok=True)
   rows, curves = [], {}
   for name in names:
     path, overrides, what = variants[name]
     cfg = load_config(path, overrides, steps)
-    info = train_variant(name, cfg, root)
+    info = train_variant(name, cfg, root, stop_at)
     row = {"model": name, "config": path, "overrides": overrides, "what": what, **info,
            **evaluate_variant(root / name, eval_batches, curve_steps)}
     rows.append(row_fn(row) if row_fn else row)
     curves[name] = validation_curve(root / name)
     common.print_table(rows[-1:], columns)
   return rows, curves
+
+
+def at_equal_tokens(curves: dict[str, list[dict]], name: str, baseline: str) -> float | None:
+  """Validation continuation perplexity of `name` over `baseline`'s at the last training-token count both curves hold
+  (None if they share none): the comparison that stays fair when one run stopped early."""
+  base = {p["tokens"]: p["val_continuation_ppl"] for p in curves.get(baseline, [])}
+  shared = [p for p in curves.get(name, []) if p["tokens"] in base]
+  return shared[-1]["val_continuation_ppl"] / base[shared[-1]["tokens"]] if shared else None
