@@ -61,6 +61,21 @@ def evaluate_variant(workdir: pathlib.Path, eval_batches: int, curve_steps=(), o
                          curve_steps=curve_steps)
 
 
+def evaluated(workdir: pathlib.Path, step: int, eval_batches: int, curve_steps=()) -> dict:
+  """`evaluate_variant` of the workdir at training step `step`, read from its `bench-eval.json` when that holds the
+  same evaluation of the same step (evaluating a latent model takes minutes; a finished comparison is re-tabled
+  often)."""
+  record = workdir / "bench-eval.json"
+  key = {"step": step, "eval_batches": eval_batches, "curve_steps": list(curve_steps)}
+  if record.exists():
+    saved = json.loads(record.read_text())
+    if saved["key"] == key:
+      return saved["metrics"]
+  metrics = evaluate_variant(workdir, eval_batches, curve_steps)
+  record.write_text(json.dumps({"key": key, "metrics": metrics}) + "\n")
+  return metrics
+
+
 def metrics_rows(workdir: pathlib.Path) -> list[dict]:
   """The rows of the workdir's metrics.jsonl (none before training)."""
   path = workdir / "metrics.jsonl"
@@ -111,7 +126,7 @@ def run_variants(variants: dict, names, root: pathlib.Path, *, eval_batches: int
     cfg = load_config(path, overrides, steps)
     info = train_variant(name, cfg, root, stop_at)
     row = {"model": name, "config": path, "overrides": overrides, "what": what, **info,
-           **evaluate_variant(root / name, eval_batches, curve_steps)}
+           **evaluated(root / name, info["steps"], eval_batches, curve_steps)}
     rows.append(row_fn(row) if row_fn else row)
     curves[name] = validation_curve(root / name)
     common.print_table(rows[-1:], columns)
