@@ -14,6 +14,8 @@ The references, in nats per symbol over the same positions of the same validatio
            first half's statistics exactly can do.
 `closed` is the fraction of the window-to-bayes gap a model closes: (window - nll) / (window - bayes); 1 is the
 Bayes optimum, 0 the best any decoder limited to its window can reach, negative worse than that.
+`vs_plain_equal_tokens` divides the training-time validation continuation perplexities of a variant and of the plain
+decoder at the last token count both reached (fair to a run stopped early with --stop-at).
 
 Each variant trains in ROOT/<name> (resumable) on the same stream of training documents (seed 0), then is evaluated
 by `ltm eval`'s full evaluation (z fitted on the first half of each document, the second half scored). Prints one row
@@ -43,8 +45,8 @@ VARIANTS = {
     "ltm_loop8": (LTM, ["latent.encoder=false", "latent.inner_steps=8", "latent.inner_lr=0.3"],
                   "latents inferred by 8 inner steps from the prior-like start, no encoder"),
 }
-COLUMNS = ("model", "train_s", "train_tokens", "continuation_nll", "closed", "nll", "kl", "prior_nll",
-           "shuffled_nll", "active_units")
+COLUMNS = ("model", "train_s", "train_tokens", "continuation_nll", "closed", "vs_plain_equal_tokens", "nll", "kl",
+           "prior_nll", "shuffled_nll", "active_units")
 
 
 def references(cfg, eval_batches: int) -> dict:
@@ -62,6 +64,8 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--only", nargs="*", choices=sorted(VARIANTS), help="variants to run (default: all)")
   parser.add_argument("--steps", type=int, default=None, help="train.steps of every variant (default: the config's)")
+  parser.add_argument("--stop-at", type=int, default=None,
+                      help="stop every variant's training at this step of its schedule (a run already past it stays)")
   parser.add_argument("--eval-batches", type=int, default=16, help="validation batches of 16 documents")
   parser.add_argument("--curve", type=int, nargs="*", default=[0, 2, 8], help="inner steps of the ELBO curve")
   parser.add_argument("--root", default=str(common.ROOT / "runs" / "latent-markov"))
@@ -77,7 +81,10 @@ def main():
     return {**row, "continuation_nll": nll, "closed": (refs["window"] - nll) / (refs["window"] - refs["bayes"])}
 
   rows, curves = latent_runs.run_variants(VARIANTS, args.only or list(VARIANTS), root, eval_batches=args.eval_batches,
-                                          curve_steps=args.curve, steps=args.steps, row_fn=closed, columns=COLUMNS)
+                                          curve_steps=args.curve, steps=args.steps, stop_at=args.stop_at, row_fn=closed,
+                                          columns=COLUMNS)
+  for row in rows:
+    row["vs_plain_equal_tokens"] = latent_runs.at_equal_tokens(curves, row["model"], "plain")
   common.print_table(rows, COLUMNS)
   print("continuation_nll: nats/symbol on the second halves, z fitted on the first halves; references: " +
         ", ".join(f"{k} {refs[k]:.4f}" for k in ("oracle", "bayes", "memory", "window", "uniform")))
