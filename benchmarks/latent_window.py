@@ -55,6 +55,8 @@ COLUMNS = ("model", "train_s", "train_tokens", "nll", "kl", "elbo_ppl", "continu
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--only", nargs="*", choices=sorted(VARIANTS), help="variants to run (default: all)")
+  parser.add_argument("--stop-at", type=int, default=None,
+                      help="stop every variant's training at this step of its schedule (a run already past it stays)")
   parser.add_argument("--eval-batches", type=int, default=8, help="validation batches of 16 x 512 bytes")
   parser.add_argument("--no-curve", action="store_true", help="skip the ELBO-vs-inner-steps curve")
   parser.add_argument("--root", default=str(common.ROOT / "runs" / "latent-window"))
@@ -75,7 +77,7 @@ def main():
 
   def train_variant(name, steps=None):
     path, overrides, _ = VARIANTS[name]
-    return latent_runs.train_variant(name, latent_runs.load_config(path, overrides, steps), root)
+    return latent_runs.train_variant(name, latent_runs.load_config(path, overrides, steps), root, args.stop_at)
 
   for name in names:
     steps = None
