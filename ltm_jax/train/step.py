@@ -12,7 +12,7 @@ import optax
 from ltm_jax import latent as latent_lib
 from ltm_jax import loss_scale as loss_scale_lib
 from ltm_jax import model as model_lib
-from ltm_jax.state import TrainState, create_train_state, run_keys  # noqa: F401  (this module's names too)
+from ltm_jax.state import TrainState, create_train_state, run_keys  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:
   from ltm_jax.parallel import Layout
