@@ -95,3 +95,10 @@ def hold_last(x, last, valid):
   if valid is None:
     return x
   return jnp.where(valid[..., None], x, last[:, None].astype(x.dtype))
+
+
+def shift_inputs(x, last, valid):
+  """The two inputs a token-shift mix interpolates between: (x with its padding holding `last`, as `hold_last`
+  makes it; the previous token's input at every position of that, `token_shift`)."""
+  x = hold_last(x, last, valid)
+  return x, token_shift(x, last)
