@@ -192,7 +192,7 @@ def suggested_gpu_auto(rows):
 
 
 def goals(rows):
-  """The issue's targets, per shape: pallas fwd+bwd speed over cudnn (>= 0.9) and over tokamax's Triton (>= 1.0);
+  """The targets, per shape: pallas fwd+bwd speed over cudnn (>= 0.9) and over tokamax's Triton (>= 1.0);
   window-256 pallas time per token from 2k to 16k (flat)."""
   timed = {(r["impl"], r["mask"], r["T"], r["D"]): r for r in rows if "fwd_bwd_ms" in r}
   out = []

@@ -120,7 +120,7 @@ MODELS = {"rwkv7": {"layer_pattern": "W"}, "rwkv4": {"layer_pattern": "R"}, "att
 POSITION_MODELS = ("rwkv7", "rwkv4", "attention", "sliding", "titans")
 FLAT_MODELS = ("rwkv7", "rwkv4", "titans")  # States that do not grow: held to RWKV_FLAT.
 SECTIONS = ("position", "batch", "dtype", "forms", "official")
-RWKV_FLAT = 1.05  # The issue's bound on t(16k) / t(128) for the RWKV models.
+RWKV_FLAT = 1.05  # The bound on t(16k) / t(128) for the RWKV models.
 WARMUP = 1  # Untimed runs of every compiled loop before the timed ones.
 
 

@@ -1,7 +1,7 @@
 """Times every backend of the RWKV-7 WKV op and its peers, forward and forward+backward, against measured ceilings.
 
   python benchmarks/wkv7.py                 # CPU: training-like shapes, about a minute on 2 cores
-  python benchmarks/wkv7.py --shapes gpu    # the default on an accelerator: the issue's three shapes, bfloat16
+  python benchmarks/wkv7.py --shapes gpu    # the default on an accelerator: three long-sequence shapes, bfloat16
   python benchmarks/wkv7.py --quick         # tiny shapes, every backend (pallas interpreted on CPU): proves it runs
 
   python benchmarks/wkv7.py --quick --aot  # no GPU: the quick run, then the H100 compile report of the kernels

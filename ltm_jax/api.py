@@ -27,9 +27,9 @@ from ltm_jax.inference import generate as generation
 from ltm_jax.inference import inputs
 from ltm_jax.inference import quantize as quantize_lib
 from ltm_jax.layers import KVCache
+from ltm_jax.state import abstract_train_state
 from ltm_jax.train import checkpoint as ckpt_lib
 from ltm_jax.train.optimizer import make_optimizer
-from ltm_jax.train.step import create_train_state
 
 
 class LanguageModel:
@@ -412,9 +412,7 @@ def load(workdir: str | pathlib.Path, step: int | None = None, overrides: Sequen
     saved = checkpointer.saved_config(at)
     config = config_lib.validate(config_lib.apply_overrides(saved, overrides))
     ckpt_lib.check_compatible(saved, config, str(workdir))
-    template = jax.eval_shape(lambda: create_train_state(
-        model_lib.init_params(config.model, jax.random.key(0), config.latent), make_optimizer(config.train), 0))
-    return config, checkpointer.restore(at, template)[0]
+    return config, checkpointer.restore(at, abstract_train_state(config, make_optimizer(config.train)))[0]
 
   try:
     if step is not None:  # Exactly this step: a damaged one is an error, not a reason to pick another.

@@ -26,7 +26,7 @@ MMREC_REMAT = ("none", "recurrence", "memory", "recurrence_memory")  # Parts of 
 FFNS = ("auto", "swiglu", "channel_mix", "channel_mix7")
 DECODER_OBJECTIVES = ("final", "iterates")
 NORMS = ("rmsnorm", "layernorm")
-DTYPES = ("float32", "bfloat16", "float16")  # float16 compute needs dynamic loss scaling (ltm_jax/train/loss_scale.py).
+DTYPES = ("float32", "bfloat16", "float16")  # float16 compute needs dynamic loss scaling (ltm_jax/loss_scale.py).
 # What a block keeps for the backward pass (ltm_jax/model.py `remat_plan`): none = everything; full = only its input;
 # minimal = matmul outputs; save_<sub-layers> = those sub-layers' residuals, the other sub-layers recomputed.
 REMAT_POLICIES = ("none", "full", "minimal", "save_mixer", "save_ffn", "save_cross_attention", "save_mixer_ffn")
@@ -105,7 +105,7 @@ class ModelConfig:
   # depth); parameters then carry a leading "layers" axis, so this changes the checkpoint layout.
   scan_layers: bool = False
   # Under a mesh with mesh.pipeline = S > 1 stages, every forward pass of the scanned stack splits its batch into
-  # this many micro-batches and runs them through the S stages on a GPipe schedule (ltm_jax/parallel/pipeline.py);
+  # this many micro-batches and runs them through the S stages on a GPipe schedule (ltm_jax/layers/pipeline.py);
   # the idle fraction of the schedule is (S - 1) / (micro-batches + S - 1). Unused without a pipeline axis.
   pipeline_micro_batches: int = 1
   # Sequence positions whose [B, loss_chunk, vocab] float32 logits the loss holds at once (ops/cross_entropy.py;

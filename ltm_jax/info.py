@@ -12,8 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ltm_jax import model as model_lib
+from ltm_jax import state as state_lib
 from ltm_jax.config import MIXERS, Config
-from ltm_jax.parallel import pipeline
+from ltm_jax.layers import pipeline
 
 
 def _visible_keys(seq_len: int, window: int | None) -> float:
@@ -129,12 +130,11 @@ def compiled_memory(cfg: Config) -> dict[str, Any]:
   their temp bytes barely move; XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false schedules for
   memory, as GPU compilers do (benchmarks/memory.py sets it). Scanned layers show the saving under either."""
   from ltm_jax.train.optimizer import learning_rate, make_optimizer
-  from ltm_jax.train.step import create_train_state, make_train_step
+  from ltm_jax.train.step import make_train_step
 
   m, t = cfg.model, cfg.train
   optimizer = make_optimizer(t)
-  state = jax.eval_shape(lambda: create_train_state(
-      model_lib.init_params(m, jax.random.key(0), cfg.latent), optimizer, t.seed))
+  state = state_lib.abstract_train_state(cfg, optimizer)
   batch = {k: jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32) for k in ("inputs", "targets")}
   step = make_train_step(model_lib.LM(m, cfg.latent), optimizer, learning_rate(t), t.grad_accum)
   jax.devices()  # Starts the backend outside the timing.

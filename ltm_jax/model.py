@@ -29,8 +29,8 @@ from ltm_jax.layers import Attention, ChannelMix, ChannelMixState, CrossAttentio
 from ltm_jax.layers import ChannelMix7, MemoryAsGate, MemoryAsLayer, NeuralMemoryState, TimeMix7, TimeMix7State
 from ltm_jax.layers import MMRec, MMRecState, TitansState
 from ltm_jax.layers.common import fp8_projections, init, norm
+from ltm_jax.layers import pipeline
 from ltm_jax.layers.latent_encoder import LatentEncoder
-from ltm_jax.parallel import pipeline
 from ltm_jax.ops import cross_entropy
 from ltm_jax.ops.quant_matmul import weights as quant_weights
 
@@ -356,7 +356,7 @@ def _scanned(cfg: ModelConfig, latent, capacity, layout: ScanLayout, x, v_first,
 
 
 class _Pipelined(nn.Module):
-  """The scanned repeats as pipeline stages (ltm_jax.parallel.pipeline): it reads the weights nn.scan(_Unit) made
+  """The scanned repeats as pipeline stages (ltm_jax.layers.pipeline): it reads the weights nn.scan(_Unit) made
   under the same name, so both run the same parameters. Stage k runs repeats k*L .. k*L+L-1 (L = units / stages)
   under lax.scan on one pipeline micro-batch at a time. Never initialises: parameters come from the plain layout."""
   cfg: ModelConfig

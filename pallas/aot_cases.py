@@ -310,13 +310,13 @@ def train_step(config_name: str, overrides: tuple[str, ...] = ()) -> Builder:
     # pylint: disable=g-import-not-at-top
     from ltm_jax import model as model_lib
     from ltm_jax.train.optimizer import learning_rate, make_optimizer
-    from ltm_jax.train.step import create_train_state, make_train_step
+    from ltm_jax.state import abstract_train_state
+    from ltm_jax.train.step import make_train_step
 
     cfg = _config(config_name, overrides)
     m, t = cfg.model, cfg.train
     optimizer = make_optimizer(t)
-    state = jax.eval_shape(lambda: create_train_state(
-        model_lib.init_params(m, jax.random.key(0), cfg.latent), optimizer, t.seed))
+    state = abstract_train_state(cfg, optimizer)
     batch = {k: abstract((t.batch_size, t.seq_len), jnp.int32) for k in ("inputs", "targets")}
     step = make_train_step(model_lib.LM(m, cfg.latent), optimizer, learning_rate(t), t.grad_accum)
     return step, (_place(state, abstract), batch)

@@ -25,8 +25,9 @@ checkpoint: chunk·(chunk - 1)/2 extra forward steps per chunk, exact for any w 
 (dr, dw, dk, da, db) sum over value rows, so with N / BV > 1 blocks each program writes float32 partial sums that
 XLA adds up afterwards; dv and the incoming state's gradient are block-local.
 
-Unmeasured on a GPU (none was available when this was written): the value-block sizes and chunk length below are
-first guesses, and the tensor-core chunked (WY) form is the expected faster design for training.
+The value-block sizes and chunk length below are not tuned by timing. On one H100 (bfloat16, (B, T, C, N) =
+(8, 4096, 4096, 64)) these kernels took 10.7 ms forward and 75.6 ms forward+backward, the tensor-core chunked kernels
+of pallas/wkv7_chunked.py 2.4 ms and 12.3 ms.
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ def _specs(length, size, block, num_chunks):
 # Value rows per program when not given. Forward: rows are independent, so smaller blocks only add programs (B·H·N/32
 # of them, enough to fill a GPU at B·H = 512) and re-read the shared key vectors from cache. Backward: more than one
 # block per head makes float32 partial sums of five gradients, so blocks stay as large as registers allow.
-# First guesses, not tuned: no GPU was available to measure them.
+# Not tuned by timing.
 FORWARD_BLOCK, BACKWARD_BLOCK = 32, 64
 
 

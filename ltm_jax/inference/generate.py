@@ -17,8 +17,8 @@ runs at the float model's speed on a transient float copy.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 import flax.linen as nn
 import jax
@@ -110,22 +110,46 @@ def decode(model: nn.Module, params, decoding: Decoding, key: jax.Array, *, step
   # Dequantised once, ahead of the token loop, rather than left for XLA to hoist out of it.
   params = model_params(model, params, kernels_as_stored)
 
-  def unfinished(carry):
-    i, d, _ = carry
-    return (i < steps) & ~jnp.all(d.done)
-
-  def step(carry):
-    i, d, tokens = carry
+  def draw(d: Decoding) -> tuple[Decoding, jax.Array]:
     token = sample_logits(jax.random.fold_in(key, d.generated), d.logits, temperature=temperature, top_k=top_k,
                           top_p=top_p)
     token = jnp.where(d.done, d.last_token, token)
     done = (d.done | jnp.isin(token, stops)) if stop_tokens else d.done
-    logits, state = model.apply({"params": params}, token[:, None], d.state, latents, d.positions[:, None])
-    d = Decoding(state, logits[:, -1], d.positions + 1, token, done, d.generated + 1)
-    return i + 1, d, tokens.at[:, i].set(token)
+    return feed(model, params, d, token, done, latents, 1), token
 
-  init = (jnp.zeros((), jnp.int32), decoding, jnp.zeros((decoding.logits.shape[0], steps), jnp.int32))
-  count, decoding, tokens = jax.lax.while_loop(unfinished, step, init)
   # Stopped early: every row is finished, so the rest is its stop token repeated.
-  tokens = jnp.where(jnp.arange(steps) < count, tokens, decoding.last_token[:, None])
+  tokens, _, decoding = token_loop(draw, decoding, steps, lambda d: d)
   return tokens, decoding
+
+
+def feed(model: nn.Module, params, decoding: Decoding, token: jax.Array, done: jax.Array, latents,
+         drawn) -> Decoding:
+  """`decoding` after running one token per row, token [B] int32, through the model (params as it reads them,
+  `model_params`): `done` [B] marks the rows finished after it, `drawn` (a count, or [B]) is added to
+  `generated`."""
+  logits, state = model.apply({"params": params}, token[:, None], decoding.state, latents,
+                              decoding.positions[:, None])
+  return Decoding(state, logits[:, -1], decoding.positions + 1, token, done, decoding.generated + drawn)
+
+
+Carry = TypeVar("Carry")
+
+
+def token_loop(draw: Callable[[Carry], tuple[Carry, jax.Array]], carry: Carry, steps: int,
+               decoding_of: Callable[[Carry], Decoding]) -> tuple[jax.Array, jax.Array, Carry]:
+  """Calls `draw(carry) -> (carry, token [B] int32)` up to `steps` times in one lax.while_loop, stopping once every
+  row of `decoding_of(carry)` is done -> (tokens [B, steps] int32, calls made [] int32, carry). The columns past the
+  calls made hold each row's last token."""
+  def unfinished(loop):
+    i, c, _ = loop
+    return (i < steps) & ~jnp.all(decoding_of(c).done)
+
+  def step(loop):
+    i, c, tokens = loop
+    c, token = draw(c)
+    return i + 1, c, tokens.at[:, i].set(token)
+
+  init = (jnp.zeros((), jnp.int32), carry, jnp.zeros((decoding_of(carry).logits.shape[0], steps), jnp.int32))
+  count, carry, tokens = jax.lax.while_loop(unfinished, step, init)
+  tokens = jnp.where(jnp.arange(steps) < count, tokens, decoding_of(carry).last_token[:, None])
+  return tokens, count, carry

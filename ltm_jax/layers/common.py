@@ -1,6 +1,7 @@
 """Shared building blocks: logically partitioned initialisers, dense layers and norms.
 
-Logical axis names used by every parameter (the sharding issue maps them to mesh axes):
+Logical axis names used by every parameter (the mesh config's rules, ltm_jax.parallel.mesh.rules, map them to mesh
+axes):
   vocab, embed, heads, kv_heads, head_dim, mlp, wkv (RWKV-4 channels), norm, and embed_out (the output axis of a
   square d_model x d_model gate, named apart from `embed` so the two axes can map to different mesh axes), and lora (the
   narrow inner axis of RWKV-7's low-rank projections, meant to stay replicated), and layers (the leading axis that
@@ -94,3 +95,10 @@ def hold_last(x, last, valid):
   if valid is None:
     return x
   return jnp.where(valid[..., None], x, last[:, None].astype(x.dtype))
+
+
+def shift_inputs(x, last, valid):
+  """The two inputs a token-shift mix interpolates between: (x with its padding holding `last`, as `hold_last`
+  makes it; the previous token's input at every position of that, `token_shift`)."""
+  x = hold_last(x, last, valid)
+  return x, token_shift(x, last)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ltm_jax import ops
-from ltm_jax.layers.common import dense, hold_last, token_shift
+from ltm_jax.layers.common import dense, shift_inputs
 
 
 class TimeMixState(NamedTuple):
@@ -65,9 +65,8 @@ class TimeMix(nn.Module):
     batch, length, d = x.shape
     if state is None:
       state = TimeMixState.empty(batch, d)
-    x = hold_last(x, state.last_x, valid)
+    x, shifted = shift_inputs(x, state.last_x, valid)
     up, down = _depth_ratios(self.layer, self.n_layers)
-    shifted = token_shift(x, state.last_x)
     xk = _shift_mix(self, x, shifted, "mix_k", _mix_init(down))
     xv = _shift_mix(self, x, shifted, "mix_v", _mix_init(down, 0.3 * up))
     xr = _shift_mix(self, x, shifted, "mix_r", _mix_init(0.5 * down))
@@ -116,9 +115,8 @@ class ChannelMix(nn.Module):
     batch, _, d = x.shape
     if state is None:
       state = ChannelMixState.empty(batch, d)
-    x = hold_last(x, state.last_x, valid)
+    x, shifted = shift_inputs(x, state.last_x, valid)
     _, down = _depth_ratios(self.layer, self.n_layers)
-    shifted = token_shift(x, state.last_x)
     xk = _shift_mix(self, x, shifted, "mix_k", _mix_init(down))
     xr = _shift_mix(self, x, shifted, "mix_r", _mix_init(down))
     hidden = jnp.square(nn.relu(dense(self.hidden, ("embed", "mlp"), self.std, self.dtype, "key")(xk)))

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ltm_jax.layers.common import Dense, hold_last, projection_dot_general, token_shift
+from ltm_jax.layers.common import Dense, projection_dot_general, shift_inputs
 from ltm_jax.layers.rwkv4 import ChannelMixState
 from ltm_jax.ops.wkv7 import empty_state as wkv7_empty_state
 from ltm_jax.ops.wkv7 import wkv7
@@ -125,8 +125,8 @@ class TimeMix7(nn.Module):
       return h @ up_w.astype(x_in.dtype)
 
     # Token shift: x + (previous - x) * shift, a per-channel interpolation toward the previous token.
-    x = hold_last(x.astype(self.dtype), state.last_x, valid)
-    delta = token_shift(x, state.last_x) - x
+    x, shifted = shift_inputs(x.astype(self.dtype), state.last_x, valid)
+    delta = shifted - x
     powers = {"r": 0.2, "w": 0.9, "k": 0.7, "v": 0.7, "a": 0.9, "g": 0.2}
     mixed = {name: x + delta * vector(f"shift_{name}", _shift_fraction(d, p * down), ("embed",)).astype(x.dtype)
              for name, p in powers.items()}
@@ -199,9 +199,9 @@ class ChannelMix7(nn.Module):
     if state is None:
       state = ChannelMixState.empty(batch, d)
     _, down = _ratios(self.layer, self.n_layers)
-    x = hold_last(x.astype(self.dtype), state.last_x, valid)
+    x, shifted = shift_inputs(x.astype(self.dtype), state.last_x, valid)
     shift = self.param("shift_k", _constant_init(_shift_fraction(d, down ** 4).astype(np.float32), ("embed",)), (d,))
-    xk = x + (token_shift(x, state.last_x) - x) * shift.astype(x.dtype)
+    xk = x + (shifted - x) * shift.astype(x.dtype)
     key = _projection(self.hidden, _centered_uniform(0.5 / math.sqrt(d), ("embed", "mlp")), self.dtype, "key")
     hidden = jnp.square(nn.relu(key(xk)))
     value = _projection(d, nn.with_logical_partitioning(nn.initializers.zeros, ("mlp", "embed")), self.dtype,

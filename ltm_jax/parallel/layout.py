@@ -11,7 +11,7 @@ import jax
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from ltm_jax import model as model_lib
+from ltm_jax import state as state_lib
 from ltm_jax.config import Config
 from ltm_jax.ops import sharding as ops_sharding
 from ltm_jax.parallel import mesh as mesh_lib
@@ -73,26 +73,16 @@ def make_layout(cfg: Config, optimizer: optax.GradientTransformation, devices=No
 
 def init_state(cfg: Config, optimizer: optax.GradientTransformation, layout: Layout):
   """A fresh TrainState created directly in its shards (no device ever holds the whole model), equal to
-  `create_train_state(init_params(cfg.model, run_keys(seed)[0], ...), ..., seed)` on one device."""
-  from ltm_jax.train.step import create_train_state, run_keys  # Deferred: train imports parallel.
-  t = cfg.train
-
-  def create():
-    params = model_lib.init_params(cfg.model, run_keys(t.seed)[0], cfg.latent)
-    return create_train_state(params, optimizer, t.seed)
-
+  `state.init_train_state(cfg, optimizer)` on one device."""
   # Outside the layout's rules: flax applies a parameter's logical constraint while DenseGeneral's kernel is still
   # flat (rank mismatch); out_shardings place the result anyway.
-  return jax.jit(create, out_shardings=layout.state)()
+  return jax.jit(lambda: state_lib.init_train_state(cfg, optimizer), out_shardings=layout.state)()
 
 
 def abstract_state(cfg: Config, optimizer: optax.GradientTransformation, layout: Layout):
   """ShapeDtypeStructs of the TrainState carrying the layout's shardings: the target of a checkpoint restore, so a
   checkpoint written under any mesh is read straight into this one's shards."""
-  from ltm_jax.train.step import create_train_state
-  t = cfg.train
-  shapes = jax.eval_shape(lambda: create_train_state(
-      model_lib.init_params(cfg.model, jax.random.key(t.seed), cfg.latent), optimizer, t.seed))
+  shapes = state_lib.abstract_train_state(cfg, optimizer)
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, layout.state)
 
 

@@ -11,9 +11,11 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ltm_jax import loss_scale as loss_scale_lib
 from ltm_jax import model as model_lib
 from ltm_jax.config import Config
 from ltm_jax.errors import ConfigError
+from ltm_jax.state import TrainState
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -66,8 +68,6 @@ def opt_state_shardings(optimizer: optax.GradientTransformation, params_sharding
 
 def state_shardings(cfg: Config, optimizer: optax.GradientTransformation, mesh: Mesh, axis_rules):
   """Shardings of the whole TrainState: step and rng replicated, params by their rules, Adam moments like params."""
-  from ltm_jax.train import loss_scale as loss_scale_lib  # Deferred: train imports parallel.
-  from ltm_jax.train.step import TrainState
   params = param_shardings(cfg, mesh, axis_rules)
   shapes = jax.eval_shape(lambda: model_lib.init_params(cfg.model, jax.random.key(0), cfg.latent))
   return TrainState(step=replicated(mesh), params=params,

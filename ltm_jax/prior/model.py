@@ -19,6 +19,7 @@ from ltm_jax.errors import CheckpointError, ConfigError
 from ltm_jax.prior import samplers
 from ltm_jax.prior.diffusion import Denoiser, nll_bound, schedule_of
 from ltm_jax.prior.dit import DiT
+from ltm_jax.prior.optimizer import make_optimizer
 
 
 def folder_of(workdir: str | pathlib.Path) -> pathlib.Path:
@@ -94,7 +95,6 @@ def abstract_state(cfg: PriorConfig, latent_shape: tuple[int, int, int], optimiz
 def load_prior(workdir: str | pathlib.Path, decoder: Config, step: int | None = None) -> LatentPrior:
   """The prior trained in WORKDIR/prior for `decoder` (the workdir's latent model), at `step` (default: newest
   readable). CheckpointError when there is none or it was trained for latents of another shape."""
-  from ltm_jax.prior.train import make_optimizer
   from ltm_jax.train.checkpoint import Checkpointer
   folder = folder_of(workdir)
   if not (folder / "checkpoints").is_dir():

@@ -28,6 +28,7 @@ from ltm_jax.errors import ConfigError, LtmError
 from ltm_jax.prior import posteriors as posteriors_lib
 from ltm_jax.prior.diffusion import denoising_loss, schedule_of
 from ltm_jax.prior.model import PriorState, abstract_state, denoiser, folder_of, init_params, prior_config
+from ltm_jax.prior.optimizer import make_optimizer
 from ltm_jax.train import checkpoint as ckpt_lib
 from ltm_jax.train import workdir as workdir_lib
 from ltm_jax.train.loop import StopFlag
@@ -42,13 +43,6 @@ class PriorTrainResult:
   metrics: dict[str, Any]
   interrupted_by: int | None
   seconds: float
-
-
-def make_optimizer(cfg: PriorConfig) -> optax.GradientTransformation:
-  schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup_steps, max(cfg.steps, cfg.warmup_steps + 1),
-                                                end_value=0.1 * cfg.lr)
-  clip = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []
-  return optax.chain(*clip, optax.adamw(schedule, b1=0.9, b2=0.999, weight_decay=cfg.weight_decay))
 
 
 def batches(posteriors: posteriors_lib.PosteriorSet, batch_size: int, seed: int) -> grain.MapDataset:

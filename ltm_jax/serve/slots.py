@@ -18,7 +18,7 @@ never read.
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,18 +32,13 @@ from ltm_jax.ops import sampling
 
 
 class Slots(NamedTuple):
-  """S decoding rows. state: the model's per-layer state of S rows (`model.init_state` layout); logits [S, V]
-  float32, each row's next-token logits; positions [S] int32, its next token's position; last_token [S] int32;
-  done [S] bool, rows that stopped (or are free); generated [S] int32, tokens drawn since the row was admitted (the
-  index of its next key); budget [S] int32, tokens it may still draw; keys [S] PRNG keys; temperature [S] float32
-  (0: greedy); top_k [S] int32 (0: off); top_p [S] float32 (1: off); latents [S, n_layers, n_per_layer, d_model]
-  for latent models, else None."""
-  state: Any
-  logits: jax.Array
-  positions: jax.Array
-  last_token: jax.Array
-  done: jax.Array
-  generated: jax.Array
+  """S decoding rows. decoding: where the rows stand (`generation.Decoding` of S rows: the model's per-layer state in
+  the `model.init_state` layout, next-token logits, positions, last tokens, done [S] for rows that stopped or are
+  free), with generated [S] int32 per row, the tokens it drew since it was admitted (the index of its next key);
+  budget [S] int32, tokens it may still draw; keys [S] PRNG keys; temperature [S] float32 (0: greedy); top_k [S]
+  int32 (0: off); top_p [S] float32 (1: off); latents [S, n_layers, n_per_layer, d_model] for latent models, else
+  None."""
+  decoding: generation.Decoding
   budget: jax.Array
   keys: jax.Array
   temperature: jax.Array
@@ -57,10 +52,11 @@ def empty_slots(model: model_lib.LM, rows: int) -> Slots:
   cfg, latent = model.cfg, model_lib.uses_latents(model.latent)
   zeros = lambda dtype: jnp.zeros((rows,), dtype)
   latents = None if latent is None else jnp.zeros(model_lib.latent_shape(cfg, latent, rows), jnp.float32)
-  slots = Slots(model_lib.init_state(cfg, rows, model.cache_capacity), jnp.zeros((rows, cfg.vocab_size), jnp.float32),
-               zeros(jnp.int32), zeros(jnp.int32), jnp.ones((rows,), bool), zeros(jnp.int32), zeros(jnp.int32),
-               jax.random.split(jax.random.key(0), rows), zeros(jnp.float32), zeros(jnp.int32),
-               jnp.ones((rows,), jnp.float32), latents)
+  decoding = generation.Decoding(model_lib.init_state(cfg, rows, model.cache_capacity),
+                                 jnp.zeros((rows, cfg.vocab_size), jnp.float32), zeros(jnp.int32), zeros(jnp.int32),
+                                 jnp.ones((rows,), bool), zeros(jnp.int32))
+  slots = Slots(decoding, zeros(jnp.int32), jax.random.split(jax.random.key(0), rows), zeros(jnp.float32),
+                zeros(jnp.int32), jnp.ones((rows,), jnp.float32), latents)
   # A buffer of its own per leaf (empty states share their zeros), as the programs donate every leaf; committed to
   # the device, as the programs' outputs are when the parameters are (a restored checkpoint's): otherwise the first
   # call of each program would compile again for committed inputs.
@@ -144,11 +140,11 @@ def admit(model: model_lib.LM, params, slots: Slots, tokens: jax.Array, lengths:
     latents = _fit_latents(model, params, tokens, lengths, latent_keys)
   d = generation.prefill(model, params, tokens, lengths, latents)
   batch = tokens.shape[0]
-  new = Slots(None, d.logits, d.positions, d.last_token, jnp.zeros((batch,), bool), jnp.zeros((batch,), jnp.int32),
+  new = Slots(d._replace(state=None, generated=jnp.zeros((batch,), jnp.int32)),
               budget, sample_keys, temperature, top_k, top_p, latents)
-  state = _put_rows(slots.state, d.state, rows, axes)
-  rest = _put_rows(slots._replace(state=None), new, rows)
-  return rest._replace(state=state)
+  state = _put_rows(slots.decoding.state, d.state, rows, axes)
+  rest = _put_rows(slots._replace(decoding=slots.decoding._replace(state=None)), new, rows)
+  return rest._replace(decoding=rest.decoding._replace(state=state))
 
 
 @functools.partial(jax.jit, static_argnames=("model", "steps", "stop_tokens"), donate_argnames=("slots",))
@@ -160,30 +156,20 @@ def decode_chunk(model: model_lib.LM, params, slots: Slots, active: jax.Array, *
   a done row repeats its last token. The loop ends early once every row is done (then the columns past `count` are
   each row's last token)."""
   stops = jnp.asarray(stop_tokens, jnp.int32)
-  slots = slots._replace(done=slots.done | ~active)
+  slots = slots._replace(decoding=slots.decoding._replace(done=slots.decoding.done | ~active))
   params = generation.model_params(model, params)  # Once, ahead of the token loop (as generation.decode does).
 
-  def unfinished(carry):
-    i, s, _ = carry
-    return (i < steps) & ~jnp.all(s.done)
-
-  def step(carry):
-    i, s, out = carry
-    keys = jax.vmap(jax.random.fold_in)(s.keys, s.generated)
-    token = sample_rows(keys, s.logits, s.temperature, s.top_k, s.top_p)
-    token = jnp.where(s.done, s.last_token, token)
-    drawing = ~s.done
+  def draw(s: Slots) -> tuple[Slots, jax.Array]:
+    d = s.decoding
+    keys = jax.vmap(jax.random.fold_in)(s.keys, d.generated)
+    token = sample_rows(keys, d.logits, s.temperature, s.top_k, s.top_p)
+    token = jnp.where(d.done, d.last_token, token)
+    drawing = ~d.done
     budget = s.budget - drawing
-    done = s.done | jnp.isin(token, stops) | (budget <= 0)
-    logits, state = model.apply({"params": params}, token[:, None], s.state, s.latents, s.positions[:, None])
-    s = s._replace(state=state, logits=logits[:, -1], positions=s.positions + 1, last_token=token, done=done,
-                   generated=s.generated + drawing, budget=budget)
-    return i + 1, s, out.at[:, i].set(token)
+    done = d.done | jnp.isin(token, stops) | (budget <= 0)
+    return s._replace(decoding=generation.feed(model, params, d, token, done, s.latents, drawing), budget=budget), token
 
-  init = (jnp.zeros((), jnp.int32), slots, jnp.zeros((slots.logits.shape[0], steps), jnp.int32))
-  count, slots, tokens = jax.lax.while_loop(unfinished, step, init)
-  tokens = jnp.where(jnp.arange(steps) < count, tokens, slots.last_token[:, None])
-  return tokens, count, slots
+  return generation.token_loop(draw, slots, steps, lambda s: s.decoding)
 
 
 def host_key_data(seed: int) -> np.ndarray:

@@ -286,7 +286,7 @@ def save_params(workdir: str | pathlib.Path, config: config_lib.Config, params, 
   config.train.seed) and its config.json: what `ltm eval`, `generate` and `serve` load and `ltm train` resumes. For
   parameters made outside training (converted, or initialised for a test or a benchmark)."""
   from ltm_jax.train.optimizer import make_optimizer  # Deferred: training imports this module.
-  from ltm_jax.train.step import create_train_state
+  from ltm_jax.state import create_train_state
   state = create_train_state(params, make_optimizer(config.train), config.train.seed)
   state = state.replace(step=jax.numpy.asarray(step, jax.numpy.int32))
   pathlib.Path(workdir).mkdir(parents=True, exist_ok=True)

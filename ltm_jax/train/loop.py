@@ -20,7 +20,7 @@ from ltm_jax import model as model_lib
 from ltm_jax.config import Config
 from ltm_jax.errors import ConfigError, TrainingError
 from ltm_jax.inference import quantize as quantize_lib
-from ltm_jax.parallel import pipeline
+from ltm_jax.layers import pipeline
 from ltm_jax.train import checkpoint as ckpt_lib
 from ltm_jax.train import task as task_lib
 from ltm_jax.train import workdir as workdir_lib

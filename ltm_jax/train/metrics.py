@@ -69,7 +69,7 @@ def throughput(flops_per_step: float, steps: int, seconds: float, devices: int, 
   plus attention, and the latent inner loop's forward and backward passes); recomputation by remat is not counted,
   as MFU conventionally excludes it. MFU is against the bfloat16 peak whatever the compute dtype.
 
-  `bubble`: the idle fraction of a pipelined step (ltm_jax.parallel.pipeline.bubble_fraction). Every device's whole
+  `bubble`: the idle fraction of a pipelined step (ltm_jax.layers.pipeline.bubble_fraction). Every device's whole
   step time is counted, idle or not, so the bubble lowers `mfu` (the work done in the bubble is not model FLOPs);
   with a bubble the row also gives it (`pipeline_bubble`) and the MFU of the time outside it
   (`mfu_outside_bubble` = mfu / (1 - bubble)), which separates the schedule's loss from the stages' own speed."""

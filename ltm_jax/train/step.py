@@ -2,45 +2,20 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
 
 from ltm_jax import latent as latent_lib
+from ltm_jax import loss_scale as loss_scale_lib
 from ltm_jax import model as model_lib
-from ltm_jax.train import loss_scale as loss_scale_lib
+from ltm_jax.state import TrainState, create_train_state, run_keys  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:
   from ltm_jax.parallel import Layout
-
-
-@flax.struct.dataclass
-class TrainState:
-  step: jax.Array  # int32 scalar: optimizer updates applied so far.
-  params: Any
-  opt_state: Any
-  rng: jax.Array  # uint32 key data (checkpoint-friendly); reserved for stochastic training (latents, dropout).
-  # The dynamic loss scale of float16 compute. Every state carries one (left untouched by other dtypes), so switching
-  # model.dtype on resume keeps the checkpoint's structure.
-  loss_scale: loss_scale_lib.LossScale
-
-
-def run_keys(seed: int) -> tuple[jax.Array, jax.Array]:
-  """(init key, training key) of a run with `seed`: split from one root key, so the parameters' initialisation and
-  the training randomness (latent inference's starting points and noise) never draw from the same key."""
-  init_key, train_key = jax.random.split(jax.random.key(seed))
-  return init_key, train_key
-
-
-def create_train_state(params, optimizer: optax.GradientTransformation, seed: int) -> TrainState:
-  """Step 0 of training `params` (initialised from `run_keys(seed)[0]`, or converted) with the training key of
-  `seed`. A restored checkpoint carries its own key, so a resumed run continues the stream it started with."""
-  return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params),
-                    jax.random.key_data(run_keys(seed)[1]), loss_scale_lib.initial())
 
 
 def token_nll(model: nn.Module, params, batch, latents=None, length: int | None = None) -> tuple[jax.Array, jax.Array]:

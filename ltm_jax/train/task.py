@@ -25,7 +25,7 @@ from ltm_jax.timeseries import data as ts_data
 from ltm_jax.timeseries import metrics as ts_metrics
 from ltm_jax.timeseries import model as ts_model
 from ltm_jax.train.evaluation import make_batch_metrics, validation_metrics
-from ltm_jax.train.step import create_train_state, run_keys
+from ltm_jax.state import create_train_state, init_train_state
 
 
 @dataclasses.dataclass
@@ -63,7 +63,7 @@ def language_task(cfg: Config, optimizer: optax.GradientTransformation) -> Task:
   layout = parallel.make_layout(cfg, optimizer)  # ConfigError on a mesh that does not fit, before any compilation.
   sharded = parallel.sharded_if_multi_device(layout)
   if sharded is None:
-    state = create_train_state(model_lib.init_params(m, run_keys(t.seed)[0], cfg.latent), optimizer, t.seed)
+    state = init_train_state(cfg, optimizer)
   else:
     state = parallel.init_state(cfg, optimizer, sharded)
   # This process loads only the rows of each batch its devices hold (all of them on one process).

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import micro_config
 from ltm_jax import model as model_lib
-from ltm_jax.train import loss_scale as ls_lib
+from ltm_jax import loss_scale as ls_lib
 from ltm_jax.train.step import create_train_state, make_train_step
 
 

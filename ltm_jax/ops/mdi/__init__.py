@@ -28,7 +28,8 @@ AVAILABLE = ("scan", "adjoint")
 # Fastest per platform, forward+backward under jit (`python benchmarks/mmrec.py --section op`,
 # benchmarks/results/mmrec-op-cpu.json). cpu: adjoint, 1.3-2.3x faster than scan by the best of 7 alternated runs at
 # (B, T, D) = (32, 128, 128), (2, 2048, 64), (8, 512, 256). gpu: adjoint, whose loop holds one matmul per step
-# against the scan's autodiff loop of several; not yet measured on a GPU. One-token decoding steps take the scan.
+# against the scan's autodiff loop of several (chosen by that count, not by a GPU timing). One-token decoding steps
+# take the scan.
 AUTO = {"cpu": "adjoint", "gpu": "adjoint"}
 EPS = 1e-6
 CLIP = 100.0

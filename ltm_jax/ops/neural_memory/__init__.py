@@ -35,7 +35,8 @@ _BACKENDS = {"scan": scan.neural_memory, "chunked": chunked.neural_memory}
 # Fastest per platform at training-like shapes, forward+backward under jit (`python benchmarks/neural_memory.py`,
 # benchmarks/results/neural-memory-cpu.json). cpu: chunked, 2.7-13x faster than scan forward+backward at
 # (B, T, H, N) = (8, 256, 4, 32) and (4, 512, 8, 64), depth 1 and 2 (the scan's per-token autodiff dominates).
-# gpu: chunked, whose work is matrix products; not yet measured on a GPU. One-token decoding steps take the scan.
+# gpu: chunked, whose work is matrix products (chosen for that, not by a GPU timing). One-token decoding steps take
+# the scan.
 AUTO = {"cpu": "chunked", "gpu": "chunked"}
 
 

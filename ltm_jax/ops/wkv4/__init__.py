@@ -31,8 +31,9 @@ _BACKENDS = {"scan": scan.wkv4, "associative": associative.wkv4, "pallas": palla
 # `python benchmarks/wkv.py` (benchmarks/results/wkv4-<device>.json). cpu: scan, 3-4x faster than associative at
 # B=8..32, T=256, C=128..512 on 2 cores (a CPU runs the sequential loop well, and the log-depth scan only adds
 # work); pallas runs interpreted on a CPU and is only there to be checked. gpu: pallas, the fused kernels (reading
-# k, v once forward and k, v, dy once backward, versus the associative scan's O(log T) passes), chosen by design
-# and not yet measured on a GPU: `python benchmarks/wkv.py` on one is what confirms or overturns it.
+# k, v once forward and k, v, dy once backward, versus the associative scan's O(log T) passes): on one H100 at
+# (8, 4096, 4096) they took 2.6 / 5.6 ms forward / forward+backward in float32 where associative took 5.7 / 20.9,
+# and 2.6 / 5.3 ms in bfloat16 against 4.9 / 30.3.
 AUTO = {"cpu": "scan", "gpu": "pallas"}
 
 

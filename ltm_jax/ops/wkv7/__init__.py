@@ -32,8 +32,9 @@ _BACKENDS = {"scan": scan.wkv7, "chunked": chunked.wkv7, "pallas": pallas.wkv7, 
 # Fastest backend per platform for training-like shapes, forward+backward under jit, as measured by
 # `python benchmarks/wkv7.py` (benchmarks/results/wkv7-<device>.json). cpu: scan, 1.2-2.6x faster than chunked
 # forward+backward at (B, T, C, N) = (8, 256, 128, 32) and (4, 512, 256, 64) on 2 shared cores, and ~10x faster
-# forward (the chunked form's pairwise decays cost L·N exponentials per token). gpu: the fused Pallas kernels, the only
-# backend without per-token launches or [L, L, N] intermediates; not yet measured on a GPU.
+# forward (the chunked form's pairwise decays cost L·N exponentials per token). gpu: pallas, the fused sequential
+# kernels. On one H100 (bfloat16, (8, 4096, 4096, 64)) they took 10.7 / 75.6 ms forward / forward+backward,
+# pallas_chunked 2.4 / 12.3 ms (and 5.9 / 92.4 against pallas's 16.7 / 159 at N=128).
 AUTO = {"cpu": "scan", "gpu": "pallas"}
 
 _NAMES = ("r", "w", "k", "v", "a", "b")
