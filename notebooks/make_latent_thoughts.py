@@ -29,7 +29,7 @@ from ltm_jax.train.metrics import read_metrics
 
 ROOT = next(p for p in [pathlib.Path.cwd(), *pathlib.Path.cwd().parents] if (p / "configs" / "tiny.py").exists())
 TESTING = "LTM_NOTEBOOK_STEPS" in os.environ  # The test suite runs this notebook with a few steps in a temp dir.
-# Continuation training on every sequence: see the README's latent results for why and for the alternatives.
+# Continuation training on every sequence: see docs/latent-thoughts.md for why and for the alternatives.
 LATENT = ["latent.continuation_fraction=1.0"]
 STEPS = [f"train.steps={os.environ['LTM_NOTEBOOK_STEPS']}", "train.eval_every=12", "train.batch_size=4",
          "train.eval_batches=1", "train.seq_len=256", "model.n_layers=2"] if TESTING else []
@@ -131,6 +131,13 @@ for seed in range(1 if TESTING else 3):
   print(repr(prior_lm.generate("", latents="prior", seed=seed, **sampling)))
   print(f"--- seed {seed}, z from the DiT prior")
   print(repr(prior_lm.generate("", latents="dit", seed=seed, **sampling)))"""),
+    ("markdown", """## Where to go from here
+This notebook trains z the original way: 8 inner steps of Adam from a prior-like start, on the small embedded corpus,
+where nothing beyond the window is worth much. `docs/latent-thoughts.md` measures z where it has something to carry:
+synthetic Markov documents whose Bayes-optimal continuation is known in closed form (`configs/ltm_markov.py`), and a
+107 MB corpus of Python source (`ltm build-corpus`, `configs/ltm_code.py`); and it measures the levers that make a
+latent step cheap: an encoder that proposes the posterior's mean (`latent.encoder=true`), refined by 2 inner steps
+on the prefix only."""),
 ]
 
 
