@@ -101,7 +101,8 @@ def plot(curves: dict[str, list[dict]], out: pathlib.Path, title: str, log_y: bo
             label=name, linestyle="--" if name.startswith("plain") else "-")
   for name, value in (references or {}).items():
     ax.axhline(value, color="gray", linewidth=0.8, linestyle=":")
-    ax.annotate(name, (0, value), textcoords="offset points", xytext=(2, 2), fontsize=8, color="gray")
+    ax.annotate(name, (0, value), xycoords=("axes fraction", "data"), textcoords="offset points", xytext=(2, 2),
+                fontsize=8, color="gray")
   if log_y:
     ax.set_yscale("log")
   ax.set_xlabel("training tokens (M)")
