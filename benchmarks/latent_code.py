@@ -17,7 +17,6 @@ plot of continuation perplexity against training tokens (<name>-<device>.png).
 
 from __future__ import annotations
 
-import argparse
 import pathlib
 
 import common  # First: puts the checkout on sys.path.
@@ -33,15 +32,7 @@ COLUMNS = ("model", "train_s", "train_tokens", "continuation_ppl", "vs_plain", "
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--only", nargs="*", choices=sorted(VARIANTS), help="variants to run (default: all)")
-  parser.add_argument("--steps", type=int, default=None, help="train.steps of every variant (default: the config's)")
-  parser.add_argument("--stop-at", type=int, default=None,
-                      help="stop every variant's training at this step of its schedule (a run already past it stays)")
-  parser.add_argument("--eval-batches", type=int, default=16, help="validation batches of 16 x 512 bytes")
-  parser.add_argument("--curve", type=int, nargs="*", default=[0, 2, 8], help="inner steps of the ELBO curve")
-  parser.add_argument("--root", default=str(common.ROOT / "runs" / "latent-code"))
-  parser.add_argument("--name", default="latent-code", help="results file: benchmarks/results/NAME-<device>.json")
+  parser = latent_runs.comparison_parser(__doc__.splitlines()[0], VARIANTS, "latent-code", "16 x 512 bytes")
   args = parser.parse_args()
 
   def costs(row):

@@ -25,7 +25,6 @@ curve, and plots continuation perplexity against training tokens (<name>-<device
 
 from __future__ import annotations
 
-import argparse
 import math
 import pathlib
 
@@ -61,15 +60,7 @@ def references(cfg, eval_batches: int) -> dict:
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--only", nargs="*", choices=sorted(VARIANTS), help="variants to run (default: all)")
-  parser.add_argument("--steps", type=int, default=None, help="train.steps of every variant (default: the config's)")
-  parser.add_argument("--stop-at", type=int, default=None,
-                      help="stop every variant's training at this step of its schedule (a run already past it stays)")
-  parser.add_argument("--eval-batches", type=int, default=16, help="validation batches of 16 documents")
-  parser.add_argument("--curve", type=int, nargs="*", default=[0, 2, 8], help="inner steps of the ELBO curve")
-  parser.add_argument("--root", default=str(common.ROOT / "runs" / "latent-markov"))
-  parser.add_argument("--name", default="latent-markov", help="results file: benchmarks/results/NAME-<device>.json")
+  parser = latent_runs.comparison_parser(__doc__.splitlines()[0], VARIANTS, "latent-markov", "16 documents")
   args = parser.parse_args()
   root = pathlib.Path(args.root)
   refs = references(latent_runs.load_config(PLAIN), args.eval_batches)

@@ -7,6 +7,7 @@ one is only evaluated), and its `bench-train.json` records the steps, seconds an
 
 from __future__ import annotations
 
+import argparse
 import json
 import pathlib
 import time
@@ -140,3 +141,18 @@ def at_equal_tokens(curves: dict[str, list[dict]], name: str, baseline: str) -> 
   base = {p["tokens"]: p["val_continuation_ppl"] for p in curves.get(baseline, [])}
   shared = [p for p in curves.get(name, []) if p["tokens"] in base]
   return shared[-1]["val_continuation_ppl"] / base[shared[-1]["tokens"]] if shared else None
+
+
+def comparison_parser(description: str, variants: dict, name: str, batch: str) -> argparse.ArgumentParser:
+  """The command line of a latent-versus-plain comparison script: --only, --steps, --stop-at, --eval-batches (of
+  `batch`), --curve, --root (default runs/<name>) and --name (default `name`)."""
+  parser = argparse.ArgumentParser(description=description)
+  parser.add_argument("--only", nargs="*", choices=sorted(variants), help="variants to run (default: all)")
+  parser.add_argument("--steps", type=int, default=None, help="train.steps of every variant (default: the config's)")
+  parser.add_argument("--stop-at", type=int, default=None,
+                      help="stop every variant's training at this step of its schedule (a run already past it stays)")
+  parser.add_argument("--eval-batches", type=int, default=16, help=f"validation batches of {batch}")
+  parser.add_argument("--curve", type=int, nargs="*", default=[0, 2, 8], help="inner steps of the ELBO curve")
+  parser.add_argument("--root", default=str(common.ROOT / "runs" / name))
+  parser.add_argument("--name", default=name, help="results file: benchmarks/results/NAME-<device>.json")
+  return parser

@@ -85,7 +85,7 @@ def main():
       plain, ltm = trained.get("plain") or train_variant("plain"), trained.get("ltm") or train_variant("ltm")
       steps = round(plain["steps"] * ltm["train_s"] / plain["train_s"])
     trained[name] = train_variant(name, steps)
-    metrics = latent_runs.evaluate_variant(root / name, args.eval_batches, curve_steps)
+    metrics = latent_runs.evaluated(root / name, trained[name]["steps"], args.eval_batches, curve_steps)
     rows.append({"model": name, "config": VARIANTS[name][0], "overrides": VARIANTS[name][1], **trained[name],
                  **metrics})
     curves[name] = latent_runs.validation_curve(root / name)
