@@ -17,11 +17,17 @@ import typing
 from typing import Any
 
 from ltm_jax.errors import ConfigError, first_line
+from ltm_jax.ops.attention import IMPLS as ATTENTION_BACKENDS
+from ltm_jax.ops.mdi import AVAILABLE as MDI_BACKENDS
+from ltm_jax.ops.neural_memory import AVAILABLE as MEMORY_BACKENDS
+from ltm_jax.ops.wkv4 import AVAILABLE as WKV4_BACKENDS
+from ltm_jax.ops.wkv7 import AVAILABLE as WKV7_BACKENDS
 
 MIXERS = {"A": "attention", "R": "rwkv4", "W": "rwkv7", "M": "titans_mal", "G": "titans_mag", "D": "mmrec"}
 ATTENTION_LETTERS = "AMG"  # Letters whose layers run (windowed) attention, with RoPE and a key/value cache.
-MEMORY_IMPLS = ("auto", "scan", "chunked")
-MMREC_IMPLS = ("auto", "scan", "adjoint")
+# Backend choices are the ops' own tables, so a backend an op offers is never refused here.
+MEMORY_IMPLS = ("auto",) + MEMORY_BACKENDS
+MMREC_IMPLS = ("auto",) + MDI_BACKENDS
 MMREC_REMAT = ("none", "recurrence", "memory", "recurrence_memory")  # Parts of a D layer recomputed for backward.
 FFNS = ("auto", "swiglu", "channel_mix", "channel_mix7")
 DECODER_OBJECTIVES = ("final", "iterates")
@@ -30,9 +36,9 @@ DTYPES = ("float32", "bfloat16", "float16")  # float16 compute needs dynamic los
 # What a block keeps for the backward pass (ltm_jax/model.py `remat_plan`): none = everything; full = only its input;
 # minimal = matmul outputs; save_<sub-layers> = those sub-layers' residuals, the other sub-layers recomputed.
 REMAT_POLICIES = ("none", "full", "minimal", "save_mixer", "save_ffn", "save_cross_attention", "save_mixer_ffn")
-WKV_IMPLS = ("auto", "scan", "associative", "pallas")
-ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas")
-WKV7_IMPLS = ("auto", "scan", "chunked", "pallas")
+WKV_IMPLS = ("auto",) + WKV4_BACKENDS
+ATTENTION_IMPLS = ("auto",) + ATTENTION_BACKENDS
+WKV7_IMPLS = ("auto",) + WKV7_BACKENDS
 TOKENIZERS = ("byte", "rwkv_world")
 VOCAB_MULTIPLE = 128
 MARKOV_MAX_SYMBOLS = 62  # data.source=markov writes its symbols as the printable bytes 'A'..'~'.

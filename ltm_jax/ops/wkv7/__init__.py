@@ -32,10 +32,10 @@ _BACKENDS = {"scan": scan.wkv7, "chunked": chunked.wkv7, "pallas": pallas.wkv7, 
 # Fastest backend per platform for training-like shapes, forward+backward under jit, as measured by
 # `python benchmarks/wkv7.py` (benchmarks/results/wkv7-<device>.json). cpu: scan, 1.2-2.6x faster than chunked
 # forward+backward at (B, T, C, N) = (8, 256, 128, 32) and (4, 512, 256, 64) on 2 shared cores, and ~10x faster
-# forward (the chunked form's pairwise decays cost L·N exponentials per token). gpu: pallas, the fused sequential
-# kernels. On one H100 (bfloat16, (8, 4096, 4096, 64)) they took 10.7 / 75.6 ms forward / forward+backward,
-# pallas_chunked 2.4 / 12.3 ms (and 5.9 / 92.4 against pallas's 16.7 / 159 at N=128).
-AUTO = {"cpu": "scan", "gpu": "pallas"}
+# forward (the chunked form's pairwise decays cost L·N exponentials per token). gpu: pallas_chunked, the fastest of
+# ours at every measured shape on one H100 (bfloat16, forward+backward): 12.3 ms against the sequential kernels'
+# 75.6 at (8, 4096, 4096, 64), 92.4 against 159 at N=128, 25.2 against 223 at (1, 32768, 4096, 64).
+AUTO = {"cpu": "scan", "gpu": "pallas_chunked"}
 
 _NAMES = ("r", "w", "k", "v", "a", "b")
 
