@@ -80,9 +80,9 @@ class Bench:
     return self.quick_stem if quick else self.stem
 
 
-def _train(config: str, part: int, estimate_s: int) -> Bench:
+def _train(config: str, part: int, estimate_s: int, variants: tuple[str, ...] = ("",)) -> Bench:
   name = f"train-{config}"
-  args = ("--config", f"configs/{config}.py", "--name", name, "--variant", "", "--mfu")
+  args = ("--config", f"configs/{config}.py", "--name", name, *(a for v in variants for a in ("--variant", v)), "--mfu")
   return Bench(name, "train.py", args, args + ("--quick",), name, f"{name}-quick", part, estimate_s)
 
 
@@ -103,8 +103,16 @@ BENCHMARKS = (
     _attention(64, 1, 240),
     _attention(128, 2, 240),
     _train("base_125m", 2, 150),
-    _train("small_rwkv7", 3, 100),
+    # The shipped WKV-7 backend (auto) beside the sequential kernels, measured in one process.
+    _train("small_rwkv7", 3, 130, variants=("", "model.wkv7_impl=pallas")),
     _train("small", 3, 100),
+    # What a latent step costs against a plain step of the same decoder (configs/ltm_window.py): its 8-step inner
+    # loop, and the semi-amortised inference that configs/ltm_code.py and ltm_markov.py use (encoder + 2 steps).
+    Bench("latent-cost", "latent_cost.py",
+          ("--variant", "latent.encoder=false,latent.inner_steps=8",
+           "--variant", "latent.encoder=true,latent.inner_steps=2,latent.continuation_fraction=1", "--rounds", "30"),
+          ("--config", "configs/tiny.py", "--variant", "latent.enabled=true,latent.inner_steps=1", "--rounds", "1",
+           "--name", "latent-cost-quick"), "latent-cost", "latent-cost-quick", 3, 150),
     Bench("wkv4", "wkv.py", ("--shapes", "gpu"), ("--quick",), "wkv4", "wkv4-quick", 3, 240,
           env=tuple(SHARE_GPU.items())),
     # decode.py's sizes are one RWKV-World-sized model per mixer (its "cpu" plan); the official rwkv package runs on
