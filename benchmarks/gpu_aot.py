@@ -4,7 +4,7 @@ resources: warps, registers, spills, shared memory, grid and an occupancy estima
 
   make gpu-aot                                    # builds .venv-aot, runs every case, writes the results file
   .venv-aot/bin/python benchmarks/gpu_aot.py      # the same; --group kernels|models|controls, --cases REGEX,
-                                                  #   --list, --markdown (the README table), --jobs N
+                                                  #   --list, --markdown (the table of docs/benchmarks.md), --jobs N
 
 Runs in `.venv-aot` (jax, jaxlib, jax-cuda13-plugin and jax-cuda13-pjrt of one version, and nvidia-cuda-nvcc for
 ptxas; the Makefile builds it), never in the main venv: with the CUDA plugin installed a plain `import jax` tries to
@@ -307,7 +307,8 @@ def _print_rows(rows: list[dict], summaries: list[dict]) -> None:
 
 
 def markdown(rows: list[dict]) -> str:
-  """The README table: one line per kernel of the kernel cases (model programs repeat the same kernels)."""
+  """The kernel table of docs/benchmarks.md: one line per kernel of the kernel cases (model programs repeat the same
+  kernels)."""
   lines = ["| kernel | case | dtype | D | warps | registers | spills (B) | smem (KiB) | grid | occupancy |",
            "|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
@@ -349,7 +350,7 @@ def main() -> int:
   parser.add_argument("--timeout", type=int, default=900, help="seconds per case")
   parser.add_argument("--json", default=None, help=f"results file (default: {RESULTS.relative_to(ROOT)} when every "
                       "case ran, else none)")
-  parser.add_argument("--markdown", action="store_true", help="also print the README table")
+  parser.add_argument("--markdown", action="store_true", help="also print the kernel table of docs/benchmarks.md")
   parser.add_argument("--block-sizes", default=None,
                       help="attention settings for every attention case (controls keep theirs), as BlockSizes "
                       'fields in JSON, e.g. \'{"dkv_k": 32, "dkv_warps": 4}\'')

@@ -2,7 +2,7 @@
 
 init_logvar is -1 rather than the default -5: with 2 x 4 latent vectors of 128 dims per 128-token window (8 latent
 dimensions per token), a posterior starting at variance e^-5 costs ~16 nats/token of KL that 8 inner steps cannot
-win back, so the ELBO would measure the start point rather than the model (see README, "Latent thought vectors")."""
+win back, so the ELBO would measure the start point rather than the model (see docs/latent-thoughts.md)."""
 
 import dataclasses
 import pathlib

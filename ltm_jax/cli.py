@@ -183,7 +183,8 @@ def _build_corpus(args) -> int:
 
 def _info(args) -> int:
   from ltm_jax import config as config_lib
-  from ltm_jax.info import compiled_memory, format_info, model_info
+  from ltm_jax.info import format_info, model_info
+  from ltm_jax.train.compiled import compiled_memory
   cfg = config_lib.load_config(args.config, args.overrides)
   _refuse_timeseries(cfg, "info")
   info = model_info(cfg)

@@ -12,7 +12,8 @@ from conftest import ROOT, micro_config
 from ltm_jax import cli
 from ltm_jax import model as model_lib
 from ltm_jax.config import load_config
-from ltm_jax.info import compiled_memory, model_info
+from ltm_jax.info import model_info
+from ltm_jax.train.compiled import compiled_memory
 
 
 @pytest.mark.parametrize("pattern, window", [("A", None), ("A", 8), ("R", None), ("RA", None)])

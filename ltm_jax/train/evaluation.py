@@ -1,6 +1,6 @@
 """The full evaluation behind `ltm eval`: likelihood bounds, continuation perplexity and latent diagnostics.
 
-For a latent model, per token over the validation windows (see README, "Evaluating latent models"):
+For a latent model, per token over the validation windows (see docs/cli.md, "`ltm eval`: eval.json"):
   nll               NLL given z drawn (fresh noise) from q(z|x) fitted on the whole sequence
   kl                KL(q || p) per token
   elbo_ppl          exp((NLL_sum + KL) / T): an UPPER BOUND on the perplexity (the ELBO bounds -log p(x))
