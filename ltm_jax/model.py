@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -346,7 +347,11 @@ def _scanned(cfg: ModelConfig, latent, capacity, layout: ScanLayout, x, v_first,
   if latents is not None:  # [B, n_layers, n, d] -> [units, B, period, n, d]: repeat u's blocks are its layers.
     z = latents[:, start:].reshape(latents.shape[0], units, period, *latents.shape[2:]).swapaxes(0, 1)
   n_stages = pipeline.stages()
-  if n_stages > 1 and state is None and x.shape[0] % cfg.pipeline_micro_batches == 0:
+  if n_stages > 1 and state is None and x.shape[0] % cfg.pipeline_micro_batches:
+    warnings.warn(f"model: a batch of {x.shape[0]} rows does not divide into model.pipeline_micro_batches="
+                  f"{cfg.pipeline_micro_batches}, so the {n_stages} pipeline stages run as one plain scan (every "
+                  f"stage's weights gathered to every device)", stacklevel=2)
+  elif n_stages > 1 and state is None:
     x = _Pipelined(cfg, start, latent, capacity, name=SCANNED)(x, v_first, z, positions, valid, n_stages)
     return x, v_first, (None,) * period
   scan = nn.scan(_Unit, variable_axes={"params": 0}, split_rngs={"params": True},

@@ -26,6 +26,19 @@ from flax.linen import fp8_ops
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
 
+# XLA's GPU GEMM rewriter makes the rounded operands an FP8 cuBLASLt GEMM only when Triton has not taken the GEMM
+# first: compiled for an H100, a small_rwkv7 FP8 train step has 0 FP8 GEMMs with the default flags and 142 with this
+# one (benchmarks/results/fp8-aot-h100.json).
+GPU_XLA_FLAG = "--xla_gpu_enable_triton_gemm=false"
+
+
+def gpu_flag_warning(platform: str, xla_flags: str) -> str | None:
+  """One line saying FP8 products compiled for `platform` under `xla_flags` get no FP8 tensor cores, else None."""
+  if platform != "gpu" or GPU_XLA_FLAG in xla_flags.split():
+    return None
+  return (f"model.fp8=true on a GPU without XLA_FLAGS={GPU_XLA_FLAG}: XLA fuses the FP8 rounding into bfloat16 "
+          f"Triton GEMMs, so no FP8 tensor core runs; set it in the environment before JAX starts")
+
 
 def scale_for(x: jax.Array, dtype) -> jax.Array:
   """max|x| / (dtype's largest finite value) as a float32 scalar; 1 when x is all zeros or not finite."""

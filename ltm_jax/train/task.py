@@ -7,6 +7,8 @@ signals and divergence checks are shared."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +23,7 @@ from ltm_jax import parallel
 from ltm_jax.config import Config
 from ltm_jax.errors import ConfigError
 from ltm_jax.inference import diagnostics
+from ltm_jax.ops import fp8
 from ltm_jax.timeseries import data as ts_data
 from ltm_jax.timeseries import metrics as ts_metrics
 from ltm_jax.timeseries import model as ts_model
@@ -49,6 +52,8 @@ class Task:
 
 def make_task(cfg: Config, optimizer: optax.GradientTransformation) -> Task:
   """The task of `cfg`; reads and checks the data first, so bad data is refused before anything is written."""
+  if cfg.model.fp8 and (warning := fp8.gpu_flag_warning(jax.default_backend(), os.environ.get("XLA_FLAGS", ""))):
+    warnings.warn(warning, stacklevel=2)
   if cfg.timeseries.enabled:
     return timeseries_task(cfg, optimizer)
   return language_task(cfg, optimizer)
