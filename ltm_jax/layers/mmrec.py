@@ -27,6 +27,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from ltm_jax.layers.common import projection_dot_general
 from ltm_jax.ops.mdi import CLIP, EPS, mdi, mdi_step
 
 GAMMA_RANGE = (1e-6, 1 - 1e-6)
@@ -51,10 +52,17 @@ class MMRecState(NamedTuple):
     return cls(zeros(batch, d_model), zeros(batch, slots, d_model), ints, zeros(batch, d_model), ints)
 
 
-def project(p: dict, x, dtype):
+def _matmul(a, w, dtype, dot_general=None, contract: int = 1):
+  """a [..., K...] @ w [K..., F...] in `dtype`, contracting a's last and w's first `contract` axes, through
+  `dot_general` (None: lax.dot_general; the FP8 one under model.fp8)."""
+  dims = (((tuple(range(a.ndim - contract, a.ndim))), tuple(range(contract))), ((), ()))
+  return (dot_general or jax.lax.dot_general)(a.astype(dtype), w.astype(dtype), dims)
+
+
+def project(p: dict, x, dtype, dot_general=None):
   """The per-token inputs of the recurrence from x [..., D]: (q, k, v, z, gate_z, gamma), each [..., D]; the same
-  function whether x holds a whole sequence or one token."""
-  mm = lambda a, w: jnp.dot(a.astype(dtype), w.astype(dtype))
+  function whether x holds a whole sequence or one token. `dot_general` multiplies the projections (None: plain)."""
+  mm = lambda a, w: _matmul(a, w, dtype, dot_general)
   q, k, v, z = jnp.split(mm(x, p["qkvz"]), 4, axis=-1)
   mlp = lambda a, name: mm(jax.nn.gelu(mm(a, p[f"{name}_down"]) + p[f"{name}_down_bias"].astype(dtype)),
                            p[f"{name}_up"]).astype(jnp.float32) + p[f"{name}_up_bias"]
@@ -149,16 +157,17 @@ class MMRec(nn.Module):
     scale = _param(self, "h_norm", ones, (d,), ("norm",))
     w_qm = _param(self, "bank_query", normal(self.std), (d, heads, size), ("embed", "heads", "head_dim"))
     w_o = _param(self, "bank_out", normal(self.out_std), (heads, size, d), ("heads", "head_dim", "embed"))
+    dot_general = projection_dot_general()  # Read while the model's FP8 context is active (trace time).
 
     def recurrence(p, w_h, scale, x, valid, h0):
       if self.precompute:
-        q, _, v, z, gate_z, gamma = project(p, x, self.dtype)
+        q, _, v, z, gate_z, gamma = project(p, x, self.dtype, dot_general)
         hs, h = mdi(gate_z, z, gamma, w_h, scale, h0, mask=valid, eps=EPS, clip=CLIP, impl=self.impl)
         return hs, h, q, v
 
       def body(h, token):
         x_t, valid_t = token
-        q, _, v, z, gate_z, gamma = project(p, x_t, self.dtype)
+        q, _, v, z, gate_z, gamma = project(p, x_t, self.dtype, dot_general)
         h = mdi_step(gate_z, z, gamma, w_h, scale, h, keep=valid_t, eps=EPS, clip=CLIP)
         return h, (h, q, v)
 
@@ -167,10 +176,10 @@ class MMRec(nn.Module):
       return hs, h, q, v
 
     def memory(w_qm, w_o, hs, q, valid, state):
-      query = jnp.einsum("btd,dhn->bthn", hs.astype(self.dtype), w_qm.astype(self.dtype)).astype(jnp.float32)
+      query = _matmul(hs, w_qm, self.dtype, dot_general).astype(jnp.float32)
       query = query + Q_MIX * q.astype(jnp.float32).reshape(batch, length, heads, size)
       read, new = read_memory(query, hs, valid, state, self.segment)
-      out = jnp.einsum("bthn,hnd->btd", read.astype(self.dtype), w_o.astype(self.dtype))
+      out = _matmul(read, w_o, self.dtype, dot_general, contract=2)
       return out, new
 
     if self.remat in ("recurrence", "recurrence_memory"):
