@@ -33,8 +33,15 @@ _BACKENDS = {"scan": scan.wkv4, "associative": associative.wkv4, "pallas": palla
 # work); pallas runs interpreted on a CPU and is only there to be checked. gpu: pallas, the fused kernels (reading
 # k, v once forward and k, v, dy once backward, versus the associative scan's O(log T) passes): on one H100 at
 # (8, 4096, 4096) they took 2.6 / 5.6 ms forward / forward+backward in float32 where associative took 5.7 / 20.9,
-# and 2.6 / 5.3 ms in bfloat16 against 4.9 / 30.3.
+# and 2.6 / 5.3 ms in bfloat16 against 4.9 / 30.3 (benchmarks/results/logs-h100-2026-11-25/wkv4.log).
 AUTO = {"cpu": "scan", "gpu": "pallas"}
+
+# On a GPU with few rows x channels, "auto" is associative instead. The kernels run one thread per (row, channel)
+# through the T tokens in order, so their time is about T x 1.3-1.4 us forward+backward on the H100 whatever B·C is
+# (5.3 ms at (8, 4096, 4096), 93.3 ms at (1, 65536, 2048), bfloat16), while the associative scan's follows the
+# element count (30.3 and 33.9 ms at those shapes, 134 M elements each). Equal at B·C ~ 1.4 us / (33.9 ms / 134 M)
+# ~ 5.5 k: interpolated between the two measured shapes, not measured near it.
+GPU_PALLAS_MIN_CHANNELS = 6144
 
 
 class Wkv4State(NamedTuple):
@@ -68,7 +75,7 @@ def wkv4(
     v: [B, T, C] values, any float dtype.
     state: the state before the first token, (num, den, max) each [B, C]; None is `empty_state`. A state whose den
       is 0 must have max = EMPTY_MAX (or another value far below every u + k).
-    impl: "auto" (the platform's fastest, see AUTO), or one of AVAILABLE.
+    impl: "auto" (the platform's fastest, see AUTO and GPU_PALLAS_MIN_CHANNELS), or one of AVAILABLE.
 
   Returns:
     y: [B, T, C] in v's dtype, and the Wkv4State after the last token: feeding it back continues the sequence, so
@@ -77,7 +84,9 @@ def wkv4(
   Raises:
     ValueError: on mismatched shapes, non-float keys or values, or an unknown impl.
   """
-  run = backend.select("wkv4", impl, _BACKENDS, AUTO, length=k.shape[1] if k.ndim > 1 else None)
+  few_channels = k.ndim == 3 and k.shape[0] * k.shape[2] < GPU_PALLAS_MIN_CHANNELS
+  auto = {**AUTO, "gpu": "associative"} if few_channels else AUTO
+  run = backend.select("wkv4", impl, _BACKENDS, auto, length=k.shape[1] if k.ndim > 1 else None)
   if k.ndim != 3 or v.shape != k.shape:
     raise ValueError(f"wkv4: k and v must both be [B, T, C]; got k {k.shape}, v {v.shape}")
   if not (jnp.issubdtype(k.dtype, jnp.floating) and jnp.issubdtype(v.dtype, jnp.floating)):
