@@ -5,16 +5,18 @@
   engine.submit([Request(ids, 64, ..., emit=callback)])   # QueueFull when the waiting queue is full
   engine.stop()
 
-The scheduler loops: admit waiting requests into free rows (prefilled in groups by prompt-length bucket), run one
-on-device loop of `chunk` decode steps over all S rows, hand each row's new text to its request, free the rows that
-finished or were cancelled. A request therefore waits at most one chunk to join a running batch, and no request waits
-for a slower neighbour. When the engine is idle, the first arrival waits up to `max_wait_ms` for company, so a burst
-of requests is prefilled together.
+The scheduler loops: admit waiting requests into free rows (prefilled in groups by prompt-length bucket), feed one
+piece of every long prompt in a prefill lane (with `prefill_chunk`), run one on-device loop of `chunk` decode steps
+over the decoding rows, hand each row's new text to its request, free the rows that finished or were cancelled. A
+request therefore waits at most one chunk to join a running batch (plus one chunk per piece of a long prompt), no
+request waits for a slower neighbour, and a long prompt delays the others by one piece per chunk, not by its whole
+prefill. When the engine is idle, the first arrival waits up to `max_wait_ms` for company, so a burst of requests is
+prefilled together. A cancelled request that is still waiting leaves the queue at once.
 
 Shapes are bucketed so that steady traffic compiles nothing: prompts are left-padded to a power-of-two length bucket
 (16, 32, ..., the context) and admitted in groups of 1, 4, 16, ... up to max_batch rows (padding rows are dropped on
-device). The programs are one `admit` per (group size, length bucket) and one `decode_chunk`; `start` compiles all of
-them (`programs` counts them).
+device). The programs are one `admit` per (group size, length bucket), one `decode_chunk`, and with chunked prefill
+one `feed_lanes` and one `place`; `start` compiles all of them (`programs` counts them).
 
 Requests' callbacks run on the scheduler thread and must not block (the HTTP layer hands events to its event loop).
 """
