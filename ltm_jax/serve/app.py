@@ -323,8 +323,8 @@ def serve(engine: Engine, model_name: str, *, host: str = "127.0.0.1", port: int
   """Runs the app under uvicorn until SIGINT or SIGTERM: it then stops accepting connections, lets in-flight
   requests finish for up to `grace` seconds, cancels the rest, and returns 0. request_timeout: see `create_app`."""
   import uvicorn
-  config = uvicorn.Config(create_app(engine, model_name, request_timeout=request_timeout), host=host, port=port, log_level="warning",
-                          timeout_graceful_shutdown=grace, lifespan="on")
+  config = uvicorn.Config(create_app(engine, model_name, request_timeout=request_timeout), host=host, port=port,
+                          log_level="warning", timeout_graceful_shutdown=grace, lifespan="on")
   server = uvicorn.Server(config)
   # uvicorn raises the signal that stopped it again once it has shut down; a handler that does nothing makes that
   # second delivery a no-op, so a requested stop exits with status 0 instead of dying by the signal.

@@ -76,7 +76,8 @@ def empty_lanes(model: model_lib.LM, lanes: int) -> generation.Decoding:
   cfg = model.cfg
   decoding = generation.Decoding(model_lib.init_state(cfg, lanes, model.cache_capacity),
                                  jnp.zeros((lanes, cfg.vocab_size), jnp.float32), jnp.zeros((lanes,), jnp.int32),
-                                 jnp.zeros((lanes,), jnp.int32), jnp.zeros((lanes,), bool), jnp.zeros((lanes,), jnp.int32))
+                                 jnp.zeros((lanes,), jnp.int32), jnp.zeros((lanes,), bool),
+                                 jnp.zeros((lanes,), jnp.int32))
   device = jax.devices()[0]
   return jax.tree.map(lambda leaf: jax.device_put(jnp.array(leaf, copy=True), device), decoding)
 
