@@ -11,8 +11,9 @@ used for byte-level models too:
 
   System: <system message>\n\nUser: <message>\n\nAssistant: <reply>\n\nUser: <message>\n\nAssistant:
 
-A message's content has its surrounding whitespace stripped and its blank lines collapsed ("\n\n" separates
-turns). The reply is what the model writes after the last "Assistant:" up to the next turn marker (`CHAT_STOP`,
+Roles: system (and OpenAI's developer, written as System), user, assistant; the last message is the user's. A
+message's content (a string or a list of text parts; its optional name is not used) has its surrounding whitespace
+stripped and its blank lines collapsed ("\n\n" separates turns). The reply is what the model writes after the last "Assistant:" up to the next turn marker (`CHAT_STOP`,
 added to the request's stop strings), its leading whitespace dropped.
 """
 
