@@ -5,7 +5,7 @@
 
 The model is the tiny config's architecture (`configs/tiny.py`, d_model 128, 4 layers RWKV-4 + attention) at its
 initialisation, saved to a temporary workdir: speed does not depend on the weights. The server runs as its own
-process (`ltm serve`, default --max-batch 32 --chunk 16), so the clients here do not share its interpreter.
+process (`ltm serve`, default --max-batch 32 --chunk 16 --prefill-chunk 128), so the clients here do not share its interpreter.
 
 The requests are drawn once from a fixed seed: prompts of 4 to 120 bytes of text (one token per byte), max_tokens
 16 to 64, temperature 1 with a seed each (random weights stop at the end-of-text token now and then; the tokens
@@ -13,9 +13,14 @@ counted are those the usage reports). Level c runs max(16, 2c) of them (the firs
 clients, each streaming one request at a time; level 1 is the one-at-a-time baseline.
 
 Per level: throughput (completion tokens / wall seconds from the first request to the last answer), p50/p99 time to
-first token (request sent -> first text event) and p50/p99 per-token latency ((last - first text event) /
-(completion tokens - 1), requests of 2+ tokens), each against level 1. Tokens reach the client in bursts of one
-decode chunk, so per-token latency is averaged over the chunks of a request, as OpenAI-style servers report it.
+first token (request sent -> first text event) and p50/p99 per-token latency (TPOT), each against level 1.
+
+TPOT is measured per token. Tokens reach the client in bursts of up to one decode chunk, and every event carries the
+usage so far (vLLM's stream_options.continuous_usage_stats), so each event's tokens are known: a token that arrives
+in an event is charged its share of the wait since the previous event, and a request's TPOT is the mean over its
+tokens after the first event, (last event - first event) / (tokens - tokens of the first event). The tokens of the
+first event are its time to first token, not zero-latency tokens; a request whose tokens all came in its first event
+has no TPOT (it is left out, not counted as 0).
 """
 
 from __future__ import annotations
@@ -57,12 +62,22 @@ def _requests(count: int, max_prompt: int, max_tokens: tuple[int, int]) -> list[
   letters = np.array(list("abcdefghijklmnopqrstuvwxyz     .,"))
   return [{"prompt": "".join(rng.choice(letters, int(rng.integers(4, max_prompt + 1)))),
            "max_tokens": int(rng.integers(max_tokens[0], max_tokens[1] + 1)), "temperature": 1.0, "seed": i,
-           "stream": True, "stream_options": {"include_usage": True}} for i in range(count)]
+           "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+          for i in range(count)]
+
+
+def time_per_token(arrivals: list[tuple[float, int]]) -> float | None:
+  """TPOT from a request's events as (arrival time, completion tokens so far): the seconds per token after the
+  first event; None when no token came after it."""
+  if not arrivals:
+    return None
+  (first, first_tokens), (last, tokens) = arrivals[0], arrivals[-1]
+  return (last - first) / (tokens - first_tokens) if tokens > first_tokens else None
 
 
 async def _one(client: httpx.AsyncClient, body: dict) -> dict:
   sent = time.perf_counter()
-  first = last = None
+  arrivals = []  # (time, completion tokens so far) of every event that brought tokens.
   tokens = 0
   async with client.stream("POST", "/v1/completions", json=body) as response:
     if response.status_code != 200:
@@ -71,13 +86,13 @@ async def _one(client: httpx.AsyncClient, body: dict) -> dict:
       if not line.startswith("data: ") or line == "data: [DONE]":
         continue
       event = json.loads(line[len("data: "):])
-      if event.get("usage"):
+      if "error" in event:
+        raise RuntimeError(f"error event: {event['error']['message']}")
+      now = time.perf_counter()
+      if event.get("usage") and event["usage"]["completion_tokens"] > tokens:
         tokens = event["usage"]["completion_tokens"]
-      if any(choice["text"] for choice in event["choices"]):
-        last = time.perf_counter()
-        first = first or last
-  return {"ttft": None if first is None else first - sent, "tokens": tokens,
-          "tpot": (last - first) / (tokens - 1) if first is not None and tokens > 1 else None}
+        arrivals.append((now, tokens))
+  return {"ttft": arrivals[0][0] - sent if arrivals else None, "tokens": tokens, "tpot": time_per_token(arrivals)}
 
 
 async def _level(url: str, requests: list[dict], clients: int) -> dict:
@@ -97,7 +112,8 @@ async def _level(url: str, requests: list[dict], clients: int) -> dict:
   tpot = [r["tpot"] * 1e3 for r in results if r["tpot"] is not None]
   tokens = sum(r["tokens"] for r in results)
   pct = lambda xs, q: float(np.percentile(xs, q)) if xs else float("nan")
-  return {"clients": clients, "requests": len(results), "tokens": tokens, "seconds": round(seconds, 2),
+  return {"clients": clients, "requests": len(results), "tpot_requests": len(tpot), "tokens": tokens,
+          "seconds": round(seconds, 2),
           "tokens_per_s": tokens / seconds, "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
           "tpot_p50_ms": pct(tpot, 50), "tpot_p99_ms": pct(tpot, 99)}
 
@@ -113,6 +129,7 @@ def main() -> None:
   p.add_argument("--quick", action="store_true", help="a micro model and levels 1 and 4")
   p.add_argument("--max-batch", type=int, default=32)
   p.add_argument("--chunk", type=int, default=16)
+  p.add_argument("--prefill-chunk", type=int, default=128)
   args = p.parse_args()
   levels = (1, 4) if args.quick else LEVELS
   overrides = (["model.d_model=32", "model.n_layers=2", "model.max_seq_len=128"] if args.quick
@@ -124,7 +141,8 @@ def main() -> None:
     workdir = _workdir(tmp, overrides)
     port = _free_port()
     server = subprocess.Popen([sys.executable, "-m", "ltm_jax", "serve", "--workdir", workdir, "--port", str(port),
-                               "--max-batch", str(args.max_batch), "--chunk", str(args.chunk)], cwd=ROOT,
+                               "--max-batch", str(args.max_batch), "--chunk", str(args.chunk),
+                               "--prefill-chunk", str(args.prefill_chunk)], cwd=ROOT,
                               stderr=subprocess.PIPE, text=True)
     try:
       ready = next((line for line in server.stderr if "serving" in line), "")
@@ -151,12 +169,12 @@ def main() -> None:
     row["vs_one_at_a_time"] = row["tokens_per_s"] / base["tokens_per_s"]
     row["tpot_p99_vs_single_p99"] = row["tpot_p99_ms"] / base["tpot_p99_ms"]
     row["ttft_p99_vs_single_p99"] = row["ttft_p99_ms"] / base["ttft_p99_ms"]
-  print_table(rows, ["clients", "requests", "tokens", "seconds", "tokens_per_s", "vs_one_at_a_time", "ttft_p50_ms",
+  print_table(rows, ["clients", "requests", "tpot_requests", "tokens", "seconds", "tokens_per_s", "vs_one_at_a_time", "ttft_p50_ms",
                      "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "tpot_p99_vs_single_p99"])
   print(f"server exit status after SIGTERM: {code}; load average before {load_before}, after {os.getloadavg()}")
   if not args.quick:
     path = write_results("serve", rows, model="tiny (init weights)", overrides=overrides, max_batch=args.max_batch,
-                         chunk=args.chunk, server=ready.strip(), server_exit=code,
+                         chunk=args.chunk, prefill_chunk=args.prefill_chunk, server=ready.strip(), server_exit=code,
                          load_average_before=list(load_before), load_average_after=list(os.getloadavg()),
                          prompt_bytes=[4, max_prompt], max_tokens=list(max_tokens))
     print(f"wrote {path}")

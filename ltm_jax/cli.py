@@ -152,12 +152,14 @@ def _serve(args) -> int:
   except ImportError as e:
     raise ValueError(f"ltm serve needs the serve extra (pip install 'ltm-jax[serve]'): {e}") from None
   lm = load(args.workdir, args.step, args.overrides, quantize=args.quantize)
-  engine = Engine(lm, max_batch=args.max_batch, chunk=args.chunk, max_wait_ms=args.max_wait_ms, queue=args.queue)
+  engine = Engine(lm, max_batch=args.max_batch, chunk=args.chunk, max_wait_ms=args.max_wait_ms, queue=args.queue,
+                  prefill_chunk=args.prefill_chunk or None)
   engine.start()
   name = lm.config.name
   print(f"serving {name} (step {lm.trained_steps}) on http://{args.host}:{args.port}: {engine.max_batch} slots, "
         f"{engine.programs} programs compiled in {engine.compile_seconds:.1f}s", file=sys.stderr, flush=True)
-  return serve(engine, name, host=args.host, port=args.port, grace=args.grace)
+  return serve(engine, name, host=args.host, port=args.port, grace=args.grace,
+               request_timeout=args.request_timeout or None)
 
 
 def _check_listen(host: str, port: int) -> None:
@@ -358,8 +360,8 @@ def parser() -> argparse.ArgumentParser:
                     help="auto: rwkv_world for 65536-id vocabularies, else byte (use token ids)")
   conv.set_defaults(run=_convert_rwkv)
 
-  srv = sub.add_parser("serve", help="an HTTP server with continuous batching and an OpenAI-compatible completions "
-                                     "API (needs the serve extra)")
+  srv = sub.add_parser("serve", help="an HTTP server with continuous batching and OpenAI-compatible completions and "
+                                     "chat completions APIs (needs the serve extra)")
   srv.add_argument("--workdir", required=True)
   srv.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
   srv.add_argument("--host", default="127.0.0.1")
@@ -374,6 +376,13 @@ def parser() -> argparse.ArgumentParser:
                         "inputs; read as stored by the GPU's quantised matmul, dequantised ahead on CPU")
   srv.add_argument("--chunk", type=_positive_int, default=16,
                    help="decode steps per on-device loop: new requests join and text is sent at its boundaries")
+  srv.add_argument("--prefill-chunk", type=_non_negative_int, default=128,
+                   help="prompts longer than this many tokens are prefilled in pieces of it, one piece between two "
+                        "decode chunks, so a long prompt does not stall the running requests for its whole length "
+                        "(0: whole prompts at once)")
+  srv.add_argument("--request-timeout", type=_non_negative, default=0.0,
+                   help="seconds a request may take from arrival to its last token; a later one is cancelled and "
+                        "answered 504, or streamed an error event (0: no limit)")
   srv.add_argument("--grace", type=_non_negative, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM before they are cancelled")
   srv.add_argument("overrides", nargs="*", metavar="key=value", help="runtime changes, e.g. model.wkv_impl=scan")

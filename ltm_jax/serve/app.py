@@ -1,23 +1,27 @@
 """The HTTP layer: a Starlette ASGI app over an `Engine`, and `serve`, which runs it under uvicorn.
 
-  POST /v1/completions   OpenAI completions (see `protocol`), streamed as server-sent events ending in [DONE]
-  GET  /v1/models        the one model served
-  GET  /health           200 while serving, 503 once shutting down
-  GET  /metrics          Prometheus text
+  POST /v1/completions        OpenAI completions (see `protocol`), streamed as server-sent events ending in [DONE]
+  POST /v1/chat/completions   OpenAI chat completions: the messages as one prompt (`protocol.chat_prompt`)
+  GET  /v1/models             the one model served
+  GET  /health                200 while serving, 503 once shutting down
+  GET  /metrics               Prometheus text
 
-Starlette rather than FastAPI: four routes whose bodies are checked by hand (`protocol`), so that every refusal is
+Starlette rather than FastAPI: five routes whose bodies are checked by hand (`protocol`), so that every refusal is
 OpenAI's error object with the field at fault, which FastAPI's generated 422 validation errors are not; FastAPI would
 add pydantic models and OpenAPI pages the server does not use. uvicorn runs it, as it runs vLLM's and others'.
 
 Each prompt of a request becomes an engine `Request`; its events cross from the scheduler thread to the event loop
 through an asyncio queue. A client that goes away (detected by the ASGI disconnect message) cancels its requests, so
-their rows are freed at the next chunk boundary.
+they leave the queue at once, or their rows are freed at the next chunk boundary. finish_reason is "stop" or
+"length" only: a request that fails, is cancelled by a shutdown, or outlives the request timeout is answered with an
+HTTP error (500, 503, 504), or once streaming has begun with an error event ({"error": {...}}) followed by [DONE].
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -34,15 +38,20 @@ from starlette.routing import Route
 
 from ltm_jax.errors import LtmError
 from ltm_jax.serve import protocol
-from ltm_jax.serve.engine import Engine, Finished, Piece, QueueFull, Request, ShuttingDown
+from ltm_jax.serve.engine import Engine, Finished, Piece, QueueFull, Request, ShuttingDown, TooManyPrompts
 from ltm_jax.serve.protocol import ApiError
 
 MAX_BODY_BYTES = 1 << 20
 
 
-def create_app(engine: Engine, model_name: str, *, stop_engine_on_shutdown: bool = True) -> Starlette:
+def create_app(engine: Engine, model_name: str, *, stop_engine_on_shutdown: bool = True,
+               request_timeout: float | None = None) -> Starlette:
   """The app over a started `engine`, serving it as `model_name`. On shutdown (uvicorn's lifespan) it stops the
-  engine, cancelling what is still running, unless `stop_engine_on_shutdown` is False."""
+  engine, cancelling what is still running, unless `stop_engine_on_shutdown` is False. request_timeout (seconds,
+  None: none): a request not finished that long after it arrived is cancelled and answered 504 (streamed: an error
+  event)."""
+  if request_timeout is not None and not request_timeout > 0:
+    raise ValueError(f"request_timeout must be > 0 seconds, got {request_timeout!r}")
   lm, metrics = engine.lm, engine.metrics
   created = int(time.time())
   state = {"closing": False}
@@ -58,13 +67,12 @@ def create_app(engine: Engine, model_name: str, *, stop_engine_on_shutdown: bool
     metrics.requests.labels(str(error.status)).inc()
     return JSONResponse(error.body(), status_code=error.status)
 
-  async def completions(http: HttpRequest) -> Response:
+  async def run(http: HttpRequest, parse, chat: bool) -> Response:
+    arrived = time.monotonic()
     if state["closing"]:
       return refuse(ApiError(503, "the server is shutting down", kind="server_error"))
     try:
-      body = await _read_body(http)
-      params = protocol.parse_completion(protocol.parse_json(body), model_name=model_name,
-                                         vocab_size=lm.config.model.vocab_size, encode=encode, check=engine.check)
+      params = parse(protocol.parse_json(await _read_body(http)))
     except ApiError as e:
       return refuse(e)
     loop = asyncio.get_running_loop()
@@ -76,16 +84,29 @@ def create_app(engine: Engine, model_name: str, *, stop_engine_on_shutdown: bool
                 for i, (ids, q) in enumerate(zip(params.prompts, queues))]
     try:
       engine.submit(requests)
+    except TooManyPrompts as e:
+      return refuse(ApiError(400, str(e), "prompt"))
     except QueueFull as e:
       return refuse(ApiError(429, f"{e}; retry later", kind="rate_limit_error", code="queue_full"))
     except ShuttingDown as e:
       return refuse(ApiError(503, str(e), kind="server_error"))
-    cid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    answer = _Answer(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()), model_name, chat,
+                     [len(ids) for ids in params.prompts])
+    deadline = None if request_timeout is None else arrived + request_timeout
     if params.stream:
       metrics.requests.labels("200").inc()
-      events = _stream(requests, queues, cid, now, model_name, params.include_usage)
+      events = _stream(requests, queues, answer, params, deadline, request_timeout, metrics)
       return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    return await _complete(http, requests, queues, cid, now, model_name, metrics)
+    return await _complete(http, requests, queues, answer, deadline, request_timeout, metrics)
+
+  async def completions(http: HttpRequest) -> Response:
+    return await run(http, lambda body: protocol.parse_completion(
+        body, model_name=model_name, vocab_size=lm.config.model.vocab_size, encode=encode, check=engine.check),
+        chat=False)
+
+  async def chat_completions(http: HttpRequest) -> Response:
+    return await run(http, lambda body: protocol.parse_chat(
+        body, model_name=model_name, encode=encode, context=engine.context, check=engine.check), chat=True)
 
   async def models(_: HttpRequest) -> Response:
     return JSONResponse({"object": "list", "data": [
@@ -115,9 +136,50 @@ def create_app(engine: Engine, model_name: str, *, stop_engine_on_shutdown: bool
       if stop_engine_on_shutdown:
         await asyncio.to_thread(engine.stop)
 
-  routes = [Route("/v1/completions", completions, methods=["POST"]), Route("/v1/models", models, methods=["GET"]),
-            Route("/health", health, methods=["GET"]), Route("/metrics", prometheus, methods=["GET"])]
+  routes = [Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"]),
+            Route("/metrics", prometheus, methods=["GET"])]
   return Starlette(routes=routes, exception_handlers={HTTPException: http_error}, lifespan=lifespan)
+
+
+@dataclasses.dataclass
+class _Answer:
+  """What shapes one answer: its id, creation time, model name, endpoint (chat or text completion) and the prompt
+  tokens of each choice."""
+  cid: str
+  created: int
+  model: str
+  chat: bool
+  prompt_tokens: list[int]
+
+  def body(self, choices: list[tuple[int, str, str | None]], usage: dict | None) -> dict:
+    """The whole answer: choices as (index, text, finish_reason)."""
+    if self.chat:
+      return protocol.chat_body(self.cid, self.created, self.model,
+                                [protocol.chat_choice(i, text, reason) for i, text, reason in choices], usage)
+    return protocol.completion_body(self.cid, self.created, self.model,
+                                    [protocol.choice(i, text, reason) for i, text, reason in choices], usage)
+
+  def chunk(self, index: int | None, text: str | None, reason: str | None, usage: dict | None,
+            first: bool = False) -> dict:
+    """One streamed chunk of choice `index` (None: no choice, the usage alone). A chat choice's first chunk
+    carries the assistant role."""
+    if self.chat:
+      delta = {} if text is None else {"content": text}
+      if first:
+        delta = {"role": "assistant", **delta}
+      choices = [] if index is None else [protocol.chat_delta(index, delta, reason)]
+      return protocol.chat_chunk(self.cid, self.created, self.model, choices, usage)
+    choices = [] if index is None else [protocol.choice(index, text or "", reason)]
+    return protocol.completion_body(self.cid, self.created, self.model, choices, usage)
+
+
+def _failure(finished: Finished) -> tuple[int, str]:
+  """The HTTP status and message of a request that ended without an answer."""
+  if finished.reason == "error":
+    return 500, finished.error or "generation failed"
+  return 503, "the request was cancelled: the server is shutting down"
 
 
 def _choice_seed(seed: int, index: int) -> int:
@@ -155,12 +217,21 @@ async def _gather(requests, queues) -> list[tuple[str, Finished]]:
   return results
 
 
-async def _complete(http, requests, queues, cid, created, model_name, metrics) -> Response:
-  """The non-streamed answer; a disconnect before it is ready cancels the requests."""
+def _timed_out(timeout: float) -> dict:
+  return protocol.error_body(f"the request did not finish within the server's request timeout of {timeout:g} s",
+                             "timeout_error", code="timeout")
+
+
+async def _complete(http, requests, queues, answer: _Answer, deadline, timeout, metrics) -> Response:
+  """The non-streamed answer; a disconnect before it is ready cancels the requests, and so does the deadline
+  (monotonic seconds, None: none), which is answered 504."""
   gathering = asyncio.ensure_future(_gather(requests, queues))
   watching = asyncio.ensure_future(_until_disconnected(http))
+  wait = None if deadline is None else max(deadline - time.monotonic(), 0)
+  disconnected = False
   try:
-    await asyncio.wait({gathering, watching}, return_when=asyncio.FIRST_COMPLETED)
+    await asyncio.wait({gathering, watching}, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+    disconnected = watching.done()
   finally:
     watching.cancel()
     if not gathering.done():
@@ -168,47 +239,77 @@ async def _complete(http, requests, queues, cid, created, model_name, metrics) -
       for request in requests:
         request.cancel()
   if not gathering.done() or gathering.cancelled():
-    metrics.requests.labels("499").inc()  # The client closed the connection; nobody reads this answer.
-    return Response(status_code=499)
+    if disconnected or deadline is None:
+      metrics.requests.labels("499").inc()  # The client closed the connection; nobody reads this answer.
+      return Response(status_code=499)
+    metrics.requests.labels("504").inc()
+    return JSONResponse(_timed_out(timeout), status_code=504)
   results = gathering.result()
   failed = [f for _, f in results if f.reason in ("error", "cancelled")]
   if failed:
-    status = 500 if failed[0].reason == "error" else 503
-    message = failed[0].error or "the request was cancelled: the server is shutting down"
+    status, message = _failure(failed[0])
     metrics.requests.labels(str(status)).inc()
     return JSONResponse(protocol.error_body(message, "server_error"), status_code=status)
   metrics.requests.labels("200").inc()
-  choices = [protocol.choice(i, text, f.reason) for i, (text, f) in enumerate(results)]
+  texts = [text.lstrip() if answer.chat else text for text, _ in results]
+  choices = [(i, text, f.reason) for i, (text, (_, f)) in enumerate(zip(texts, results))]
   used = protocol.usage(sum(f.prompt_tokens for _, f in results), sum(f.completion_tokens for _, f in results))
-  return JSONResponse(protocol.completion_body(cid, created, model_name, choices, used))
+  return JSONResponse(answer.body(choices, used))
 
 
-async def _stream(requests, queues, cid, created, model_name, include_usage):
-  """Server-sent events: one chunk per piece of text of any prompt, a last chunk per prompt with its finish reason,
-  then (with include_usage) the usage, then [DONE]. Closed early (the client went away), it cancels the requests."""
+async def _stream(requests, queues, answer: _Answer, params, deadline, timeout, metrics):
+  """Server-sent events: one chunk per piece of text of any prompt (a chat reply's leading whitespace dropped), a
+  last chunk per prompt with its finish reason, then (with include_usage) the usage, then [DONE]. With
+  continuous_usage_stats every chunk carries the usage so far. A request that fails, is cancelled by a shutdown or
+  passes the deadline ends the stream with an error event and [DONE]. Closed early (the client went away), it
+  cancels the requests."""
   def event(body: dict) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
+  prompt_tokens = sum(answer.prompt_tokens)
+  completion = [0] * len(queues)
+  started = [False] * len(queues)  # A chat choice has sent text (its leading whitespace is behind it).
+
+  def usage_now():
+    return protocol.usage(prompt_tokens, sum(completion)) if params.continuous_usage else None
+
   pending = {asyncio.ensure_future(q.get()): i for i, q in enumerate(queues)}
-  prompt_tokens = completion_tokens = 0
   try:
     while pending:
-      done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+      wait = None if deadline is None else max(deadline - time.monotonic(), 0)
+      done, _ = await asyncio.wait(pending, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+      if not done:
+        metrics.requests.labels("504").inc()
+        yield event(_timed_out(timeout))
+        break
+      failed = None
       for future in done:
         i = pending.pop(future)
         item = future.result()
         if isinstance(item, Piece):
-          yield event(protocol.completion_body(cid, created, model_name, [protocol.choice(i, item.text, None)], None))
+          completion[i] = item.tokens
+          text = item.text
+          if answer.chat and not started[i]:
+            text = text.lstrip()
+          if text:
+            yield event(answer.chunk(i, text, None, usage_now(), first=answer.chat and not started[i]))
+            started[i] = True
           pending[asyncio.ensure_future(queues[i].get())] = i
           continue
-        if item.reason == "error":
-          yield event(protocol.error_body(item.error, "server_error"))
-        prompt_tokens += item.prompt_tokens
-        completion_tokens += item.completion_tokens
-        yield event(protocol.completion_body(cid, created, model_name, [protocol.choice(i, "", item.reason)], None))
-    if include_usage:
-      yield event(protocol.completion_body(cid, created, model_name, [],
-                                           protocol.usage(prompt_tokens, completion_tokens)))
+        if item.reason in ("error", "cancelled"):
+          failed = item
+          continue
+        completion[i] = item.completion_tokens
+        yield event(answer.chunk(i, None if answer.chat else "", item.reason, usage_now(),
+                                 first=answer.chat and not started[i]))
+      if failed is not None:
+        status, message = _failure(failed)
+        metrics.requests.labels(str(status)).inc()
+        yield event(protocol.error_body(message, "server_error"))
+        break
+    else:
+      if params.include_usage:
+        yield event(answer.chunk(None, None, None, protocol.usage(prompt_tokens, sum(completion))))
     yield "data: [DONE]\n\n"
   finally:
     for future in pending:
@@ -217,12 +318,13 @@ async def _stream(requests, queues, cid, created, model_name, include_usage):
       request.cancel()  # A no-op for finished requests.
 
 
-def serve(engine: Engine, model_name: str, *, host: str = "127.0.0.1", port: int = 8000, grace: float = 30.0) -> int:
+def serve(engine: Engine, model_name: str, *, host: str = "127.0.0.1", port: int = 8000, grace: float = 30.0,
+          request_timeout: float | None = None) -> int:
   """Runs the app under uvicorn until SIGINT or SIGTERM: it then stops accepting connections, lets in-flight
-  requests finish for up to `grace` seconds, cancels the rest, and returns 0."""
+  requests finish for up to `grace` seconds, cancels the rest, and returns 0. request_timeout: see `create_app`."""
   import uvicorn
-  config = uvicorn.Config(create_app(engine, model_name), host=host, port=port, log_level="warning",
-                          timeout_graceful_shutdown=grace, lifespan="on")
+  config = uvicorn.Config(create_app(engine, model_name, request_timeout=request_timeout), host=host, port=port,
+                          log_level="warning", timeout_graceful_shutdown=grace, lifespan="on")
   server = uvicorn.Server(config)
   # uvicorn raises the signal that stopped it again once it has shut down; a handler that does nothing makes that
   # second delivery a no-op, so a requested stop exits with status 0 instead of dying by the signal.

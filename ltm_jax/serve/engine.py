@@ -5,22 +5,25 @@
   engine.submit([Request(ids, 64, ..., emit=callback)])   # QueueFull when the waiting queue is full
   engine.stop()
 
-The scheduler loops: admit waiting requests into free rows (prefilled in groups by prompt-length bucket), run one
-on-device loop of `chunk` decode steps over all S rows, hand each row's new text to its request, free the rows that
-finished or were cancelled. A request therefore waits at most one chunk to join a running batch, and no request waits
-for a slower neighbour. When the engine is idle, the first arrival waits up to `max_wait_ms` for company, so a burst
-of requests is prefilled together.
+The scheduler loops: admit waiting requests into free rows (prefilled in groups by prompt-length bucket), feed one
+piece of every long prompt in a prefill lane (with `prefill_chunk`), run one on-device loop of `chunk` decode steps
+over the decoding rows, hand each row's new text to its request, free the rows that finished or were cancelled. A
+request therefore waits at most one chunk to join a running batch (plus one chunk per piece of a long prompt), no
+request waits for a slower neighbour, and a long prompt delays the others by one piece per chunk, not by its whole
+prefill. When the engine is idle, the first arrival waits up to `max_wait_ms` for company, so a burst of requests is
+prefilled together. A cancelled request that is still waiting leaves the queue at once.
 
 Shapes are bucketed so that steady traffic compiles nothing: prompts are left-padded to a power-of-two length bucket
 (16, 32, ..., the context) and admitted in groups of 1, 4, 16, ... up to max_batch rows (padding rows are dropped on
-device). The programs are one `admit` per (group size, length bucket) and one `decode_chunk`; `start` compiles all of
-them (`programs` counts them).
+device). The programs are one `admit` per (group size, length bucket), one `decode_chunk`, and with chunked prefill
+one `feed_lanes` and one `place`; `start` compiles all of them (`programs` counts them).
 
 Requests' callbacks run on the scheduler thread and must not block (the HTTP layer hands events to its event loop).
 """
 
 from __future__ import annotations
 
+import bisect
 import codecs
 import collections
 import dataclasses
@@ -46,16 +49,23 @@ class ShuttingDown(Exception):
   """The engine is stopping and takes no new requests."""
 
 
+class TooManyPrompts(ValueError):
+  """A request holds more prompts than the whole queue: it could never be accepted."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Piece:
-  """New text of a request (never empty)."""
+  """New text of a request (never empty); tokens: completion tokens behind all of the text handed out so far."""
   text: str
+  tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
 class Finished:
   """The request ended. reason: "stop" (end of text or a stop string), "length" (max_tokens), "cancelled" (the
-  client went away or the server stopped) or "error" (`error` says what failed)."""
+  client went away or the server stopped) or "error" (`error` says what failed). completion_tokens: the tokens
+  behind the text returned (a stop string and what was drawn after it are not counted; nor is the end-of-text
+  token)."""
   reason: str
   prompt_tokens: int
   completion_tokens: int
@@ -78,46 +88,79 @@ class Request:
   stop: tuple[str, ...] = ()
   arrived: float = dataclasses.field(default_factory=time.monotonic)
   cancelled: bool = False
+  withdraw: Callable[[Request], None] | None = dataclasses.field(default=None, repr=False)  # Set by `submit`.
 
   def cancel(self) -> None:
-    """Ends the request at the scheduler's next chunk boundary (its row, if it has one, is freed there)."""
+    """Ends the request: one still waiting leaves the queue at once (and gets its Finished); one in a row ends at
+    the scheduler's next chunk boundary, which frees the row."""
+    if self.cancelled:
+      return
     self.cancelled = True
+    if self.withdraw is not None:
+      self.withdraw(self)
 
 
 class _Row:
-  """A request in a decoding row, with its text so far."""
+  """A request in a decoding row, with its text so far. Each kept token is timed at its step within its decode
+  chunk (the chunk's time split evenly among the steps it ran), and `ends` records the length of the text once that
+  token was decoded, so the tokens behind any prefix of the text can be counted."""
 
   def __init__(self, request: Request, tokenizer):
     self.request, self.tokenizer = request, tokenizer
     self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     self.produced = 0  # Tokens drawn, stop token excluded.
     self.text, self.sent = "", 0
-    self.first_token_at: float | None = None
+    self.ends: list[int] = []  # len(text) after each kept token.
+    self.stamps: list[float] = []  # When each kept token was drawn.
+    self.available_at: float | None = None  # When the first token reached the host.
     self.hold = max((len(s) for s in request.stop), default=1) - 1  # Text kept back while a stop string may start.
+    self.fed = 0  # Prompt tokens prefilled so far (chunked prefill).
+    self.lane: int | None = None  # The prefill lane while the prompt is being fed in pieces.
 
-  def add(self, tokens: np.ndarray, eos: int, now: float) -> str | None:
-    """Takes this row's tokens of a chunk; returns the finish reason, or None while it goes on."""
+  def add(self, tokens: np.ndarray, eos: int, started: float, now: float, steps: int) -> str | None:
+    """Takes this row's tokens of a chunk of `steps` steps run from `started` to `now`; returns the finish reason,
+    or None while it goes on."""
     tokens = tokens[:self.request.max_tokens - self.produced]
     hits = np.flatnonzero(tokens == eos)
     ended = hits.size > 0
     kept = tokens[:hits[0]] if ended else tokens
-    if self.first_token_at is None and tokens.size:
-      self.first_token_at = now
+    if self.available_at is None and tokens.size:
+      self.available_at = now
+    step = (now - started) / max(steps, 1)
+    for k, token in enumerate(kept):
+      self.text += self.decoder.decode(self.tokenizer.decode_bytes(np.asarray([token])))
+      self.ends.append(len(self.text))
+      self.stamps.append(started + (k + 1) * step)
     self.produced += kept.size
-    self.text += self.decoder.decode(self.tokenizer.decode_bytes(kept))
     reason = "stop" if ended else "length" if self.produced >= self.request.max_tokens else None
     cut = min((i for i in (self.text.find(s) for s in self.request.stop) if i >= 0), default=-1)
     if cut >= 0:
       self.text, reason = self.text[:cut], "stop"
     elif reason is not None:
       self.text += self.decoder.decode(b"", final=True)
+      if self.ends:
+        self.ends[-1] = len(self.text)
     return reason
+
+  def tokens_behind(self, chars: int) -> int:
+    """The tokens needed for the first `chars` characters of the text."""
+    return 0 if chars <= 0 else min(bisect.bisect_left(self.ends, chars) + 1, len(self.ends))
+
+  @property
+  def returned(self) -> int:
+    """Completion tokens behind the whole text (after a stop-string cut)."""
+    return self.tokens_behind(len(self.text))
 
   def take_text(self, final: bool) -> str:
     """The text not yet handed out; while going on, the last characters that could begin a stop string stay."""
     end = len(self.text) if final else max(self.sent, len(self.text) - self.hold)
     piece, self.sent = self.text[self.sent:end], end
     return piece
+
+  def time_per_token(self) -> float | None:
+    """Seconds per returned token after the first: (last - first returned token's time) / (tokens - 1)."""
+    n = self.returned
+    return None if n < 2 else (self.stamps[n - 1] - self.stamps[0]) / (n - 1)
 
 
 def _send(request: Request, event: Piece | Finished) -> None:
@@ -143,12 +186,20 @@ class Engine:
   how long an idle engine holds a first request for others to prefill with it; queue: requests that may wait for a
   row. Every prompt plus its max_tokens must fit the context (model.max_seq_len); `check` says why one does not.
   length_buckets and group_sizes replace the default ladders of prompt lengths and prefill group sizes (fewer
-  programs to compile, more padding)."""
+  programs to compile, more padding).
+
+  prefill_chunk (None: off): prompts longer than this many tokens are prefilled in pieces of it, one piece between
+  two decode chunks, in up to `prefill_lanes` prompts at a time (each lane holds one prompt's state while it is fed),
+  so a long prompt delays the running requests by one piece per chunk rather than by its whole length. The first
+  piece is the remainder (1 to prefill_chunk tokens), every later one exactly prefill_chunk tokens; prompts that fit
+  one piece are prefilled whole, as without it (their length buckets then end at prefill_chunk). Latent models fit
+  z to the whole prompt and so always prefill it whole."""
 
   def __init__(self, lm, *, max_batch: int = 32, chunk: int = 16, max_wait_ms: float = 10.0, queue: int = 256,
                metrics: ServerMetrics | None = None, length_buckets: Sequence[int] | None = None,
-               group_sizes: Sequence[int] | None = None):
-    for name, value in (("max_batch", max_batch), ("chunk", chunk), ("queue", queue)):
+               group_sizes: Sequence[int] | None = None, prefill_chunk: int | None = None, prefill_lanes: int = 4):
+    for name, value in (("max_batch", max_batch), ("chunk", chunk), ("queue", queue),
+                        ("prefill_lanes", prefill_lanes), ("prefill_chunk", prefill_chunk or 1)):
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     if not max_wait_ms >= 0:
@@ -162,12 +213,17 @@ class Engine:
     self.context = m.max_seq_len
     self.model = model_lib.LM(m, lm.config.latent, cache_capacity=model_lib.cache_capacity(m, self.context))
     self.axes = slots_lib.state_batch_axes(self.model)
-    self.length_buckets = tuple(length_buckets or _ladder(min(MIN_BUCKET, self.context), 2, self.context))
+    latent = model_lib.uses_latents(lm.config.latent) is not None
+    # Pieces only when some prompt is longer than one piece.
+    self.prefill_chunk = None if latent or not prefill_chunk or prefill_chunk >= self.context - 1 else prefill_chunk
+    self.prefill_lanes = min(prefill_lanes, max_batch)
+    longest = self.prefill_chunk or self.context - 1  # The longest prompt prefilled whole.
+    self.length_buckets = tuple(length_buckets or _ladder(min(MIN_BUCKET, longest), 2, longest))
     self.group_sizes = tuple(group_sizes or _ladder(1, 4, max_batch))
     if list(self.length_buckets) != sorted(set(self.length_buckets)) or self.length_buckets[0] < 1 or \
-        self.length_buckets[-1] < self.context - 1:
-      raise ValueError(f"length_buckets must increase from >= 1 to at least the longest prompt, {self.context - 1} "
-                       f"tokens; got {self.length_buckets}")
+        self.length_buckets[-1] < longest:
+      raise ValueError(f"length_buckets must increase from >= 1 to at least the longest prompt prefilled whole, "
+                       f"{longest} tokens; got {self.length_buckets}")
     if list(self.group_sizes) != sorted(set(self.group_sizes)) or self.group_sizes[0] < 1 or \
         self.group_sizes[-1] > max_batch:
       raise ValueError(f"group_sizes must increase from >= 1 to at most max_batch={max_batch}; got "
@@ -175,16 +231,19 @@ class Engine:
     self.stop_tokens = (int(lm.tokenizer.eos_id),)
     self._waiting: collections.deque[Request] = collections.deque()
     self._rows: list[_Row | None] = [None] * max_batch
-    self._cv = threading.Condition()
+    self._lane_rows: list[int | None] = [None] * self.prefill_lanes  # The row each prefill lane feeds.
+    self._cv = threading.Condition()  # Reentrant: a request cancelled on the scheduler thread withdraws under it.
     self._stopping = False
     self._thread: threading.Thread | None = None
     self._slots = None
+    self._lanes = None
     self.compile_seconds = 0.0
 
   @property
   def programs(self) -> int:
-    """Compiled programs: one admit per (group size, length bucket), one decode chunk."""
-    return len(self.group_sizes) * len(self.length_buckets) + 1
+    """Compiled programs: one admit per (group size, length bucket), one decode chunk, and with chunked prefill one
+    piece program and one that places a fed prompt into its row."""
+    return len(self.group_sizes) * len(self.length_buckets) + 1 + (2 if self.prefill_chunk else 0)
 
   @property
   def queue_depth(self) -> int:
@@ -192,6 +251,7 @@ class Engine:
 
   @property
   def occupancy(self) -> int:
+    """Rows held by requests, those whose prompt is still being fed included."""
     return sum(row is not None for row in self._rows)
 
   def check(self, prompt_tokens: int, max_tokens: int) -> tuple[str, str] | None:
@@ -213,6 +273,10 @@ class Engine:
     for size in self.group_sizes:
       for length in self.length_buckets:
         self._admit_group([None] * size, length)
+    if self.prefill_chunk:
+      self._lanes = slots_lib.empty_lanes(self.model, self.prefill_lanes)
+      self._feed_lanes({})
+      self._place({})
     self._decode(np.zeros(self.max_batch, bool))
     jax.block_until_ready(self._slots)
     self.compile_seconds = time.monotonic() - started
@@ -222,21 +286,35 @@ class Engine:
     self._thread.start()
 
   def submit(self, requests: Sequence[Request]) -> None:
-    """Queues requests (all or none): QueueFull when they do not fit the queue, ShuttingDown after `stop`."""
+    """Queues requests (all or none): TooManyPrompts when they are more than the whole queue, QueueFull when they do
+    not fit the queue now, ShuttingDown after `stop`."""
     with self._cv:
       if self._stopping or self._thread is None:
         raise ShuttingDown("the server is shutting down")
+      if len(requests) > self.queue_size:
+        raise TooManyPrompts(f"the request has {len(requests)} prompts; this server queues at most "
+                             f"{self.queue_size}")
       if len(self._waiting) + len(requests) > self.queue_size:
         raise QueueFull(f"the queue is full ({len(self._waiting)} of {self.queue_size} requests waiting)")
+      for request in requests:
+        request.withdraw = self._withdraw
       self._waiting.extend(requests)
       self.metrics.queue_depth.set(len(self._waiting))
       self._cv.notify()
+
+  def _withdraw(self, request: Request) -> None:
+    """A cancelled request still waiting leaves the queue now (one in a row is freed at the next chunk boundary)."""
+    with self._cv:
+      if request in self._waiting:
+        self._waiting.remove(request)
+        self.metrics.queue_depth.set(len(self._waiting))
+        self._finish(request, "cancelled", 0)
 
   def stop(self, timeout: float | None = None) -> None:
     """Takes no more requests, cancels those waiting or decoding, and waits for the scheduler to finish."""
     with self._cv:
       self._stopping = True
-      for request in self._waiting:
+      for request in list(self._waiting):
         request.cancel()
       for row in self._rows:
         if row is not None:
@@ -258,28 +336,64 @@ class Engine:
           deadline = self._waiting[0].arrived + self.max_wait
           while len(self._waiting) < self.max_batch and not self._stopping and time.monotonic() < deadline:
             self._cv.wait(max(deadline - time.monotonic(), 0))
-        admitted = self._take_waiting()
+        admitted, pieces = self._take_waiting()
       try:
         self._admit(admitted)
+        if pieces:
+          self._feed_lanes(pieces)
+          fed = self._fed()
+          if fed:
+            self._place(fed)
         if self.occupancy:
           self._run_chunk()
       except Exception as error:  # A failed device call: end what was in flight, start over with fresh rows.
         self._fail_all(error)
 
-  def _take_waiting(self) -> list[tuple[int, Request]]:
-    """Pops waiting requests into free rows (cancelled ones end here); under the lock."""
+  def _take_waiting(self) -> tuple[list[tuple[int, Request]], dict[int, tuple[np.ndarray, bool]]]:
+    """Under the lock: frees the rows of cancelled requests still being fed, pops waiting requests into free rows
+    (and long prompts into free prefill lanes, in arrival order), and picks the next piece of every lane ->
+    (requests to prefill whole as (row, request), {lane: (its next piece of tokens, whether it starts the prompt)})."""
+    for lane, row_index in enumerate(self._lane_rows):
+      row = None if row_index is None else self._rows[row_index]
+      if row is not None and row.request.cancelled:
+        self._rows[row_index], self._lane_rows[lane] = None, None
+        self._finish(row.request, "cancelled", 0)
     free = [i for i, row in enumerate(self._rows) if row is None]
     admitted = []
     while self._waiting and free:
-      request = self._waiting.popleft()
-      if request.cancelled:
-        self._finish(request, "cancelled", 0)
-        continue
+      request = self._waiting[0]
+      long = self.prefill_chunk is not None and len(request.ids) > self.prefill_chunk
+      if long and None not in self._lane_rows:
+        break  # Every lane is busy: it waits, and so do the requests behind it.
+      self._waiting.popleft()
       row = free.pop(0)
       self._rows[row] = _Row(request, self.lm.tokenizer)
-      admitted.append((row, request))
+      if long:
+        lane = self._lane_rows.index(None)
+        self._lane_rows[lane], self._rows[row].lane = row, lane
+      else:
+        admitted.append((row, request))
     self.metrics.queue_depth.set(len(self._waiting))
-    return admitted
+    pieces = {}
+    for lane, row_index in enumerate(self._lane_rows):
+      if row_index is not None:
+        row = self._rows[row_index]
+        ids, size = row.request.ids, self.prefill_chunk
+        first = (len(ids) - 1) % size + 1  # The remainder first: every later piece is whole.
+        end = first if row.fed == 0 else row.fed + size
+        pieces[lane] = (ids[row.fed:end], row.fed == 0)
+        row.fed = end
+    return admitted, pieces
+
+  def _fed(self) -> dict[int, int]:
+    """{lane: row} of the lanes whose prompt has been fed whole; they leave their lanes (under the lock)."""
+    with self._cv:
+      done = {}
+      for lane, row_index in enumerate(self._lane_rows):
+        if row_index is not None and self._rows[row_index].fed == len(self._rows[row_index].request.ids):
+          done[lane], self._lane_rows[lane] = row_index, None
+          self._rows[row_index].lane = None
+      return done
 
   def _admit(self, admitted: list[tuple[int, Request]]) -> None:
     """Prefills the admitted requests into their rows, in groups of one length bucket and group size."""
@@ -292,22 +406,50 @@ class Engine:
         self._admit_group(group[:size] + [None] * (size - len(group[:size])), length)
         group = group[size:]
 
+  def _settings(self, entries: list[Request | None]):
+    """The per-request arrays `admit` and `place` take: key data, budget, temperature, top_k, top_p (None: a
+    padding entry)."""
+    size = len(entries)
+    budget, top_k = np.zeros(size, np.int32), np.zeros(size, np.int32)
+    temperature, top_p = np.zeros(size, np.float32), np.ones(size, np.float32)
+    key_data = np.stack([slots_lib.host_key_data(0 if r is None else r.seed) for r in entries])
+    for i, r in enumerate(entries):
+      if r is not None:
+        budget[i], temperature[i] = r.max_tokens, r.temperature
+        top_k[i], top_p[i] = r.top_k or 0, 1.0 if r.top_p is None else r.top_p
+    return key_data, budget, temperature, top_k, top_p
+
   def _admit_group(self, group: list[tuple[int, Request] | None], length: int) -> None:
     """One `admit` call for a group (None: a padding entry, dropped on device) of prompts of at most `length`."""
     size = len(group)
     tokens = np.full((size, length), self.lm.tokenizer.pad_id, np.int32)
     lengths, rows = np.ones(size, np.int32), np.full(size, self.max_batch, np.int32)
-    budget, top_k = np.zeros(size, np.int32), np.zeros(size, np.int32)
-    temperature, top_p = np.zeros(size, np.float32), np.ones(size, np.float32)
-    key_data = np.stack([slots_lib.host_key_data(0 if entry is None else entry[1].seed) for entry in group])
     for i, entry in enumerate(group):
-      if entry is None:
-        continue
-      row, r = entry
-      tokens[i, length - len(r.ids):], lengths[i], rows[i], budget[i] = r.ids, len(r.ids), row, r.max_tokens
-      temperature[i], top_k[i], top_p[i] = r.temperature, r.top_k or 0, 1.0 if r.top_p is None else r.top_p
-    self._slots = slots_lib.admit(self.model, self.lm.params, self._slots, tokens, lengths, rows, key_data, budget,
-                                  temperature, top_k, top_p, axes=self.axes)
+      if entry is not None:
+        row, r = entry
+        tokens[i, length - len(r.ids):], lengths[i], rows[i] = r.ids, len(r.ids), row
+    settings = self._settings([None if entry is None else entry[1] for entry in group])
+    self._slots = slots_lib.admit(self.model, self.lm.params, self._slots, tokens, lengths, rows, *settings,
+                                  axes=self.axes)
+
+  def _feed_lanes(self, pieces: dict[int, tuple[np.ndarray, bool]]) -> None:
+    """One `feed_lanes` call: each lane in `pieces` takes its next piece (left-padded to prefill_chunk); the others
+    are unchanged."""
+    lanes, size = self.prefill_lanes, self.prefill_chunk
+    tokens = np.full((lanes, size), self.lm.tokenizer.pad_id, np.int32)
+    lengths, fresh = np.zeros(lanes, np.int32), np.zeros(lanes, bool)
+    for lane, (ids, first) in pieces.items():
+      tokens[lane, size - len(ids):], lengths[lane], fresh[lane] = ids, len(ids), first
+    self._lanes = slots_lib.feed_lanes(self.model, self.lm.params, self._lanes, tokens, lengths, fresh,
+                                       axes=self.axes)
+
+  def _place(self, fed: dict[int, int]) -> None:
+    """One `place` call: the lanes in `fed` ({lane: row}) are written into their rows, ready to decode."""
+    rows = np.full(self.prefill_lanes, self.max_batch, np.int32)
+    entries: list[Request | None] = [None] * self.prefill_lanes
+    for lane, row in fed.items():
+      rows[lane], entries[lane] = row, self._rows[row].request
+    self._slots = slots_lib.place(self._slots, self._lanes, rows, *self._settings(entries), axes=self.axes)
 
   def _decode(self, active: np.ndarray):
     tokens, count, self._slots = slots_lib.decode_chunk(self.model, self.lm.params, self._slots, active,
@@ -315,16 +457,16 @@ class Engine:
     return tokens, count
 
   def _run_chunk(self) -> None:
-    """One decode chunk over every row; hands out text, frees finished and cancelled rows."""
+    """One decode chunk over every decoding row; hands out text, frees finished and cancelled rows (rows whose
+    prompt is still being fed sit it out)."""
     with self._cv:
       for i, row in enumerate(self._rows):
-        if row is not None and row.request.cancelled:
+        if row is not None and row.lane is None and row.request.cancelled:
           self._rows[i] = None
-          self._finish(row.request, "cancelled", row.produced, row)
-      active = np.array([row is not None for row in self._rows])
-    occupancy = int(active.sum())
-    self.metrics.occupancy.set(occupancy)
-    if not occupancy:
+          self._finish(row.request, "cancelled", row.returned, row)
+      active = np.array([row is not None and row.lane is None for row in self._rows])
+    self.metrics.occupancy.set(self.occupancy)
+    if not active.any():
       return
     started = time.monotonic()
     tokens, count = self._decode(active)
@@ -334,28 +476,29 @@ class Engine:
     generated = 0
     with self._cv:
       for i, row in enumerate(self._rows):
-        if row is None:
+        if row is None or not active[i]:
           continue
-        before, waiting_first = row.produced, row.first_token_at is None
-        reason = row.add(tokens[i, :count], self.stop_tokens[0], now)
+        before, waiting_first = row.produced, row.available_at is None
+        reason = row.add(tokens[i, :count], self.stop_tokens[0], started, now, count)
         generated += row.produced - before
-        if waiting_first and row.first_token_at is not None:
-          self.metrics.ttft.observe(row.first_token_at - row.request.arrived)
+        if waiting_first and row.available_at is not None:
+          self.metrics.ttft.observe(row.available_at - row.request.arrived)
         piece = row.take_text(final=reason is not None)
         if piece:
-          _send(row.request, Piece(piece))
+          _send(row.request, Piece(piece, row.tokens_behind(row.sent)))
         if reason is not None:
           self._rows[i] = None
-          self._finish(row.request, reason, row.produced, row, now)
+          self._finish(row.request, reason, row.returned, row)
     self.metrics.tokens.inc(generated)
 
-  def _finish(self, request: Request, reason: str, produced: int, row: _Row | None = None,
-              now: float | None = None, error: str | None = None) -> None:
-    if row is not None and row.first_token_at is not None and now is not None and produced > 1:
-      self.metrics.tpot.observe((now - row.first_token_at) / (produced - 1))
+  def _finish(self, request: Request, reason: str, returned: int, row: _Row | None = None,
+              error: str | None = None) -> None:
+    per_token = None if row is None else row.time_per_token()
+    if per_token is not None:
+      self.metrics.tpot.observe(per_token)
     self.metrics.prompt_tokens.inc(len(request.ids))
     self.metrics.finished.labels(reason).inc()
-    _send(request, Finished(reason, len(request.ids), produced, error))
+    _send(request, Finished(reason, len(request.ids), returned, error))
 
   def _fail_all(self, error: Exception) -> None:
     message = f"generation failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
@@ -363,5 +506,8 @@ class Engine:
       for i, row in enumerate(self._rows):
         if row is not None:
           self._rows[i] = None
-          self._finish(row.request, "error", row.produced, error=message)
+          self._finish(row.request, "error", row.returned, error=message)
+      self._lane_rows = [None] * self.prefill_lanes
       self._slots = slots_lib.empty_slots(self.model, self.max_batch)
+      if self.prefill_chunk:
+        self._lanes = slots_lib.empty_lanes(self.model, self.prefill_lanes)

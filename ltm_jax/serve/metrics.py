@@ -15,7 +15,7 @@ class ServerMetrics:
   def __init__(self):
     self.registry = prom.CollectorRegistry()
     r = self.registry
-    self.requests = prom.Counter("ltm_requests", "Completion requests answered, by HTTP status", ["status"],
+    self.requests = prom.Counter("ltm_requests", "Completion and chat requests answered, by HTTP status", ["status"],
                                  registry=r)
     self.finished = prom.Counter("ltm_finished_requests", "Prompts that finished, by reason (stop, length, "
                                  "cancelled, error)", ["reason"], registry=r)
@@ -28,7 +28,9 @@ class ServerMetrics:
     self.ttft = prom.Histogram("ltm_time_to_first_token_seconds", "From arrival to the first generated token",
                                buckets=LATENCY_BUCKETS, registry=r)
     self.tpot = prom.Histogram("ltm_time_per_output_token_seconds",
-                               "Per-token latency after the first token: (last - first token time) / (tokens - 1)",
+                               "Per-token latency of a request after its first token: (last - first returned "
+                               "token's time) / (returned tokens - 1), each token timed at its own decode step (its "
+                               "chunk's time split evenly among the chunk's steps), so the waits between chunks count",
                                buckets=LATENCY_BUCKETS, registry=r)
     self.chunk_seconds = prom.Histogram("ltm_decode_chunk_seconds", "One on-device loop of decode steps",
                                         buckets=LATENCY_BUCKETS, registry=r)

@@ -1,9 +1,20 @@
-"""The OpenAI completions subset the server speaks: request checking and the shapes of its answers.
+"""The OpenAI completions and chat completions subset the server speaks: request checking and the shapes of answers.
 
 A request body is checked field by field on the host before anything reaches the engine; every refusal is an
 `ApiError` rendered as OpenAI's error object {"error": {"message", "type", "param", "code"}}. Fields OpenAI defines
 but this server does not implement are accepted only at their neutral values (n=1, echo=false, logprobs=null, ...),
 so a client never gets silently different semantics; a field OpenAI does not define is refused, as OpenAI does.
+`stream_options` also takes vLLM's `continuous_usage_stats`: every streamed chunk then carries the usage so far.
+
+Chat messages become one text prompt through `chat_prompt`, the plain turn format RWKV World models are trained on,
+used for byte-level models too:
+
+  System: <system message>\n\nUser: <message>\n\nAssistant: <reply>\n\nUser: <message>\n\nAssistant:
+
+Roles: system (and OpenAI's developer, written as System), user, assistant; the last message is the user's. A
+message's content (a string or a list of text parts; its optional name is not used) has its surrounding whitespace
+stripped and its blank lines collapsed ("\n\n" separates turns). The reply is what the model writes after the last "Assistant:" up to the next turn marker (`CHAT_STOP`,
+added to the request's stop strings), its leading whitespace dropped.
 """
 
 from __future__ import annotations
@@ -11,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from collections.abc import Callable
 
 import numpy as np
@@ -36,6 +48,10 @@ def error_body(message: str, kind: str, param: str | None = None, code: str | No
   return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+CHAT_ROLES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant"}
+CHAT_STOP = "\n\nUser:"  # The next turn marker: a reply ends where the model starts the user's next turn.
+
+
 @dataclasses.dataclass(frozen=True)
 class CompletionParams:
   """A checked completion request: one token-id prompt per choice, and the settings shared by all of them."""
@@ -48,6 +64,7 @@ class CompletionParams:
   seed: int | None
   stream: bool
   include_usage: bool
+  continuous_usage: bool = False
 
 
 # Fields OpenAI's completions endpoint defines that this server does not implement: the values it accepts for them.
@@ -55,6 +72,11 @@ NEUTRAL = {"n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (), "presen
            "frequency_penalty": (0,), "suffix": (), "logit_bias": ({},)}
 KNOWN = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options",
          "user", *NEUTRAL}
+# The same for the chat endpoint.
+CHAT_NEUTRAL = {"n": (1,), "logprobs": (False,), "top_logprobs": (), "presence_penalty": (0,),
+                "frequency_penalty": (0,), "logit_bias": ({},), "response_format": ({"type": "text"},)}
+CHAT_KNOWN = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "stop",
+              "seed", "stream", "stream_options", "user", *CHAT_NEUTRAL}
 
 
 def _is_int(value) -> bool:
@@ -92,10 +114,66 @@ def parse_completion(body: dict, *, model_name: str, vocab_size: int, encode: Ca
   """A completion request body (a JSON object) -> CompletionParams, or an ApiError naming the first bad field.
   `encode` turns a text prompt into token ids; `check(prompt_tokens, max_tokens)` says why a prompt cannot have
   that many new tokens (the model's context): (the field to blame, a message), or None."""
-  unknown = sorted(set(body) - KNOWN)
+  _common(body, KNOWN, NEUTRAL, model_name)
+  prompts = _prompts(body.get("prompt"), vocab_size, encode)
+  return _settings(body, prompts, body.get("max_tokens"), "max_tokens", 16, check, ())
+
+
+def parse_chat(body: dict, *, model_name: str, encode: Callable[[str], np.ndarray], context: int,
+               check: Callable[[int, int], tuple[str, str] | None]) -> CompletionParams:
+  """A chat completion request body -> CompletionParams with the messages as one prompt (`chat_prompt`) and
+  CHAT_STOP among the stop strings, or an ApiError naming the first bad field. max_tokens (or
+  max_completion_tokens) defaults to the rest of the context."""
+  _common(body, CHAT_KNOWN, CHAT_NEUTRAL, model_name)
+  ids = encode(chat_prompt(body.get("messages")))
+  name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+  return _settings(body, [ids], body.get(name), name, max(context - len(ids), 1), check, (CHAT_STOP,))
+
+
+def chat_prompt(messages) -> str:
+  """The messages (OpenAI's [{"role", "content"}, ...], ending with a user message) as one prompt in the turn
+  format of the module docstring, or an ApiError."""
+  if not isinstance(messages, list) or not messages:
+    raise ApiError(400, f"messages must be a non-empty list of {{\"role\", \"content\"}} objects, got "
+                        f"{json.dumps(messages)[:80]}", "messages")
+  turns = []
+  for i, message in enumerate(messages):
+    where = f"messages[{i}]"
+    if not isinstance(message, dict):
+      raise ApiError(400, f"{where} must be an object with role and content, got {json.dumps(message)[:80]}",
+                     "messages")
+    extra = sorted(set(message) - {"role", "content", "name"})
+    if extra:
+      raise ApiError(400, f"{where} has a field this server does not support: {extra[0]}", "messages")
+    role = message.get("role")
+    if role not in CHAT_ROLES:
+      raise ApiError(400, f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {json.dumps(role)[:80]}",
+                     "messages")
+    if not isinstance(message.get("name", ""), str):
+      raise ApiError(400, f"{where}.name must be a string", "messages")
+    turns.append(f"{CHAT_ROLES[role]}: {_content(message.get('content'), where)}")
+  if messages[-1]["role"] != "user":
+    raise ApiError(400, f"the last message must be the user's, got {json.dumps(messages[-1]['role'])}", "messages")
+  return "\n\n".join(turns) + "\n\nAssistant:"
+
+
+def _content(content, where: str) -> str:
+  """A message's content (a string, or a list of {"type": "text", "text"} parts) as one line-normalised text."""
+  if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and set(p) == {"type", "text"}
+                                       and isinstance(p["text"], str) for p in content):
+    content = "".join(p["text"] for p in content)
+  if not isinstance(content, str):
+    raise ApiError(400, f"{where}.content must be a string or a list of text parts, got "
+                        f"{json.dumps(content)[:80]}", "messages")
+  return re.sub(r"\n\s*\n", "\n", content.replace("\r\n", "\n").strip())
+
+
+def _common(body: dict, known: set, neutral: dict, model_name: str) -> None:
+  """Checks the fields every endpoint shares the handling of: unknown ones, neutral ones, model, user."""
+  unknown = sorted(set(body) - known)
   if unknown:
     raise ApiError(400, f"unrecognized request argument supplied: {unknown[0]}", unknown[0])
-  for name, allowed in NEUTRAL.items():
+  for name, allowed in neutral.items():
     value = body.get(name)
     if value is not None and not any(_same(value, a) for a in allowed):
       choices = " or ".join(json.dumps(a) for a in (*allowed, None))
@@ -110,15 +188,18 @@ def parse_completion(body: dict, *, model_name: str, vocab_size: int, encode: Ca
   if not isinstance(body.get("user", ""), str):
     raise ApiError(400, "user must be a string", "user")
 
-  prompts = _prompts(body.get("prompt"), vocab_size, encode)
-  max_tokens = body.get("max_tokens")
-  max_tokens = 16 if max_tokens is None else max_tokens
+
+def _settings(body: dict, prompts: list[np.ndarray], max_tokens, max_name: str, default_max: int, check,
+              extra_stop: tuple[str, ...]) -> CompletionParams:
+  """The sampling and streaming fields shared by both endpoints, checked -> CompletionParams."""
+  max_tokens = default_max if max_tokens is None else max_tokens
   if not _is_int(max_tokens) or max_tokens < 1:
-    raise ApiError(400, f"max_tokens must be an integer >= 1, got {json.dumps(max_tokens)}", "max_tokens")
+    raise ApiError(400, f"{max_name} must be an integer >= 1, got {json.dumps(max_tokens)}", max_name)
   for ids in prompts:
     problem = check(len(ids), max_tokens)
     if problem is not None:
-      raise ApiError(400, problem[1], problem[0], code="context_length_exceeded")
+      param = max_name if problem[0] == "max_tokens" else "messages" if extra_stop else problem[0]
+      raise ApiError(400, problem[1], param, code="context_length_exceeded")
 
   temperature = _optional(body, "temperature", 1.0)
   if not _is_number(temperature) or temperature < 0:
@@ -136,8 +217,9 @@ def parse_completion(body: dict, *, model_name: str, vocab_size: int, encode: Ca
   stream = _optional(body, "stream", False)
   if not isinstance(stream, bool):
     raise ApiError(400, f"stream must be true or false, got {json.dumps(stream)}", "stream")
+  include_usage, continuous = _stream_options(body.get("stream_options"), stream)
   return CompletionParams(prompts, max_tokens, float(temperature), top_k, None if top_p is None else float(top_p),
-                          _stop(body.get("stop")), seed, stream, _include_usage(body.get("stream_options"), stream))
+                          _stop(body.get("stop")) + extra_stop, seed, stream, include_usage, continuous)
 
 
 def _optional(body: dict, name: str, default):
@@ -183,16 +265,18 @@ def _stop(stop) -> tuple[str, ...]:
   return tuple(stops)
 
 
-def _include_usage(options, stream: bool) -> bool:
+def _stream_options(options, stream: bool) -> tuple[bool, bool]:
+  """(include_usage, continuous_usage_stats) of stream_options."""
   if options is None:
-    return False
+    return False, False
   if not stream:
     raise ApiError(400, "stream_options is only allowed with stream=true", "stream_options")
-  if not isinstance(options, dict) or set(options) - {"include_usage"} or not isinstance(
-      options.get("include_usage", False), bool):
-    raise ApiError(400, f"stream_options must be {{\"include_usage\": true|false}}, got {json.dumps(options)[:80]}",
-                   "stream_options")
-  return options.get("include_usage", False)
+  names = ("include_usage", "continuous_usage_stats")
+  if not isinstance(options, dict) or set(options) - set(names) or not all(
+      isinstance(options.get(name, False), bool) for name in names):
+    raise ApiError(400, f"stream_options must be {{\"include_usage\": true|false, \"continuous_usage_stats\": "
+                        f"true|false}}, got {json.dumps(options)[:80]}", "stream_options")
+  return options.get("include_usage", False), options.get("continuous_usage_stats", False)
 
 
 def completion_body(cid: str, created: int, model: str, choices: list[dict], usage: dict | None) -> dict:
@@ -210,3 +294,28 @@ def choice(index: int, text: str, finish_reason: str | None) -> dict:
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
   return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
           "total_tokens": prompt_tokens + completion_tokens}
+
+
+def chat_body(cid: str, created: int, model: str, choices: list[dict], usage: dict | None) -> dict:
+  """A chat.completion object (the whole answer)."""
+  body = {"id": cid, "object": "chat.completion", "created": created, "model": model, "choices": choices}
+  if usage is not None:
+    body["usage"] = usage
+  return body
+
+
+def chat_chunk(cid: str, created: int, model: str, choices: list[dict], usage: dict | None) -> dict:
+  """A chat.completion.chunk object (one streamed chunk)."""
+  body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
+  if usage is not None:
+    body["usage"] = usage
+  return body
+
+
+def chat_choice(index: int, text: str, finish_reason: str | None) -> dict:
+  return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+          "finish_reason": finish_reason}
+
+
+def chat_delta(index: int, delta: dict, finish_reason: str | None) -> dict:
+  return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}

@@ -4,6 +4,13 @@
   slots = admit(model, params, slots, tokens, lengths, rows, ...)   # prefill Bp prompts [Bp, T] into rows [Bp]
   tokens, count, slots = decode_chunk(model, params, slots, active, steps=N, stop_tokens=...)   # [S, N]
 
+Chunked prefill feeds long prompts in pieces to L prefill lanes, a Decoding of L rows apart from the slots (so decode
+chunks never touch a half-fed prompt), then places each fed lane into its row:
+
+  lanes = empty_lanes(model, L)
+  lanes = feed_lanes(model, params, lanes, tokens, lengths, fresh)    # one piece [L, P] per lane (0 tokens: idle)
+  slots = place(slots, lanes, rows, key_data, budget, ...)            # lanes -> rows, as admit writes them
+
 Every row carries its own state, next-token logits, position, sampling settings and PRNG key, so what a row samples
 does not depend on the other rows: its i-th token is drawn with fold_in(key, i) from its own logits, exactly as
 `LanguageModel.generate` draws the i-th token of a single prompt from the same seed. Rows are independent in the
@@ -62,6 +69,26 @@ def empty_slots(model: model_lib.LM, rows: int) -> Slots:
   # call of each program would compile again for committed inputs.
   device = jax.devices()[0]
   return jax.tree.map(lambda leaf: jax.device_put(jnp.array(leaf, copy=True), device), slots)
+
+
+def empty_lanes(model: model_lib.LM, lanes: int) -> generation.Decoding:
+  """L empty prefill lanes (a Decoding of L rows, as `feed_lanes` carries them)."""
+  cfg = model.cfg
+  decoding = generation.Decoding(model_lib.init_state(cfg, lanes, model.cache_capacity),
+                                 jnp.zeros((lanes, cfg.vocab_size), jnp.float32), jnp.zeros((lanes,), jnp.int32),
+                                 jnp.zeros((lanes,), jnp.int32), jnp.zeros((lanes,), bool),
+                                 jnp.zeros((lanes,), jnp.int32))
+  device = jax.devices()[0]
+  return jax.tree.map(lambda leaf: jax.device_put(jnp.array(leaf, copy=True), device), decoding)
+
+
+def _where_rows(mask: jax.Array, new, old, axes):
+  """Per leaf, `new`'s rows where mask [B] holds, else `old`'s (rows along each leaf's batch axis `axes`)."""
+  def pick(a, b, axis):
+    shape = [1] * a.ndim
+    shape[axis] = mask.shape[0]
+    return jnp.where(mask.reshape(shape), a, b.astype(a.dtype))
+  return jax.tree.map(pick, new, old, axes)
 
 
 def state_batch_axes(model: model_lib.LM):
@@ -143,6 +170,41 @@ def admit(model: model_lib.LM, params, slots: Slots, tokens: jax.Array, lengths:
   new = Slots(d._replace(state=None, generated=jnp.zeros((batch,), jnp.int32)),
               budget, sample_keys, temperature, top_k, top_p, latents)
   state = _put_rows(slots.decoding.state, d.state, rows, axes)
+  rest = _put_rows(slots._replace(decoding=slots.decoding._replace(state=None)), new, rows)
+  return rest._replace(decoding=rest.decoding._replace(state=state))
+
+
+@functools.partial(jax.jit, static_argnames=("model", "axes"), donate_argnames=("lanes",))
+def feed_lanes(model: model_lib.LM, params, lanes: generation.Decoding, tokens: jax.Array, lengths: jax.Array,
+               fresh: jax.Array, *, axes) -> generation.Decoding:
+  """Runs one piece per lane, tokens [L, P] left-padded to `lengths` [L], through the model from each lane's state
+  (from empty where `fresh` [L]) -> the lanes after it: state, the next-token logits, positions (tokens fed so far)
+  and last token. A lane of length 0 is idle and unchanged. Feeding a prompt in pieces this way gives the state and
+  logits of prefilling it whole (`generation.prefill`), up to float rounding. Not for latent models (z is fitted
+  to the whole prompt)."""
+  batch, length = tokens.shape
+  empty = model_lib.init_state(model.cfg, batch, model.cache_capacity)
+  state = _where_rows(fresh, empty, lanes.state, axes)
+  valid, _ = generation.prompt_mask(lengths, length)
+  logits, after = generation.run_model(model, params, tokens, state, None, None, valid, True)
+  busy = lengths > 0
+  positions = jnp.where(fresh, 0, lanes.positions) + lengths
+  return generation.Decoding(_where_rows(busy, after, state, axes),
+                             jnp.where(busy[:, None], logits[:, -1].astype(jnp.float32), lanes.logits),
+                             positions, jnp.where(busy, tokens[:, -1], lanes.last_token), lanes.done,
+                             lanes.generated)
+
+
+@functools.partial(jax.jit, static_argnames=("axes",), donate_argnames=("slots",))
+def place(slots: Slots, lanes: generation.Decoding, rows: jax.Array, key_data: jax.Array, budget: jax.Array,
+          temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, *, axes) -> Slots:
+  """Writes every lane into the row `rows` [L] names (an index of S: the lane is not placed), with its request's
+  settings as `admit` takes them, ready to decode."""
+  keys = jax.vmap(jax.random.split)(jax.random.wrap_key_data(key_data))
+  count = rows.shape[0]
+  d = lanes._replace(state=None, done=jnp.zeros((count,), bool), generated=jnp.zeros((count,), jnp.int32))
+  new = Slots(d, budget, keys[:, 0], temperature, top_k, top_p, None)
+  state = _put_rows(slots.decoding.state, lanes.state, rows, axes)
   rest = _put_rows(slots._replace(decoding=slots.decoding._replace(state=None)), new, rows)
   return rest._replace(decoding=rest.decoding._replace(state=state))
 

@@ -1,6 +1,9 @@
-"""`ltm serve` over real HTTP on 127.0.0.1: completions equal `LanguageModel.generate`, alone and in a crowd;
-streaming; stop strings; a disconnect frees its row; 429 on a full queue; OpenAI-style 4xx for bad requests; the
-official `openai` client; a latent model's z fitted per request; the CLI's refusal of an address it cannot use.
+"""`ltm serve` over real HTTP on 127.0.0.1: completions equal `LanguageModel.generate`, alone and in a crowd, and
+for a long prompt prefilled in pieces while another request decodes; streaming; stop strings and the tokens counted
+after them; a disconnect frees its row; 429 on a full queue that cancelled requests leave at once, 400 for more
+prompts than the queue; failures and the request timeout as HTTP errors or error events; chat completions and their
+template; OpenAI-style 4xx for bad requests; the official `openai` client; the metrics' values; a latent model's z
+fitted per request; the CLI's refusal of an address it cannot use.
 
 The model is a micro hybrid (RWKV-4 + attention, context 64) saved to a workdir from its initialisation with the head
 scaled up, as tests/test_generate.py does: random init gives near-uniform logits, and spread logits make greedy
@@ -13,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import json
 import socket
 import threading
@@ -20,6 +24,7 @@ import time
 
 import httpx
 import jax
+import numpy as np
 import openai
 import pytest
 import uvicorn
@@ -28,7 +33,8 @@ from conftest import micro_config
 from ltm_jax import api, cli
 from ltm_jax import model as model_lib
 from ltm_jax.config import LatentConfig
-from ltm_jax.serve import Engine
+from ltm_jax.serve import Engine, protocol
+from ltm_jax.serve import engine as engine_lib
 from ltm_jax.serve import slots as slots_lib
 from ltm_jax.serve.app import create_app
 from ltm_jax.train import checkpoint as ckpt_lib
@@ -78,11 +84,12 @@ def expected(lm) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def _running(engine: Engine, name: str):
+def _running(engine: Engine, name: str, **app_options):
   """The app over `engine` under uvicorn in a thread, on a socket bound to a free port of 127.0.0.1."""
   sock = socket.socket()
   sock.bind(("127.0.0.1", 0))
-  server = uvicorn.Server(uvicorn.Config(create_app(engine, name), log_level="warning", lifespan="on"))
+  server = uvicorn.Server(uvicorn.Config(create_app(engine, name, **app_options), log_level="warning",
+                                         lifespan="on"))
   thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
   thread.start()
   _wait_for(lambda: server.started, "the server to start")
@@ -96,10 +103,10 @@ def _running(engine: Engine, name: str):
 
 @pytest.fixture(scope="module")
 def server(lm):
-  """(base URL, engine): 16 rows, chunks of 8 steps, two prompt-length buckets and one prefill group size (three
-  programs to compile)."""
-  engine = Engine(lm, max_batch=SLOTS, chunk=8, max_wait_ms=50, queue=QUEUE, length_buckets=(16, CONTEXT),
-                  group_sizes=(SLOTS,))
+  """(base URL, engine): 16 rows, chunks of 8 steps; prompts of up to 16 tokens prefilled whole (one length bucket,
+  one group size), longer ones in pieces of 16 tokens in 4 lanes (four programs to compile)."""
+  engine = Engine(lm, max_batch=SLOTS, chunk=8, max_wait_ms=50, queue=QUEUE, length_buckets=(16,),
+                  group_sizes=(SLOTS,), prefill_chunk=16, prefill_lanes=4)
   engine.start()
   with _running(engine, lm.config.name) as url:
     yield url, engine
@@ -148,8 +155,22 @@ def _metric(client, name: str) -> float:
   return float(lines[0].split(" ")[-1]) if lines else 0.0
 
 
-def _compiled() -> tuple[int, int]:
-  return slots_lib.admit._cache_size(), slots_lib.decode_chunk._cache_size()
+def _compiled() -> tuple[int, ...]:
+  return tuple(f._cache_size() for f in (slots_lib.admit, slots_lib.decode_chunk, slots_lib.feed_lanes,
+                                         slots_lib.place))
+
+
+def _recording(engine: Engine, monkeypatch, *names: str) -> list[tuple[str, object]]:
+  """Records the engine's calls of the methods `names` in order, as (name, first argument)."""
+  calls = []
+  for name in names:
+    method = getattr(engine, name)
+
+    def recorded(*args, _name=name, _method=method):
+      calls.append((_name, args[0] if args else None))
+      return _method(*args)
+    monkeypatch.setattr(engine, name, recorded)
+  return calls
 
 
 def test_greedy_completions_equal_generate_alone_and_sixteen_together(server, lm, expected, client):
@@ -215,11 +236,19 @@ def test_stop_strings_end_the_text_streamed_or_not(server, expected, client):
   stop = expected["SELECT"][9:11]
   cut = expected["SELECT"][:expected["SELECT"].find(stop)]
   body = {"prompt": "SELECT", "max_tokens": NEW, "temperature": 0, "stop": [stop, "\x00never"]}
-  answer = _complete(client, **body)["choices"][0]
+  assert cut.isascii()  # One token per character: the tokens behind the text are its length.
+  whole = _complete(client, **body)
+  answer = whole["choices"][0]
   assert (answer["text"], answer["finish_reason"]) == (cut, "stop")
-  with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+  assert whole["usage"]["completion_tokens"] == len(cut)  # Not the tokens drawn up to the chunk's end.
+  options = {"include_usage": True, "continuous_usage_stats": True}
+  with client.stream("POST", "/v1/completions", json={**body, "stream": True, "stream_options": options}) as response:
     chunks = [json.loads(e) for e in _sse(response.iter_lines())[:-1]]
-  assert "".join(c["choices"][0]["text"] for c in chunks) == cut
+  assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == cut
+  counts = [c["usage"]["completion_tokens"] for c in chunks]
+  assert counts == sorted(counts) and counts[-1] == len(cut)
+  assert all(c["usage"]["completion_tokens"] == len(text) for c, text in zip(
+      chunks, itertools.accumulate(c["choices"][0]["text"] for c in chunks if c["choices"])))
 
 
 def test_a_disconnect_frees_the_row(server, client, monkeypatch):
@@ -238,8 +267,10 @@ def test_a_disconnect_frees_the_row(server, client, monkeypatch):
   assert client.get("/health").json()["occupancy"] == 0
 
 
-def test_a_full_queue_answers_429(server, client, monkeypatch):
+def test_a_full_queue_answers_429_and_cancelled_requests_leave_it_at_once(server, client, monkeypatch):
   url, engine = server
+  too_many = client.post("/v1/completions", json={"prompt": ["q"] * (QUEUE + 1), "max_tokens": 2})
+  assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "prompt"  # It could never fit.
 
   async def flood(waiting, release):
     async with httpx.AsyncClient(base_url=url, timeout=DEADLINE) as c:
@@ -250,8 +281,13 @@ def test_a_full_queue_answers_429(server, client, monkeypatch):
       await asyncio.to_thread(_wait_for, lambda: engine.queue_depth == QUEUE, "a full queue")
       refused = await c.post("/v1/completions", json=body)
       depth = _metric(client, "ltm_queue_depth")
+      for request in queued[:3]:
+        request.cancel()  # The clients go away while their requests wait.
+      await asyncio.to_thread(_wait_for, lambda: engine.queue_depth == QUEUE - 3, "cancelled requests to leave")
+      taken = [asyncio.ensure_future(c.post("/v1/completions", json=body)) for _ in range(3)]
+      await asyncio.to_thread(_wait_for, lambda: engine.queue_depth == QUEUE, "their places to be taken")
       release.set()
-      return refused, depth, await asyncio.gather(first, *queued)
+      return refused, depth, await asyncio.gather(first, *queued[3:], *taken)
 
   with _held(engine, monkeypatch) as (waiting, release):
     refused, depth, served = asyncio.run(flood(waiting, release))
@@ -259,6 +295,9 @@ def test_a_full_queue_answers_429(server, client, monkeypatch):
   assert refused.json()["error"]["code"] == "queue_full"
   assert depth == QUEUE
   assert [r.status_code for r in served] == [200] * (QUEUE + 1)
+  texts = {r.json()["choices"][0]["text"] for r in served}
+  assert len(texts) == 1  # Greedy: every answer to the same prompt is the same.
+  assert _complete(client, prompt="q", max_tokens=2, temperature=0)["choices"][0]["text"] in texts
 
 
 BAD_REQUESTS = [  # (body: a dict sent as JSON or raw bytes, the status, the field blamed)
@@ -329,14 +368,146 @@ def test_the_openai_client_can_call_the_server(server, lm, expected):
     client.completions.create(model=lm.config.name, prompt="x", max_tokens=0)
 
 
-def test_metrics_are_prometheus_text(server, client):
-  text = client.get("/metrics").text
-  for name in ("ltm_requests_total", "ltm_generated_tokens_total", "ltm_batch_occupancy", "ltm_queue_depth",
-               "ltm_time_to_first_token_seconds_bucket", "ltm_time_per_output_token_seconds_bucket",
-               "ltm_compiled_programs"):
-    assert name in text
-  assert _metric(client, 'ltm_requests_total{status="200"}') >= 1
-  assert _metric(client, "ltm_generated_tokens_total") > 0
+def test_metrics_count_what_the_answers_say(server, client):
+  names = ('ltm_requests_total{status="200"}', "ltm_generated_tokens_total", "ltm_prompt_tokens_total",
+           'ltm_finished_requests_total{reason="length"}', "ltm_time_per_output_token_seconds_count",
+           "ltm_time_per_output_token_seconds_sum", "ltm_decode_chunk_seconds_count", "ltm_decode_chunk_seconds_sum",
+           "ltm_time_to_first_token_seconds_count")
+  before = {name: _metric(client, name) for name in names}
+  answer = _complete(client, prompt="Hi", max_tokens=8, temperature=0)  # One chunk of 8 steps.
+  delta = {name: _metric(client, name) - before[name] for name in names}
+  assert answer["usage"] == {"prompt_tokens": 2, "completion_tokens": 8, "total_tokens": 10}
+  assert answer["choices"][0]["finish_reason"] == "length"
+  assert delta['ltm_requests_total{status="200"}'] == 1
+  assert delta["ltm_generated_tokens_total"] == 8 and delta["ltm_prompt_tokens_total"] == 2
+  assert delta['ltm_finished_requests_total{reason="length"}'] == 1
+  assert delta["ltm_time_to_first_token_seconds_count"] == 1
+  assert delta["ltm_decode_chunk_seconds_count"] == 1 and delta["ltm_time_per_output_token_seconds_count"] == 1
+  # Eight tokens drawn in one chunk are timed at its eight steps: 7 gaps of a step each, an eighth of the chunk
+  # (0 if the tokens were timed when the chunk handed them out).
+  assert delta["ltm_time_per_output_token_seconds_sum"] == pytest.approx(delta["ltm_decode_chunk_seconds_sum"] / 8)
+  assert _metric(client, "ltm_compiled_programs") == server[1].programs == 4
+
+
+def test_a_row_times_each_token_at_its_step_and_counts_the_tokens_it_returns(lm):
+  row = engine_lib._Row(engine_lib.Request(np.array([1], np.int32), 16, lambda event: None), lm.tokenizer)
+  tokens = np.frombuffer(b"abcdefgh", np.uint8).astype(np.int32)
+  assert row.add(tokens, lm.tokenizer.eos_id, 0.0, 8.0, 8) is None  # Tokens at 1, 2, ..., 8 s.
+  assert row.add(tokens, lm.tokenizer.eos_id, 10.0, 18.0, 8) == "length"  # At 11, ..., 18 s.
+  assert row.time_per_token() == pytest.approx(17 / 15)
+  stopped = engine_lib._Row(engine_lib.Request(np.array([1], np.int32), 16, lambda event: None, stop=("cd",)),
+                            lm.tokenizer)
+  assert stopped.add(tokens, lm.tokenizer.eos_id, 0.0, 8.0, 8) == "stop"
+  assert (stopped.text, stopped.produced, stopped.returned) == ("ab", 8, 2)
+  assert stopped.time_per_token() == pytest.approx(1.0)
+
+
+def test_a_long_prompt_is_prefilled_in_pieces_while_another_request_decodes(server, expected, client, monkeypatch):
+  _, engine = server
+  calls = _recording(engine, monkeypatch, "_feed_lanes", "_place", "_decode")
+  short, long = PROMPTS[3], PROMPTS[15]  # 4 and 36 tokens: the long one is fed as 4 + 16 + 16.
+  answer = _complete(client, prompt=[short, long], max_tokens=NEW, temperature=0)
+  assert [c["text"] for c in answer["choices"]] == [expected[short], expected[long]]
+  names = [name for name, _ in calls]
+  pieces = [[len(ids) for ids, _ in argument.values()] for name, argument in calls if name == "_feed_lanes"]
+  assert pieces == [[4], [16], [16]]
+  placed = names.index("_place")
+  # The short request decoded between the pieces, and the long one joined its batch mid-decode.
+  assert names[:placed] == ["_feed_lanes", "_decode", "_feed_lanes", "_decode", "_feed_lanes"]
+  assert names[placed + 1:].count("_decode") >= 1
+
+
+def test_a_failure_is_an_http_error_or_an_error_event_never_a_finish_reason(server, client, monkeypatch):
+  _, engine = server
+
+  def broken(active):
+    raise RuntimeError("the device went away")
+
+  monkeypatch.setattr(engine, "_decode", broken)
+  with client.stream("POST", "/v1/completions", json={"prompt": ["ab", "cd"], "max_tokens": 4,
+                                                      "stream": True}) as response:
+    events = _sse(response.iter_lines())
+  assert events[-1] == "[DONE]"
+  bodies = [json.loads(e) for e in events[:-1]]
+  assert "the device went away" in bodies[-1]["error"]["message"]
+  assert all(c["finish_reason"] in (None, "stop", "length") for b in bodies[:-1] for c in b["choices"])
+  failed = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 4})
+  assert failed.status_code == 500 and "the device went away" in failed.json()["error"]["message"]
+  monkeypatch.undo()
+  assert _complete(client, prompt="ab", max_tokens=4)["usage"]["completion_tokens"] <= 4  # Serving again.
+
+
+def test_the_request_timeout_cancels_and_answers_504_or_an_error_event(server, lm, monkeypatch):
+  _, engine = server
+  with _running(engine, lm.config.name, request_timeout=0.5, stop_engine_on_shutdown=False) as url, \
+      httpx.Client(base_url=url, timeout=DEADLINE) as client, _held(engine, monkeypatch) as (waiting, _):
+    started = time.monotonic()
+    late = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 8})
+    assert late.status_code == 504 and late.json()["error"]["code"] == "timeout"
+    assert 0.5 <= time.monotonic() - started < DEADLINE / 2
+    assert waiting.is_set()  # It held a row, which the scheduler frees at its next chunk.
+    with client.stream("POST", "/v1/completions", json={"prompt": "abc", "max_tokens": 8,
+                                                        "stream": True}) as response:
+      events = _sse(response.iter_lines())
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "timeout"
+    assert engine.queue_depth == 0  # The streamed one waited in the queue, and left it when cancelled.
+  _wait_for(lambda: engine.occupancy == 0, "the timed-out request's row to be freed")
+
+
+CHAT_BAD = [  # (messages, a part of the message)
+    (None, "messages must be"),
+    ([], "messages must be"),
+    ("hi", "messages must be"),
+    ([{"role": "user"}], "messages[0].content"),
+    ([{"role": "user", "content": 5}], "messages[0].content"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}], "messages[0].content"),
+    ([{"role": "robot", "content": "hi"}], "messages[0].role"),
+    ([{"role": "tool", "content": "hi"}], "messages[0].role"),
+    ([{"role": "user", "content": "hi", "tool_calls": []}], "tool_calls"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], "the last message"),
+    ([{"role": "user", "content": "x" * CONTEXT}], "context"),
+]
+
+
+def test_chat_messages_are_checked_and_put_in_the_documented_turn_format(server, client):
+  messages = [{"role": "system", "content": " Be brief. "}, {"role": "user", "content": "Hi\r\n\n\nthere"},
+              {"role": "assistant", "content": [{"type": "text", "text": "Hello"}]}, {"role": "user", "content": "?"}]
+  assert protocol.chat_prompt(messages) == ("System: Be brief.\n\nUser: Hi\nthere\n\nAssistant: Hello\n\n"
+                                            "User: ?\n\nAssistant:")
+  for messages, part in CHAT_BAD:
+    response = client.post("/v1/chat/completions", json={"messages": messages})
+    assert response.status_code == 400, (messages, response.text)
+    error = response.json()["error"]
+    assert part in error["message"] and "\n" not in error["message"] and error["param"] == "messages", error
+  response = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "n": 2})
+  assert response.status_code == 400 and response.json()["error"]["param"] == "n"
+
+
+def test_chat_completions_answer_what_the_template_prompt_continues_to(server, lm, client):
+  messages = [{"role": "user", "content": "Hi"}]
+  prompt = "User: Hi\n\nAssistant:"
+  reference = _complete(client, prompt=prompt, max_tokens=NEW, temperature=0, stop=["\n\nUser:"])
+  body = {"model": lm.config.name, "messages": messages, "max_tokens": NEW, "temperature": 0}
+  response = client.post("/v1/chat/completions", json=body)
+  assert response.status_code == 200, response.text
+  answer = response.json()
+  (choice,) = answer["choices"]
+  assert answer["object"] == "chat.completion" and choice["message"]["role"] == "assistant"
+  assert choice["message"]["content"] == reference["choices"][0]["text"].lstrip()
+  assert choice["finish_reason"] == reference["choices"][0]["finish_reason"]
+  assert answer["usage"] == reference["usage"] and answer["usage"]["prompt_tokens"] == len(prompt)
+  with client.stream("POST", "/v1/chat/completions",
+                     json={**body, "stream": True, "stream_options": {"include_usage": True}}) as streamed:
+    chunks = [json.loads(e) for e in _sse(streamed.iter_lines())[:-1]]
+  assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+  deltas = [c["choices"][0] for c in chunks if c["choices"]]
+  assert deltas[0]["delta"]["role"] == "assistant"
+  assert "".join(d["delta"].get("content", "") for d in deltas) == choice["message"]["content"]
+  assert [d["finish_reason"] for d in deltas] == [None] * (len(deltas) - 1) + [choice["finish_reason"]]
+  assert chunks[-1]["usage"] == answer["usage"]
+  official = openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0)
+  reply = official.chat.completions.create(model=lm.config.name, messages=messages, max_tokens=NEW, temperature=0)
+  assert reply.choices[0].message.content == choice["message"]["content"]
 
 
 def test_a_latent_model_infers_each_requests_z_from_its_own_prompt():
