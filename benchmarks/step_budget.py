@@ -472,10 +472,9 @@ def compile_step(cfg, target: str):
   optimizer = make_optimizer(t)
   step = make_train_step(model_lib.LM(cfg.model, cfg.latent), optimizer, learning_rate(t), t.grad_accum)
   if target == "h100-aot":
+    import gpu_aot  # pylint: disable=g-import-not-at-top  (benchmarks/gpu_aot.py: the H100 target description)
     from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
     from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
-
-    import gpu_aot  # pylint: disable=g-import-not-at-top  (benchmarks/gpu_aot.py: the H100 target description)
     topology = topologies.get_topology_desc(platform="cuda", target_config=gpu_aot.H100_TARGET_CONFIG,
                                             topology="1x1x1")
     mesh = topologies.make_mesh(topology, (1,), ("x",))
@@ -650,7 +649,7 @@ def main(argv=None) -> int:
       try:
         per_kernel, profile_note = profile(run, 3)
         unclaimed = attribute(rows, per_kernel)
-      except Exception as e:  # pylint: disable=broad-except  (the budget stands without the profile)
+      except Exception as e:  # noqa: BLE001  (the budget stands without the profile)
         profile_note = f"profile failed: {type(e).__name__}: {e}"
   has_measured = any("measured_ms" in r for r in rows)
 
@@ -700,7 +699,7 @@ def main(argv=None) -> int:
       "unclaimed_profile_ms": unclaimed, "categories": categories, "sources": by_source[:100],
       "kernels": top[:300],
       "packages": {"jax": jax.__version__}, "python": platform.python_version(),
-      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
   }
   path = pathlib.Path(args.out or BENCH / "results" / f"step-budget-{cfg.name}{'-quick' if args.quick else ''}-"
                       f"{device}.json")

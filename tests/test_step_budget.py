@@ -7,7 +7,6 @@ import json
 import sys
 
 import pytest
-
 from conftest import ROOT
 
 _spec = importlib.util.spec_from_file_location("step_budget", ROOT / "benchmarks" / "step_budget.py")
