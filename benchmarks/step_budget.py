@@ -629,7 +629,7 @@ def main(argv=None) -> int:
   else:
     compiled, run = compile_step(cfg, target)
     text = compiled.as_text()
-  compile_s = time.perf_counter() - started
+  compile_s = None if args.from_hlo else time.perf_counter() - started
   if args.hlo_out:
     pathlib.Path(args.hlo_out).write_text(text)
   comps, entry, frames = parse_hlo(text)
@@ -639,6 +639,13 @@ def main(argv=None) -> int:
     cost = compiled.cost_analysis() if compiled is not None else {}
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     xla_cost = {k: float(cost[k]) for k in ("flops", "bytes accessed", "transcendentals") if k in cost}
+
+  memory = None
+  with contextlib.suppress(Exception):
+    m = compiled.memory_analysis()
+    memory = {k: getattr(m, f"{k}_size_in_bytes") / 2**30 for k in ("temp", "argument", "output", "alias")}
+  if memory:
+    print(f"# compiled memory (GiB): " + ", ".join(f"{k} {v:.2f}" for k, v in memory.items()), flush=True)
 
   measured_step, step_times, profile_note, unclaimed = args.measured_ms, None, None, None
   if run is not None:
@@ -658,11 +665,13 @@ def main(argv=None) -> int:
   total = {k: sum(g[k] for g in categories) for k in ("kernels", "gflops", "gbytes", "roofline_ms", "predicted_ms")}
   for g in categories:
     g["share"] = g["predicted_ms"] / total["predicted_ms"] if total["predicted_ms"] else 0.0
+  passes = summarize([dict(r, **{"pass": "backward" if r["backward"] else "forward/other"}) for r in rows], "pass")
   lines = [r for r in rows if r["where"]]
   by_source = sorted(summarize(lines, "where"), key=lambda g: -g["predicted_ms"])
   top = sorted(rows, key=lambda r: -r["predicted_ms"])
 
-  print(f"# compiled in {compile_s:.1f} s; {len(rows)} kernel instructions, {total['kernels']} launches a step")
+  print(f"# {'read ' + args.from_hlo if args.from_hlo else f'compiled in {compile_s:.1f} s'}; {len(rows)} kernel "
+        f"instructions, {total['kernels']} launches a step")
   for n in notes[:5]:
     print(f"# note: {n}")
   print("\nper category (ms a step; predicted = max(roofline, kernel benchmark) + launches):")
@@ -671,6 +680,7 @@ def main(argv=None) -> int:
   if has_measured:
     cols.append(("measured_ms", "measured", 9))
   _print(categories + [{"category": "total", **total, "share": 1.0}], cols)
+  print("by pass: " + ", ".join(f"{g['pass']} {g['predicted_ms']:.2f} ms ({g['kernels']} launches)" for g in passes))
   if measured_step:
     print(f"measured step {measured_step:.2f} ms: predicted {total['predicted_ms']:.2f} ms is "
           f"{total['predicted_ms'] / measured_step:.2f} of it; roofline {total['roofline_ms'] / measured_step:.2f}")
@@ -694,9 +704,9 @@ def main(argv=None) -> int:
       "config": cfg.name, "config_file": args.config, "overrides": args.overrides, "quick": args.quick,
       "device": device, "target": device_desc, "batch": f"{cfg.train.batch_size}x{cfg.train.seq_len}",
       "params": info["params"], "model_flops_per_step": info["flops_per_step_train"],
-      "ceilings": ceilings, "compile_s": round(compile_s, 1), "xla_cost_analysis": xla_cost, "notes": notes,
+      "ceilings": ceilings, "compile_s": compile_s and round(compile_s, 1), "from_hlo": args.from_hlo, "xla_cost_analysis": xla_cost, "memory_gib": memory, "notes": notes,
       "total": total, "measured_step_ms": measured_step, "step_times_ms": step_times, "profile": profile_note,
-      "unclaimed_profile_ms": unclaimed, "categories": categories, "sources": by_source[:100],
+      "unclaimed_profile_ms": unclaimed, "categories": categories, "passes": passes, "sources": by_source[:100],
       "kernels": top[:300],
       "packages": {"jax": jax.__version__}, "python": platform.python_version(),
       "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
