@@ -645,7 +645,7 @@ def main(argv=None) -> int:
     m = compiled.memory_analysis()
     memory = {k: getattr(m, f"{k}_size_in_bytes") / 2**30 for k in ("temp", "argument", "output", "alias")}
   if memory:
-    print(f"# compiled memory (GiB): " + ", ".join(f"{k} {v:.2f}" for k, v in memory.items()), flush=True)
+    print("# compiled memory (GiB): " + ", ".join(f"{k} {v:.2f}" for k, v in memory.items()), flush=True)
 
   measured_step, step_times, profile_note, unclaimed = args.measured_ms, None, None, None
   if run is not None:
