@@ -707,7 +707,7 @@ def main(argv=None) -> int:
       "ceilings": ceilings, "compile_s": compile_s and round(compile_s, 1), "from_hlo": args.from_hlo, "xla_cost_analysis": xla_cost, "memory_gib": memory, "notes": notes,
       "total": total, "measured_step_ms": measured_step, "step_times_ms": step_times, "profile": profile_note,
       "unclaimed_profile_ms": unclaimed, "categories": categories, "passes": passes, "sources": by_source[:100],
-      "kernels": top[:300],
+      "kernels": [dict(r, op_name=r["op_name"][-160:]) for r in top],
       "packages": {"jax": jax.__version__}, "python": platform.python_version(),
       "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
   }
