@@ -648,11 +648,16 @@ def main(argv=None) -> int:
     print("# compiled memory (GiB): " + ", ".join(f"{k} {v:.2f}" for k, v in memory.items()), flush=True)
 
   measured_step, step_times, profile_note, unclaimed = args.measured_ms, None, None, None
+  run_error = None
   if run is not None:
-    run(2)  # Warm-up.
-    step_times = run(args.steps)
-    measured_step = statistics.median(step_times)
-    if jax.default_backend() == "gpu" and not args.no_profile:
+    try:
+      run(2)  # Warm-up.
+      step_times = run(args.steps)
+      measured_step = statistics.median(step_times)
+    except Exception as e:  # noqa: BLE001  (out of memory, say: the budget of the compiled program still stands)
+      run_error = " ".join(f"{type(e).__name__}: {e}".split())[:1000]
+      print(f"# the step did not run: {run_error}", flush=True)
+    if step_times and jax.default_backend() == "gpu" and not args.no_profile:
       try:
         per_kernel, profile_note = profile(run, 3)
         unclaimed = attribute(rows, per_kernel)
@@ -705,7 +710,7 @@ def main(argv=None) -> int:
       "device": device, "target": device_desc, "batch": f"{cfg.train.batch_size}x{cfg.train.seq_len}",
       "params": info["params"], "model_flops_per_step": info["flops_per_step_train"],
       "ceilings": ceilings, "compile_s": compile_s and round(compile_s, 1), "from_hlo": args.from_hlo, "xla_cost_analysis": xla_cost, "memory_gib": memory, "notes": notes,
-      "total": total, "measured_step_ms": measured_step, "step_times_ms": step_times, "profile": profile_note,
+      "total": total, "measured_step_ms": measured_step, "step_times_ms": step_times, "run_error": run_error, "profile": profile_note,
       "unclaimed_profile_ms": unclaimed, "categories": categories, "passes": passes, "sources": by_source[:100],
       "kernels": [dict(r, op_name=r["op_name"][-160:]) for r in top],
       "packages": {"jax": jax.__version__}, "python": platform.python_version(),
