@@ -1,9 +1,10 @@
 """A 125M-class RWKV-7 (x070) model for one or more GPUs, bfloat16 compute: 12 RWKV-7 layers of d_model 768 (12 heads
 of 64 x 64 state, head size 64), each with RWKV-7's channel mix (hidden 4 x 768), ln0 and the low-rank widths of the
 official x070 0.1B model (decay 64, iclr 64, value residual 32, gate 128). Batch and sequence as configs/base_125m.py,
-its attention counterpart. Its 64 x 2048 step compiled for one H100 without remat needs 76 GiB of temporaries
-(benchmarks/step_budget.py; 54 GiB at 32 x 2048): on one 80 GB GPU run it with train.grad_accum=2 (two micro-batches of 32) or a remat
-policy. Point `data.source` at your own text or .bin tokens for anything beyond a smoke test."""
+its attention counterpart. Compiled for one H100 without remat (benchmarks/step_budget.py), its 64 x 2048 step
+needs 76 GiB of temporaries even after XLA's own rematerialization, and 54 GiB at 32 x 2048: on one 80 GB GPU run it
+with train.grad_accum=2 (two micro-batches of 32) or a remat policy. Point `data.source` at your own text or .bin
+tokens for anything beyond a smoke test."""
 
 from ltm_jax.config import Config, DataConfig, ModelConfig, TrainConfig
 
