@@ -1,0 +1,728 @@
+#!/usr/bin/env python3
+"""Time budget of one train step, op by op: the compiled step's kernels with FLOPs, bytes and a roofline time each.
+
+    .venv-aot/bin/python benchmarks/step_budget.py --config configs/small_rwkv7.py    # H100, deviceless (sm_90a)
+    python benchmarks/step_budget.py --config configs/base_125m_rwkv7.py --measured-ms 300   # on a GPU: + measured
+    python benchmarks/step_budget.py --quick                                           # toy config, any machine
+
+Compiles the real train step (ltm_jax.train.step, AdamW included) at the config's batch_size x seq_len and reads the
+optimized HLO: every kernel the step launches (each fusion, each custom call: Pallas/Triton kernels, cuBLAS gemms,
+cuDNN; each unfused copy, transpose, reduce, ...), with loop bodies counted once per trip. FLOPs and bytes are
+counted from the HLO's shapes: a dot 2 x output x contraction, every other arithmetic instruction one per output
+element (a reduce one per input element); bytes are the kernel's operands plus its outputs. A Pallas kernel's FLOPs
+are not counted (its HLO is one opaque call).
+
+Each kernel's roofline time is max(FLOPs / compute ceiling, bytes / copy bandwidth): bf16/f16/f8 dots against
+--matmul-tflops, float32 dots against --f32-matmul-tflops, everything else against --vector-tflops, bytes against
+--copy-tbps (read + write). The WKV-7 kernels also get a time scaled by their element count from the kernel
+benchmark's measured H100 rows (--wkv-fwd-ns, --wkv-bwd-ns); the prediction takes the larger of the two. Each
+kernel launch adds --launch-us (an assumption, not a measurement). Kernels fall into categories: matmul, WKV kernel,
+attention kernel, elementwise/fusion, reductions/norms, copies/transposes, optimizer (the AdamW update: instructions
+whose source is optax or ltm_jax/train), other.
+
+Where it compiles: with the CUDA plugin installed and no GPU, for an H100 without a device (benchmarks/gpu_aot.py's
+target description); on a machine with a GPU, for that GPU, and then it also times the step and profiles it
+(jax.profiler), attributing the measured kernel time to the same rows where the profile names them; elsewhere for
+the host CPU (the budget is then of the CPU program, with the same ceilings: a dry run of the script).
+
+Prints the per-category table, the top kernels and the top source lines, and writes
+benchmarks/results/step-budget-<config>-<device>.json (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import dataclasses
+import datetime
+import glob
+import importlib.util
+import json
+import math
+import os
+import pathlib
+import platform
+import re
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+for _p in (str(ROOT), str(BENCH)):
+  if _p not in sys.path:
+    sys.path.insert(0, _p)
+
+CATEGORIES = ("matmul", "WKV kernel", "attention kernel", "elementwise/fusion", "reductions/norms",
+              "copies/transposes", "optimizer", "other")
+
+# Measured on one H100 80GB HBM3 (benchmarks/gpu_sweep.py, shared gpu-results of 2026-11-25): copy 2.18 TB/s
+# (read + write), bf16 matmul 642 TFLOP/s; the chunked WKV-7 Pallas kernels at (8, 4096, 4096, 64) bf16 take 2.36 ms
+# forward and 12.27 ms forward + backward, i.e. per element of r [B, T, H, N]: 2.36e6 / 2^27 ns and
+# (12.27 - 2.36)e6 / 2^27 ns; the sequential ones (wkv7_forward, wkv7_backward) 10.67 and 75.64 ms. float32 and vector rates are the datasheet's (H100 SXM: 67 TFLOP/s fp32 non-tensor).
+DEFAULTS = {"matmul_tflops": 642.0, "copy_tbps": 2.18, "f32_matmul_tflops": 67.0, "vector_tflops": 67.0,
+            "wkv_fwd_ns": 2.36e6 / (8 * 4096 * 4096), "wkv_bwd_ns": (12.27 - 2.36) * 1e6 / (8 * 4096 * 4096),
+            "wkv_seq_fwd_ns": 10.67e6 / (8 * 4096 * 4096), "wkv_seq_bwd_ns": (75.64 - 10.67) * 1e6 / (8 * 4096 * 4096),
+            "launch_us": 2.0}
+
+_DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4, "s64": 8,
+                "u64": 8, "bf16": 2, "f16": 2, "f32": 4, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1,
+                "f8e4m3": 1, "f8e5m2fnuz": 1, "f8e4m3fnuz": 1, "token": 0}
+_SHAPE = re.compile(r"\b(" + "|".join(sorted(_DTYPE_BYTES, key=len, reverse=True)) + r")\[([\d,]*)\]")
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s+->\s+.*\{\s*$")
+_INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s([a-z][\w\-]*)\((.*)$")
+# Instructions that launch nothing (views, tuples, control), and the arithmetic ones (one FLOP per output element).
+_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id", "replica-id",
+         "opt-barrier", "add-dependency", "domain", "async-done", "copy-done", "send-done", "recv-done", "fusion-done",
+         "all-reduce-done", "all-gather-done", "collective-permute-done"}
+_MOVES = {"copy", "transpose", "reshape", "bitcast", "broadcast", "slice", "dynamic-slice", "dynamic-update-slice",
+          "concatenate", "pad", "reverse", "parameter", "constant", "tuple", "get-tuple-element", "iota", "gather",
+          "scatter", "convert", "copy-start", "copy-done", "bitcast-convert"}
+_ARITH = {"add", "subtract", "multiply", "divide", "maximum", "minimum", "exponential", "exponential-minus-one", "log",
+          "log-plus-one", "tanh", "logistic", "rsqrt", "sqrt", "cbrt", "power", "negate", "abs", "select", "compare",
+          "clamp", "sign", "floor", "ceil", "round-nearest-even", "round-nearest-afz", "remainder", "atan2", "sine",
+          "cosine", "and", "or", "xor", "not", "erf", "is-finite", "tan", "shift-left", "shift-right-logical",
+          "shift-right-arithmetic", "convert"}
+
+
+def _shapes(text: str) -> list[tuple[str, tuple[int, ...]]]:
+  return [(d, tuple(int(x) for x in dims.split(",") if x)) for d, dims in _SHAPE.findall(text)]
+
+
+def _nbytes(shapes) -> float:
+  return sum(_DTYPE_BYTES[d] * math.prod(dims) for d, dims in shapes)
+
+
+def _split_call(rest: str) -> tuple[str, str]:
+  """'a, b), attrs' -> ('a, b', 'attrs'): the operand list up to its closing parenthesis, then the attributes."""
+  depth = 1
+  for i, ch in enumerate(rest):
+    depth += ch == "("
+    depth -= ch == ")"
+    if depth == 0:
+      return rest[:i], rest[i + 1:]
+  return rest, ""
+
+
+@dataclasses.dataclass
+class Instr:
+  name: str
+  opcode: str
+  out: list
+  operands: list
+  operand_text: str
+  attrs: str
+  root: bool = False
+
+
+def parse_hlo(text: str) -> tuple[dict[str, list[Instr]], str, dict[int, str]]:
+  """Optimized HLO text -> ({computation: [instructions]}, name of the entry computation, {stack frame id: the
+  innermost file:line of this package or optax on that frame's stack}). Operands printed without their shapes get
+  them from the instruction of that name in the same computation."""
+  comps, entry, current, shapes = {}, None, None, {}
+  for line in text.splitlines():
+    if current is None:
+      if m := _HEADER.match(line):
+        current, shapes = comps.setdefault(m.group(2), []), {}
+        if m.group(1):
+          entry = m.group(2)
+      continue
+    if line.strip() == "}":
+      current = None
+      continue
+    if m := _INSTR.match(line):
+      operand_text, attrs = _split_call(m.group(5))
+      out = _shapes(m.group(3))
+      operands = _shapes(operand_text) or [s for name in re.findall(r"%([\w.\-]+)", operand_text)
+                                           for s in shapes.get(name, [])]
+      shapes[m.group(2)] = out
+      current.append(Instr(m.group(2), m.group(4), out, operands, operand_text, attrs, bool(m.group(1))))
+  return comps, entry, _stack_frames(text)
+
+
+_OURS = ("ltm_jax/", "ltm_pallas/", "pallas/", "optax/", "benchmarks/")
+
+
+def _stack_frames(text: str) -> dict[int, str]:
+  """Frame id -> 'file:line' of the innermost frame on its stack in ltm_jax, ltm_pallas or optax (else the innermost
+  frame), from the module's FileNames / FileLocations / StackFrames tables."""
+  tables = collections.defaultdict(dict)
+  section = None
+  for line in text.splitlines():
+    if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+      section = line
+      continue
+    if section is None:
+      continue
+    if not line.strip():
+      section = None
+      continue
+    key, _, rest = line.partition(" ")
+    if key.isdigit():
+      tables[section][int(key)] = rest
+  files = {k: _short_path(v.strip('"')) for k, v in tables["FileNames"].items()}
+  locations = {}
+  for k, v in tables["FileLocations"].items():
+    f, ln = re.search(r"file_name_id=(\d+)", v), re.search(r"\bline=(\d+)", v)
+    locations[k] = f"{files.get(int(f.group(1)), '?') if f else '?'}:{ln.group(1) if ln else '?'}"
+  frames = {}
+  for k, v in tables["StackFrames"].items():
+    loc, parent = re.search(r"file_location_id=(\d+)", v), re.search(r"parent_frame_id=(\d+)", v)
+    frames[k] = (locations.get(int(loc.group(1)), "?") if loc else "?", int(parent.group(1)) if parent else 0)
+  where = {}
+  for k in frames:
+    chain, seen, frame = [], set(), k
+    while frame in frames and frame not in seen:
+      seen.add(frame)
+      chain.append(frames[frame][0])
+      frame = frames[frame][1]
+    ours = [c for c in chain if c.startswith(_OURS)]
+    where[k] = ours[0] if ours else (chain[0] if chain else "")
+  return where
+
+
+def _short_path(path: str) -> str:
+  for marker in ("ltm_jax/", "ltm_pallas/", "pallas/", "optax/", "flax/", "benchmarks/", "jax/"):
+    if marker in path:
+      return marker + path.rsplit(marker, 1)[1]
+  return path
+
+
+def _attr(attrs: str, key: str) -> str | None:
+  m = re.search(key + r"=%?([\w.\-]+)", attrs)
+  return m.group(1) if m else None
+
+
+def _dims(attrs: str, key: str) -> list[int]:
+  """Dimension numbers from either `lhs_contracting_dims={2}` (HLO) or "lhs_contracting_dimensions":["2"] (JSON)."""
+  if m := re.search(key + r"_dims=\{([\d,]*)\}", attrs):
+    return [int(x) for x in m.group(1).split(",") if x]
+  if m := re.search('"' + key + r'_dimensions":\[([^\]]*)\]', attrs):
+    return [int(x) for x in re.findall(r"\d+", m.group(1))]
+  return []
+
+
+def _dot_flops(ins: Instr) -> float:
+  if not ins.out or not ins.operands:
+    return 0.0
+  lhs = ins.operands[0][1]
+  k = math.prod(lhs[d] for d in _dims(ins.attrs, "lhs_contracting") if d < len(lhs))
+  return 2.0 * math.prod(ins.out[0][1]) * k
+
+
+def _source(attrs: str, frames: dict[int, str]) -> tuple[str, str]:
+  """(op_name, file:line) from the instruction's metadata: source_file/source_line, else its stack frame."""
+  op = re.search(r'op_name="([^"]*)"', attrs)
+  f = re.search(r'source_file="([^"]*)"', attrs)
+  ln = re.search(r"source_line=(\d+)", attrs)
+  frame = re.search(r"stack_frame_id=(\d+)", attrs)
+  where = ""
+  if frame and frames.get(int(frame.group(1))):
+    where = frames[int(frame.group(1))]
+  elif f:
+    where = f"{_short_path(f.group(1))}:{ln.group(1) if ln else '?'}"
+  op_name = op.group(1) if op else ""
+  if where and not where.startswith(_OURS) and (scope := _module_scope(op_name)):
+    where = f"{where} {scope}"  # A library line (a flax Dense, a norm): say which module of the model called it.
+  return op_name, where
+
+
+def _module_scope(op_name: str) -> str:
+  """'jit(step)/.../LM._forward/block_3/mixer/receptance/dot_general' -> 'mixer/receptance' (the model's module path
+  below the block, without the primitive)."""
+  tail = op_name.split("_forward/", 1)[1] if "_forward/" in op_name else ""
+  parts = [p for p in tail.split("/")[:-1] if not re.fullmatch(r"block_\d+|jit\(.*\)|cond|branch_\d+_fun|while|body", p)]
+  parts = [p for i, p in enumerate(parts) if i == 0 or p != parts[i - 1]]  # flax repeats a module's own name.
+  return "/".join(parts[:3])
+
+
+def _content(comps, name: str, seen=None) -> collections.Counter:
+  """Opcode counts of a fused computation and the computations it calls."""
+  seen = seen if seen is not None else set()
+  counts = collections.Counter()
+  if name in seen or name not in comps:
+    return counts
+  seen.add(name)
+  for ins in comps[name]:
+    counts[ins.opcode] += 1
+    for key in ("calls", "to_apply"):
+      if (sub := _attr(ins.attrs, key)) and ins.opcode != "reduce":
+        counts += _content(comps, sub, seen)
+  return counts
+
+
+def _fused_cost(comps, name: str) -> tuple[float, float, str]:
+  """(FLOPs, dot FLOPs, widest dot operand dtype) of a fused computation."""
+  flops = dot_flops = 0.0
+  dot_dtype = ""
+  for ins in comps.get(name, []):
+    if ins.opcode in ("dot", "convolution"):
+      f = _dot_flops(ins)
+      flops, dot_flops = flops + f, dot_flops + f
+      dot_dtype = max([dot_dtype] + [d for d, _ in ins.operands[:2]], key=lambda d: _DTYPE_BYTES.get(d, 0))
+    elif ins.opcode in _ARITH and ins.out:
+      flops += math.prod(ins.out[0][1])
+    elif ins.opcode in ("reduce", "reduce-window") and ins.operands:
+      flops += math.prod(ins.operands[0][1])
+    elif ins.opcode == "fusion" and (sub := _attr(ins.attrs, "calls")):
+      f, d, t = _fused_cost(comps, sub)
+      flops, dot_flops = flops + f, dot_flops + d
+      dot_dtype = t or dot_dtype
+  return flops, dot_flops, dot_dtype
+
+
+def _kernel_name(ins: Instr, op_name: str) -> str:
+  """A Pallas kernel's name: the backend config's, else the name scope around its pallas_call."""
+  if m := re.search(r'"name":\s*"([^"]+)"', ins.attrs):
+    return m.group(1)
+  if m := re.search(r"([\w.\-]+)/pallas_call", op_name):
+    return m.group(1)
+  return ""
+
+
+def _is_optimizer(op_name: str, where: str) -> bool:
+  """The optimizer update: optax's transforms (not its losses) and the train step's own update code."""
+  return (where.startswith(("optax/", "ltm_jax/train/optimizer", "ltm_jax/train/step"))
+          and not where.startswith("optax/losses"))
+
+
+def classify(comps, ins: Instr, op_name: str, where: str) -> tuple[str, float, float, str, str]:
+  """(category, FLOPs, dot FLOPs, dot dtype, detail) of one launched instruction."""
+  if ins.opcode == "custom-call":
+    target = _attr(ins.attrs, "custom_call_target") or re.search(r'custom_call_target="([^"]*)"', ins.attrs).group(1)
+    name = _kernel_name(ins, op_name)
+    lowered = (name + target).lower()
+    if "wkv" in lowered:
+      return "WKV kernel", 0.0, 0.0, "", name or target
+    if "fmha" in lowered or "attention" in lowered or "flash" in lowered:
+      return "attention kernel", 0.0, 0.0, "", name or target
+    if "gemm" in lowered or "matmul" in lowered:
+      f = _dot_flops(ins)
+      return "matmul", f, f, ins.operands[0][0] if ins.operands else "", target
+    return "other", 0.0, 0.0, "", name or target
+  if ins.opcode in ("dot", "convolution"):
+    f = _dot_flops(ins)
+    return "matmul", f, f, ins.operands[0][0] if ins.operands else "", ins.opcode
+  if ins.opcode in ("fusion", "fusion-start"):
+    sub = _attr(ins.attrs, "calls")
+    flops, dot_flops, dot_dtype = _fused_cost(comps, sub)
+    content = _content(comps, sub)
+    kind = _attr(ins.attrs, "kind") or ""
+    detail = kind
+    if m := re.search(r'"kind":\s*"([^"]+)"', ins.attrs):
+      detail += " " + m.group(1)
+    if dot_flops:
+      return "matmul", flops, dot_flops, dot_dtype, detail
+    if _is_optimizer(op_name, where):
+      return "optimizer", flops, 0.0, "", detail
+    if set(content) <= _MOVES:
+      return "copies/transposes", flops, 0.0, "", detail
+    if content["reduce"] or content["reduce-window"]:
+      return "reductions/norms", flops, 0.0, "", detail
+    return "elementwise/fusion", flops, 0.0, "", detail
+  if _is_optimizer(op_name, where):
+    return "optimizer", 0.0, 0.0, "", ins.opcode
+  if ins.opcode in _MOVES:
+    return "copies/transposes", 0.0, 0.0, "", ins.opcode
+  if ins.opcode in ("reduce", "reduce-window"):
+    return "reductions/norms", float(math.prod(ins.operands[0][1])) if ins.operands else 0.0, 0.0, "", ins.opcode
+  if ins.opcode in _ARITH:
+    return "elementwise/fusion", float(math.prod(ins.out[0][1])) if ins.out else 0.0, 0.0, "", ins.opcode
+  return "other", 0.0, 0.0, "", ins.opcode
+
+
+def _trip_count(ins: Instr) -> int | None:
+  m = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.attrs)
+  return int(m.group(1)) if m else None
+
+
+def kernels(comps, entry: str, frames: dict[int, str], ceilings: dict) -> tuple[list[dict], list[str]]:
+  """Every kernel the entry computation launches (loop bodies expanded by trip count; a conditional as its cheapest
+  branch under `ceilings`, the fast path), with roofline times, and notes on what is unknown."""
+  rows, notes = [], []
+
+  def walk(comp: str, times: int, path: str, out: list):
+    for ins in comps.get(comp, []):
+      if ins.opcode in _FREE:
+        continue
+      if ins.opcode == "while":
+        n = _trip_count(ins)
+        if n is None:
+          notes.append(f"{ins.name}: loop without a known trip count, counted once")
+        walk(_attr(ins.attrs, "body"), times * (n or 1), f"{path}{ins.name}/", out)
+        continue
+      if ins.opcode == "conditional":
+        names = re.search(r"branch_computations=\{([^}]*)\}", ins.attrs)
+        subs = [s.strip().lstrip("%") for s in names.group(1).split(",")] if names else [
+            _attr(ins.attrs, "true_computation"), _attr(ins.attrs, "false_computation")]
+        branches = []
+        for sub in filter(None, subs):
+          branch_rows = []
+          walk(sub, times, f"{path}{ins.name}/{sub}/", branch_rows)
+          branches.append((sub, branch_rows))
+        if branches:
+          costs = [sum(r["predicted_ms"] for r in roofline(b, ceilings)) for _, b in branches]
+          best = costs.index(min(costs))
+          out.extend(branches[best][1])
+          notes.append(f"{ins.name}: conditional, counted as its cheapest branch {branches[best][0]} "
+                       f"({costs[best]:.3f} of {', '.join(f'{c:.3f}' for c in costs)} ms)")
+        continue
+      if ins.opcode in ("call", "async-start") or (
+          ins.opcode not in ("fusion", "fusion-start", "custom-call", "reduce", "scatter", "sort", "map", "select-and-scatter",
+                             "reduce-window", "all-reduce") and _attr(ins.attrs, "calls")):
+        for sub in filter(None, [_attr(ins.attrs, k) for k in ("to_apply", "calls")]):
+          walk(sub, times, f"{path}{ins.name}/", out)
+        continue
+      op_name, where = _source(ins.attrs, frames)
+      category, flops, dot_flops, dot_dtype, detail = classify(comps, ins, op_name, where)
+      out.append({"name": path + ins.name, "opcode": ins.opcode, "detail": detail, "category": category,
+                   "times": times, "flops": flops, "dot_flops": dot_flops, "dot_dtype": dot_dtype,
+                   "bytes": _nbytes(ins.operands) + _nbytes(ins.out), "out": _fmt_shape(ins.out),
+                   "elements": math.prod(ins.operands[0][1]) if ins.operands else 0,
+                   "backward": "transpose(" in op_name, "op_name": op_name, "where": where})
+
+  walk(entry, 1, "", rows)
+  return roofline(rows, ceilings), notes
+
+
+def _fmt_shape(shapes) -> str:
+  return ",".join(f"{d}[{'x'.join(map(str, dims))}]" for d, dims in shapes[:2])
+
+
+def roofline(rows: list[dict], c: dict) -> list[dict]:
+  """Adds roofline_ms, kernel_ms (the WKV kernels' benchmark-scaled time) and predicted_ms to each row (per step)."""
+  for r in rows:
+    compute = c["f32_matmul_tflops"] if r["dot_dtype"] in ("f32", "f64") else c["matmul_tflops"]
+    t_compute = r["dot_flops"] / (compute * 1e12) + (r["flops"] - r["dot_flops"]) / (c["vector_tflops"] * 1e12)
+    t_bytes = r["bytes"] / (c["copy_tbps"] * 1e12)
+    r["bound"] = "compute" if t_compute > t_bytes else "bytes"
+    r["roofline_ms"] = r["times"] * max(t_compute, t_bytes) * 1e3
+    r["kernel_ms"] = None
+    if r["category"] == "WKV kernel":
+      kind = "bwd" if "backward" in r["detail"] else "fwd"
+      ns = c[f"wkv_{kind}_ns"] if "chunked" in r["detail"] else c[f"wkv_seq_{kind}_ns"]
+      r["kernel_ms"] = r["times"] * r["elements"] * ns * 1e-6
+    r["predicted_ms"] = max(r["roofline_ms"], r["kernel_ms"] or 0.0) + r["times"] * c["launch_us"] * 1e-3
+  return rows
+
+
+def summarize(rows: list[dict], key: str, measured: dict | None = None) -> list[dict]:
+  groups = collections.OrderedDict()
+  for r in rows:
+    g = groups.setdefault(r[key], {key: r[key], "kernels": 0, "gflops": 0.0, "gbytes": 0.0, "roofline_ms": 0.0,
+                                   "predicted_ms": 0.0, "measured_ms": 0.0 if measured is not None else None})
+    g["kernels"] += r["times"]
+    g["gflops"] += r["times"] * r["flops"] / 1e9
+    g["gbytes"] += r["times"] * r["bytes"] / 1e9
+    g["roofline_ms"] += r["roofline_ms"]
+    g["predicted_ms"] += r["predicted_ms"]
+    if measured is not None:
+      g["measured_ms"] += r.get("measured_ms") or 0.0
+  return list(groups.values())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Compiling and (with a GPU) measuring.
+
+
+def _has_cuda_plugin() -> bool:
+  return any(importlib.util.find_spec(m) is not None for m in ("jax_cuda13_plugin", "jax_cuda12_plugin"))
+
+
+def _gpu_present() -> bool:
+  return bool(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def choose_target(requested: str) -> str:
+  """'device' (the local accelerator), 'h100-aot' (deviceless H100) or 'host'; call before importing jax."""
+  if requested != "auto":
+    return requested
+  if _has_cuda_plugin() and not _gpu_present() and os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":
+    return "h100-aot"
+  return "device"
+
+
+def load(args):
+  from ltm_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  overrides = [o for o in args.overrides if o]
+  if args.batch:
+    overrides.append(f"train.batch_size={args.batch}")
+  if args.seq:
+    overrides.append(f"train.seq_len={args.seq}")
+  cfg = config_lib.load_config(args.config, overrides)
+  if args.quick:
+    import train as train_bench  # pylint: disable=g-import-not-at-top  (benchmarks/train.py)
+    cfg = train_bench.toy(cfg)
+  return cfg
+
+
+def compile_step(cfg, target: str):
+  """(compiled, run) where run(steps) times the step on the device (None for a deviceless compile)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  from ltm_jax import model as model_lib  # pylint: disable=g-import-not-at-top
+  from ltm_jax.state import abstract_train_state  # pylint: disable=g-import-not-at-top
+  from ltm_jax.train.optimizer import learning_rate, make_optimizer  # pylint: disable=g-import-not-at-top
+  from ltm_jax.train.step import create_train_state, make_train_step  # pylint: disable=g-import-not-at-top
+
+  t = cfg.train
+  optimizer = make_optimizer(t)
+  step = make_train_step(model_lib.LM(cfg.model, cfg.latent), optimizer, learning_rate(t), t.grad_accum)
+  if target == "h100-aot":
+    import gpu_aot  # pylint: disable=g-import-not-at-top  (benchmarks/gpu_aot.py: the H100 target description)
+    from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+    from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
+    topology = topologies.get_topology_desc(platform="cuda", target_config=gpu_aot.H100_TARGET_CONFIG,
+                                            topology="1x1x1")
+    mesh = topologies.make_mesh(topology, (1,), ("x",))
+    sharding = NamedSharding(mesh, PartitionSpec())
+    place = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    state = jax.tree.map(place, abstract_train_state(cfg, optimizer))
+    batch = {k: place(jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32)) for k in ("inputs", "targets")}
+    use_mesh = getattr(jax.sharding, "use_abstract_mesh", None)
+    with use_mesh(mesh.abstract_mesh) if use_mesh else contextlib.nullcontext():
+      lowered = jax.jit(step).trace(state, batch).lower()
+    return lowered.compile(), None
+
+  state = create_train_state(model_lib.init_params(cfg.model, jax.random.key(0), cfg.latent), optimizer, 0)
+  tokens = jax.random.randint(jax.random.key(1), (t.batch_size, t.seq_len + 1), 0, cfg.model.vocab_size)
+  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+  compiled = step.lower(state, batch).compile()
+  holder = {"state": state}
+
+  def run(steps: int) -> list[float]:
+    times = []
+    for _ in range(steps):
+      start = time.perf_counter()
+      holder["state"], metrics = compiled(holder["state"], batch)
+      jax.block_until_ready(metrics)
+      times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+  return compiled, run
+
+
+def profile(run, steps: int) -> tuple[dict[str, float], str]:
+  """Device time per profiled kernel name (ms per step), summed over the GPU planes of a jax.profiler trace, and a
+  note saying how it went. Names are normalised ('.' and '-' to '_') to meet the HLO's."""
+  import jax  # pylint: disable=g-import-not-at-top
+  out = tempfile.mkdtemp(prefix="step-budget-profile-")
+  with jax.profiler.trace(out):
+    run(steps)
+  files = glob.glob(os.path.join(out, "**", "*.xplane.pb"), recursive=True)
+  if not files:
+    return {}, f"no .xplane.pb under {out}"
+  try:
+    from jax.profiler import ProfileData  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    try:
+      from jax._src.profiler import ProfileData  # pylint: disable=g-import-not-at-top
+    except ImportError:
+      return {}, f"this jax has no ProfileData to read {files[0]}"
+  data = ProfileData.from_file(files[0])
+  times = collections.Counter()
+  lines_seen = set()
+  for plane in data.planes:
+    if "gpu" not in plane.name.lower():
+      continue
+    for line in plane.lines:
+      lname = line.name
+      if any(skip in lname for skip in ("XLA Modules", "Steps", "XLA Ops", "Source", "TraceMe")):
+        continue  # Derived lines repeat the kernels' time.
+      lines_seen.add(lname)
+      for ev in line.events:
+        stats = {}
+        with contextlib.suppress(Exception):
+          stats = {k: v for k, v in ev.stats}
+        name = str(stats.get("hlo_op") or ev.name)
+        times[_norm(name)] += ev.duration_ns * 1e-6 / steps
+  return dict(times), f"{len(files)} trace file(s), GPU lines {sorted(lines_seen)[:6]}"
+
+
+def _norm(name: str) -> str:
+  return re.sub(r"[.\-]", "_", name.split("/")[-1])
+
+
+def attribute(rows: list[dict], measured: dict[str, float]) -> float:
+  """Puts each profiled kernel's time on the row of that HLO instruction; returns the time no row claimed."""
+  by_name = collections.defaultdict(list)
+  for r in rows:
+    by_name[_norm(r["name"])].append(r)
+    r["measured_ms"] = 0.0
+  unclaimed = 0.0
+  for name, ms in measured.items():
+    owners = by_name.get(name) or by_name.get(re.sub(r"_\d+$", "", name))
+    if not owners:
+      # Kernel names add suffixes to the instruction's name (e.g. a fusion split into several launches).
+      owners = next((v for k, v in by_name.items() if name.startswith(k + "_") or k.startswith(name + "_")), None)
+    if owners:
+      for r in owners:
+        r["measured_ms"] += ms / len(owners)
+    else:
+      unclaimed += ms
+  return unclaimed
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Output.
+
+
+def _print(rows: list[dict], columns: list[tuple[str, str, int]]) -> None:
+  print("  ".join(f"{title:>{w}}" if i else f"{title:<{w}}" for i, (_, title, w) in enumerate(columns)))
+  for r in rows:
+    cells = []
+    for i, (key, _, w) in enumerate(columns):
+      v = r.get(key)
+      s = "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))
+      cells.append(f"{s[:w]:>{w}}" if i else f"{s[:w]:<{w}}")
+    print("  ".join(cells))
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--config", default=str(ROOT / "configs" / "small_rwkv7.py"))
+  parser.add_argument("overrides", nargs="*", help="key=value config overrides (e.g. model.remat=minimal)")
+  parser.add_argument("--batch", type=int, default=None, help="train.batch_size (default: the config's)")
+  parser.add_argument("--seq", type=int, default=None, help="train.seq_len (default: the config's)")
+  parser.add_argument("--quick", action="store_true", help="the config at toy sizes (benchmarks/train.py toy)")
+  parser.add_argument("--target", default="auto", choices=("auto", "device", "h100-aot"),
+                      help="auto: deviceless H100 where the CUDA plugin is installed and there is no GPU, else the "
+                      "default device (a GPU if there is one, else the host CPU)")
+  parser.add_argument("--measured-ms", type=float, default=None, help="a measured step time to set the sum against")
+  parser.add_argument("--steps", type=int, default=10, help="timed steps on a device (after 2 warm-up steps)")
+  parser.add_argument("--no-profile", action="store_true", help="on a GPU: time the step, but take no profile")
+  for key, value in DEFAULTS.items():
+    parser.add_argument("--" + key.replace("_", "-"), type=float, default=value)
+  parser.add_argument("--top", type=int, default=25, help="kernels and source lines printed")
+  parser.add_argument("--out", default=None, help="results file (default benchmarks/results/step-budget-<config>-"
+                      "<device>.json)")
+  parser.add_argument("--hlo-out", default=None, help="also write the optimized HLO text here")
+  parser.add_argument("--from-hlo", default=None, help="read this optimized HLO text (an earlier --hlo-out of the "
+                      "same config and target) instead of compiling; --target names its device")
+  args = parser.parse_args(argv)
+
+  target = choose_target(args.target)
+  if target == "h100-aot":
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+  import jax  # pylint: disable=g-import-not-at-top
+
+  cfg = load(args)
+  if target == "h100-aot":
+    import gpu_aot  # pylint: disable=g-import-not-at-top
+    device = "h100-aot"
+    device_desc = gpu_aot.TARGET + ", deviceless"
+  else:
+    d = jax.devices()[0]
+    device_desc = getattr(d, "device_kind", d.platform)
+    device = re.sub(r"[^a-z0-9]+", "-", device_desc.lower()).strip("-")
+  ceilings = {k: getattr(args, k) for k in DEFAULTS}
+  print(f"# {cfg.name}: batch {cfg.train.batch_size} x {cfg.train.seq_len}, dtype {cfg.model.dtype}, remat "
+        f"{cfg.model.remat}, wkv7_impl {cfg.model.wkv7_impl}; target {device_desc}", flush=True)
+
+  started = time.perf_counter()
+  if args.from_hlo:
+    compiled, run, text = None, None, pathlib.Path(args.from_hlo).read_text()
+  else:
+    compiled, run = compile_step(cfg, target)
+    text = compiled.as_text()
+  compile_s = None if args.from_hlo else time.perf_counter() - started
+  if args.hlo_out:
+    pathlib.Path(args.hlo_out).write_text(text)
+  comps, entry, frames = parse_hlo(text)
+  rows, notes = kernels(comps, entry, frames, ceilings)
+  xla_cost = None
+  with contextlib.suppress(Exception):
+    cost = compiled.cost_analysis() if compiled is not None else {}
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    xla_cost = {k: float(cost[k]) for k in ("flops", "bytes accessed", "transcendentals") if k in cost}
+
+  memory = None
+  with contextlib.suppress(Exception):
+    m = compiled.memory_analysis()
+    memory = {k: getattr(m, f"{k}_size_in_bytes") / 2**30 for k in ("temp", "argument", "output", "alias")}
+  if memory:
+    print("# compiled memory (GiB): " + ", ".join(f"{k} {v:.2f}" for k, v in memory.items()), flush=True)
+
+  measured_step, step_times, profile_note, unclaimed = args.measured_ms, None, None, None
+  run_error = None
+  if run is not None:
+    try:
+      run(2)  # Warm-up.
+      step_times = run(args.steps)
+      measured_step = statistics.median(step_times)
+    except Exception as e:  # noqa: BLE001  (out of memory, say: the budget of the compiled program still stands)
+      run_error = " ".join(f"{type(e).__name__}: {e}".split())[:1000]
+      print(f"# the step did not run: {run_error}", flush=True)
+    if step_times and jax.default_backend() == "gpu" and not args.no_profile:
+      try:
+        per_kernel, profile_note = profile(run, 3)
+        unclaimed = attribute(rows, per_kernel)
+      except Exception as e:  # noqa: BLE001  (the budget stands without the profile)
+        profile_note = f"profile failed: {type(e).__name__}: {e}"
+  has_measured = any("measured_ms" in r for r in rows)
+
+  categories = summarize(rows, "category", {} if has_measured else None)
+  categories.sort(key=lambda g: CATEGORIES.index(g["category"]))
+  total = {k: sum(g[k] for g in categories) for k in ("kernels", "gflops", "gbytes", "roofline_ms", "predicted_ms")}
+  for g in categories:
+    g["share"] = g["predicted_ms"] / total["predicted_ms"] if total["predicted_ms"] else 0.0
+  passes = summarize([dict(r, **{"pass": "backward" if r["backward"] else "forward/other"}) for r in rows], "pass")
+  lines = [r for r in rows if r["where"]]
+  by_source = sorted(summarize(lines, "where"), key=lambda g: -g["predicted_ms"])
+  top = sorted(rows, key=lambda r: -r["predicted_ms"])
+
+  print(f"# {'read ' + args.from_hlo if args.from_hlo else f'compiled in {compile_s:.1f} s'}; {len(rows)} kernel "
+        f"instructions, {total['kernels']} launches a step")
+  for n in notes[:5]:
+    print(f"# note: {n}")
+  print("\nper category (ms a step; predicted = max(roofline, kernel benchmark) + launches):")
+  cols = [("category", "category", 20), ("kernels", "kernels", 7), ("gflops", "GFLOP", 9), ("gbytes", "GB", 8),
+          ("roofline_ms", "roofline", 9), ("predicted_ms", "predicted", 9), ("share", "share", 6)]
+  if has_measured:
+    cols.append(("measured_ms", "measured", 9))
+  _print(categories + [{"category": "total", **total, "share": 1.0}], cols)
+  print("by pass: " + ", ".join(f"{g['pass']} {g['predicted_ms']:.2f} ms ({g['kernels']} launches)" for g in passes))
+  if measured_step:
+    print(f"measured step {measured_step:.2f} ms: predicted {total['predicted_ms']:.2f} ms is "
+          f"{total['predicted_ms'] / measured_step:.2f} of it; roofline {total['roofline_ms'] / measured_step:.2f}")
+  if unclaimed is not None:
+    print(f"profile: {profile_note}; {unclaimed:.2f} ms a step on kernels no HLO row claims")
+  elif profile_note:
+    print(f"profile: {profile_note}")
+  print(f"\ntop {args.top} kernels:")
+  kcols = [("name", "instruction", 34), ("category", "category", 18), ("detail", "detail", 22), ("times", "x", 3),
+           ("out", "output", 26), ("bound", "bound", 7), ("roofline_ms", "roofline", 8), ("kernel_ms", "kernel", 8),
+           ("predicted_ms", "predicted", 9), ("where", "source", 34)] + (
+               [("measured_ms", "measured", 8)] if has_measured else [])
+  _print(top[:args.top], kcols)
+  print(f"\ntop {args.top} source lines:")
+  _print(by_source[:args.top], [("where", "source", 44), ("kernels", "kernels", 7), ("gbytes", "GB", 8),
+                                ("roofline_ms", "roofline", 9), ("predicted_ms", "predicted", 9)])
+
+  from ltm_jax.info import model_info  # pylint: disable=g-import-not-at-top
+  info = model_info(cfg)
+  result = {
+      "config": cfg.name, "config_file": args.config, "overrides": args.overrides, "quick": args.quick,
+      "device": device, "target": device_desc, "batch": f"{cfg.train.batch_size}x{cfg.train.seq_len}",
+      "params": info["params"], "model_flops_per_step": info["flops_per_step_train"],
+      "ceilings": ceilings, "compile_s": compile_s and round(compile_s, 1), "from_hlo": args.from_hlo, "xla_cost_analysis": xla_cost, "memory_gib": memory, "notes": notes,
+      "total": total, "measured_step_ms": measured_step, "step_times_ms": step_times, "run_error": run_error, "profile": profile_note,
+      "unclaimed_profile_ms": unclaimed, "categories": categories, "passes": passes, "sources": by_source[:100],
+      "kernels": [dict(r, op_name=r["op_name"][-160:]) for r in top],
+      "packages": {"jax": jax.__version__}, "python": platform.python_version(),
+      "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+  }
+  path = pathlib.Path(args.out or BENCH / "results" / f"step-budget-{cfg.name}{'-quick' if args.quick else ''}-"
+                      f"{device}.json")
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(result, indent=1) + "\n")
+  print(f"\nwrote {path}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

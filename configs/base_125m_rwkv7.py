@@ -1,0 +1,21 @@
+"""A 125M-class RWKV-7 (x070) model for one or more GPUs, bfloat16 compute: 12 RWKV-7 layers of d_model 768 (12 heads
+of 64 x 64 state, head size 64), each with RWKV-7's channel mix (hidden 4 x 768), ln0 and the low-rank widths of the
+official x070 0.1B model (decay 64, iclr 64, value residual 32, gate 128). Batch and sequence as configs/base_125m.py,
+its attention counterpart. Compiled for one H100 without remat (benchmarks/step_budget.py), its 64 x 2048 step
+needs 76 GiB of temporaries even after XLA's own rematerialization, and 54 GiB at 32 x 2048: on one 80 GB GPU run it
+with train.grad_accum=2 (two micro-batches of 32) or a remat policy. Point `data.source` at your own text or .bin
+tokens for anything beyond a smoke test."""
+
+from ltm_jax.config import Config, DataConfig, ModelConfig, TrainConfig
+
+
+def get_config() -> Config:
+  return Config(
+      name="base_125m_rwkv7",
+      model=ModelConfig(d_model=768, n_layers=12, n_heads=12, layer_pattern="W", max_seq_len=2048,
+                        rwkv7_head_size=64, rwkv7_decay_lora=64, rwkv7_iclr_lora=64, rwkv7_value_lora=32,
+                        rwkv7_gate_lora=128, ln0=True, dtype="bfloat16"),
+      data=DataConfig(source="embedded"),
+      train=TrainConfig(steps=50_000, batch_size=64, seq_len=2048, lr=6e-4, warmup_steps=2000, eval_every=1000,
+                        checkpoint_every=2000, log_every=50),
+  )
