@@ -3,6 +3,7 @@ without the Triton lowering module."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -61,13 +62,25 @@ def test_explicit_pallas_interprets_on_the_cpu_and_compiles_for_a_gpu(gpu_target
 
 
 def test_a_process_without_gpu_targets_traces_no_kernel_under_auto():
-  """Here (no GPU, no CUDA plugin) auto resolves statically: no kernel is traced, so twice-differentiable ops stay
-  twice differentiable (a custom VJP kernel is not)."""
-  assert not kernel_backend.may_compile_for_gpu()
-  (q,) = _inputs(2, SHAPES["attention"])
-  second = jax.grad(lambda q: jax.grad(lambda q: CASES["attention"](q).sum())(q).sum())
-  assert "pallas_call" not in str(jax.make_jaxpr(second)(q))
-  assert np.isfinite(np.asarray(second(q))).all()
+  """A process that cannot compile for a GPU (no GPU backend, no CUDA/ROCm plugin) resolves auto statically: no
+  kernel is traced, so twice-differentiable ops stay twice differentiable (a custom VJP kernel is not). The
+  subprocess hides the GPU and the plugins, so the test means the same on a GPU host."""
+  code = """
+import sys
+sys.modules["jax_plugins"] = None  # No CUDA/ROCm PJRT plugin can be found (importing it raises ImportError).
+import jax, jax.numpy as jnp, numpy as np
+from ltm_jax import ops
+from ltm_pallas import backend
+assert jax.default_backend() == "cpu" and not backend.may_compile_for_gpu()
+q = jax.random.normal(jax.random.key(2), (1, 16, 2, 8))
+second = jax.grad(lambda q: jax.grad(lambda q: ops.attention(q, q, q, causal=True).sum())(q).sum())
+assert "pallas_call" not in str(jax.make_jaxpr(second)(q))
+assert np.isfinite(np.asarray(jax.jit(second)(q))).all()
+print("ok")
+"""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "CUDA_VISIBLE_DEVICES": ""}
+  out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
 def test_library_and_interpreted_kernels_work_without_the_triton_lowering_module():

@@ -1,7 +1,7 @@
 """Second derivatives through every op whose backend has a custom derivative rule: the backends whose rules are fused
 kernels refuse one with a single line naming the op and the backends that have one; the others match a float64
 reference. Pallas kernels run interpreted here (the refusal happens while tracing, before any kernel runs); the same
-refusals on compiled kernels are in tests/test_gpu_kernels.py."""
+refusals on compiled kernels are in tests/ops/test_gpu_kernels.py."""
 
 from __future__ import annotations
 
