@@ -11,6 +11,11 @@
 #                 "--resume --deadline 560" repeated; SWEEP_ARGS=--quick is the CPU dry run (~4-5 min on 2 cores).
 #                 The venv's Python when there is one, else python3 (a GPU image's, which holds CUDA jax): no
 #                 install step, since the GPU machines have no network and .venv holds CPU jax.
+#   make test-gpu  the test suite on this machine's GPU, offline: a venv over the GPU image's Python (GPU_PYTHON,
+#                 which holds CUDA jax; the image's packages stay visible) with the wheels of WHEELS_DIR for what the
+#                 image lacks (`python benchmarks/peers.py --download .whl` on a machine with network, then carry
+#                 .whl/ there) and the project installed editable, then pytest (the `gpu` marker's tests run the
+#                 compiled kernels). GPU_PYTEST_ARGS narrows it, e.g. "-m gpu". Without a GPU it says so and fails.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -38,7 +43,7 @@ endif
 AOT_NVCC ?= nvidia-cuda-nvcc==13.0.88
 AOT_PIP := $(AOT_VENV)/bin/python -m pip install -q --retries 1 --timeout 30
 
-.PHONY: demo test gpu-aot bench-gpu clean
+.PHONY: demo test test-gpu gpu-aot bench-gpu clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -71,6 +76,29 @@ $(AOT_VENV)/.installed: pyproject.toml
 test: $(VENV)/.installed-dev $(AOT_VENV)/.installed
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --durations=15
 
+GPU_PYTHON ?= python3
+GPU_VENV ?= .venv-gpu
+WHEELS_DIR ?= .whl
+GPU_WORKERS ?= 8
+GPU_PYTEST_ARGS ?=
+GPU_PIP := $(GPU_VENV)/bin/python -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check
+
+# The venv is made over GPU_PYTHON's own site-packages (a .pth file: GPU_PYTHON may itself be a venv's, whose
+# packages --system-site-packages would not see); what it installs comes first. Every xdist worker shares the GPU,
+# so none preallocates its memory.
+test-gpu:
+	@backend=$$($(GPU_PYTHON) -c 'import jax; print(jax.default_backend())' 2>/dev/null); \
+	  [ "$$backend" = gpu ] || { echo "test-gpu: no GPU here ($(GPU_PYTHON)'s jax backend: $${backend:-none, jax does not import}); run it on a GPU machine"; exit 1; }
+	rm -rf $(GPU_VENV)
+	$(GPU_PYTHON) -m venv $(GPU_VENV)
+	$(GPU_PYTHON) -c 'import site; print("\n".join(site.getsitepackages()))' \
+	  > $$($(GPU_VENV)/bin/python -c 'import site; print(site.getsitepackages()[0])')/gpu-image.pth
+	@if ls $(WHEELS_DIR)/*.whl >/dev/null 2>&1; then $(GPU_PIP) $(WHEELS_DIR)/*.whl; \
+	  else echo "test-gpu: no wheels in $(WHEELS_DIR): tests that import what the image lacks will fail"; fi
+	$(GPU_PIP) --no-build-isolation -e .
+	XLA_PYTHON_CLIENT_PREALLOCATE=false $(GPU_VENV)/bin/python -m pytest -q -n $(GPU_WORKERS) --durations=15 \
+	  $(GPU_PYTEST_ARGS)
+
 gpu-aot: $(AOT_VENV)/.installed
 	@test -f $(AOT_VENV)/.installed || { echo "gpu-aot: no $(AOT_VENV); see $(AOT_VENV).log"; exit 1; }
 	$(AOT_VENV)/bin/python benchmarks/gpu_aot.py --jobs $(PYTEST_WORKERS) --markdown
@@ -82,4 +110,4 @@ bench-gpu:
 	$(BENCH_PYTHON) benchmarks/gpu_sweep.py $(SWEEP_ARGS)
 
 clean:
-	rm -rf $(VENV) $(AOT_VENV) $(AOT_VENV).log runs
+	rm -rf $(VENV) $(AOT_VENV) $(AOT_VENV).log $(GPU_VENV) runs

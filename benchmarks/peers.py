@@ -55,8 +55,10 @@ PEERS = {
 
 # Wheels for the GPU machines' image (Python 3.12, jax 0.11.2, torch 2.11, no package index), installed there with
 # --no-deps: the peers, the imports each needs that the image lacks (found by importing them over a copy of that
-# image's packages), and ltm_jax's own imports the image lacks (grain, tensorboardX). Pinned, so that a sweep on one
-# day compares against the same peers as the next. rwkv-ops is left out: it needs keras, which the image lacks too.
+# image's packages), ltm_jax's own imports the image lacks (grain, tensorboardX), and what the test suite imports
+# that the image lacks (`make test-gpu`: the dev extra's packages and the closure of their Requires-Dist, less the
+# image's own packages). Pinned, so that a sweep on one day compares against the same peers as the next, and one
+# version of each (two stop the install). rwkv-ops is left out: it needs keras, which the image lacks too.
 WHEELS = (
     # ltm_jax
     "grain==0.2.18", "array-record==0.8.6", "portpicker==1.6.0", "tensorboardx==2.6.5",
@@ -66,6 +68,17 @@ WHEELS = (
     "einshape==1.0", "qwix==0.1.8", "immutabledict==4.3.1", "pydantic==2.14.3", "pydantic-core==2.50.4",
     "annotated-types==0.8.0", "typing-inspection==0.4.5", "typing-extensions==4.16.0", "xprof==2.24.2",
     "fire==0.7.1", "termcolor==3.3.0",
+    # the test suite (`make test-gpu`): the serve extra and its clients, notebooks, aeon, and their dependencies;
+    # setuptools for the editable install without build isolation (the project needs >= 77).
+    "starlette==1.10.0", "uvicorn==0.54.0", "openai==3.57.0", "httpx2==2.16.2", "httpcore2==2.16.2", "jiter==0.19.0",
+    "sniffio==1.3.1", "truststore==0.10.5", "nbclient==0.11.0", "nbformat==5.11.1", "fastjsonschema==2.22.3",
+    "jsonschema==4.26.0", "jsonschema-specifications==2025.9.1", "referencing==0.37.0", "rpds-py==2026.9.1",
+    "jupyter-client==8.10.0", "jupyter-core==5.9.1", "platformdirs==4.14.8", "pyzmq==27.3.0", "tornado==6.6.1",
+    "traitlets==5.16.1", "ipykernel==7.4.0", "comm==0.2.3", "debugpy==1.8.22", "matplotlib-inline==0.2.2",
+    "nest-asyncio2==1.7.4", "ipython==9.18.1", "ipython-pygments-lexers==1.1.1", "jedi==0.20.1", "parso==0.8.7",
+    "pexpect==4.9.0", "ptyprocess==0.7.0", "prompt-toolkit==3.0.53", "wcwidth==0.9.4", "stack-data==0.6.3",
+    "asttokens==3.0.2", "executing==2.3.0", "pure-eval==0.2.4", "aeon==1.6.0", "deprecated==1.3.1",
+    "setuptools==84.2.1",
 )
 WHEEL_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
                    "manylinux2014_x86_64", "manylinux1_x86_64")

@@ -38,6 +38,32 @@ def may_compile_for_gpu() -> bool:
   return any("cuda" in m.name or "rocm" in m.name for m in pkgutil.iter_modules(jax_plugins.__path__))
 
 
+@functools.cache
+def _first_order_guard(message: str) -> Callable[[Any], Any]:
+  @jax.custom_jvp
+  def identity(xs):
+    return xs
+
+  @identity.defjvp
+  def _differentiated(primals, tangents):
+    del primals, tangents
+    raise NotImplementedError(message)
+
+  return identity
+
+
+def first_order_only(message: str, *xs: Any) -> Any:
+  """`xs` unchanged; differentiating them raises NotImplementedError(`message`).
+
+  A custom VJP whose rules are Pallas kernels passes its inputs through this at the top of its forward and backward
+  rules. A first derivative evaluates those rules on plain values and never differentiates them; a second derivative
+  differentiates the rules themselves (the residuals and the backward pass are functions of the inputs), which the
+  kernels' `pallas_call`s do not support and would fail on with an opaque error deep inside JAX. Arguments without a
+  tangent (integers, constants) pass silently.
+  """
+  return _first_order_guard(message)(xs)
+
+
 def call(
     kernel: Callable[..., None],
     *,

@@ -517,6 +517,10 @@ def _forward(w, u, k, v, state, layout, interpret, checkpoints=True):
   return y[:, :layout.length, :c], final, ckpts if checkpoints else None
 
 
+_SECOND_ORDER = ("wkv4: impl='pallas' (the Pallas WKV-4 kernels) has no second derivative; impl='scan' and "
+                 "impl='associative' are differentiable to any order")
+
+
 @functools.lru_cache(maxsize=None)
 def _differentiable(layout: "_Layout", interpret, optimize_remat: bool):
   """The kernels as one differentiable function of (w, u, k, v, state) for this layout."""
@@ -527,10 +531,12 @@ def _differentiable(layout: "_Layout", interpret, optimize_remat: bool):
     return y, final
 
   def run_fwd(w, u, k, v, state):
+    w, u, k, v, state = backend.first_order_only(_SECOND_ORDER, w, u, k, v, state)
     y, final, ckpts = _forward(w, u, k, v, state, layout, interpret)
     return (y, final), (w, u, k, v, state, ckpts)
 
   def run_bwd(residuals, cotangents):
+    residuals, cotangents = backend.first_order_only(_SECOND_ORDER, residuals, cotangents)
     return _wkv4_bwd(layout, interpret, residuals, cotangents)
 
   # Under jax.checkpoint the forward pass then runs the primal (no checkpoints written) and only the recomputation in

@@ -185,6 +185,11 @@ def _backward(r, w, k, v, a, b, ckpt, dy, ds_out, *, chunk, block, interpret):
   return dr, dw, dk, dv, da, db, ds0
 
 
+# Both WKV-7 backends that use Pallas name themselves: impl='pallas_chunked' runs the sequential kernels too.
+_SECOND_ORDER = ("wkv7: impl='pallas' and impl='pallas_chunked' (the Pallas WKV-7 kernels) have no second "
+                 "derivative; impl='scan' and impl='chunked' are differentiable to any order")
+
+
 @functools.lru_cache(maxsize=None)
 def _fused(chunk: int, forward_block: int, backward_block: int, interpret: bool | None, optimize_remat: bool):
   """The custom_vjp function for one static configuration (inputs' T must be a multiple of `chunk`)."""
@@ -196,10 +201,12 @@ def _fused(chunk: int, forward_block: int, backward_block: int, interpret: bool 
     return y, final
 
   def run_fwd(r, w, k, v, a, b, state):
+    r, w, k, v, a, b, state = backend.first_order_only(_SECOND_ORDER, r, w, k, v, a, b, state)
     y, ckpt, final = _forward(r, w, k, v, a, b, state, chunk=chunk, block=forward_block, interpret=interpret)
     return (y, final), (r, w, k, v, a, b, ckpt)
 
   def run_bwd(residuals, cotangents):
+    residuals, cotangents = backend.first_order_only(_SECOND_ORDER, residuals, cotangents)
     *inputs, ckpt = residuals
     dy, ds_out = cotangents
     grads = _backward(*inputs, ckpt, dy, ds_out.astype(jnp.float32), chunk=chunk, block=backward_block,

@@ -340,6 +340,11 @@ def _backward(r, w, k, v, a, b, ckpt, dy, ds_out, *, chunk, block, warps, operan
   return dr, dw, dk, dv, da, db, ds0
 
 
+# Both WKV-7 backends that use Pallas name themselves: impl='pallas_chunked' runs the sequential kernels too.
+_SECOND_ORDER = ("wkv7: impl='pallas' and impl='pallas_chunked' (the Pallas WKV-7 kernels) have no second "
+                 "derivative; impl='scan' and impl='chunked' are differentiable to any order")
+
+
 @functools.lru_cache(maxsize=None)
 def _fused(chunk: int, forward_block: int, backward_block: int, forward_warps: int, backward_warps: int,
            operands: str, interpret: bool | None, optimize_remat: bool):
@@ -354,10 +359,12 @@ def _fused(chunk: int, forward_block: int, backward_block: int, forward_warps: i
     return y, final
 
   def run_fwd(r, w, k, v, a, b, state):
+    r, w, k, v, a, b, state = backend.first_order_only(_SECOND_ORDER, r, w, k, v, a, b, state)
     y, ckpt, final = fwd(r, w, k, v, a, b, state)
     return (y, final), (r, w, k, v, a, b, ckpt)
 
   def run_bwd(residuals, cotangents):
+    residuals, cotangents = backend.first_order_only(_SECOND_ORDER, residuals, cotangents)
     *inputs, ckpt = residuals
     dy, ds_out = cotangents
     return _backward(*inputs, ckpt, dy.astype(inputs[3].dtype), ds_out.astype(jnp.float32), chunk=chunk,

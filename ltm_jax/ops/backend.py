@@ -3,6 +3,7 @@ the computation is compiled for (`lax.platform_dependent`), not the host's defau
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable, Mapping, Sequence
 
@@ -38,7 +39,13 @@ def select(op: str, impl: str, backends: Mapping[str, Callable], auto: Mapping[s
   branches = {_LOWERING_NAMES.get(p, p): backends[n] for p, n in auto.items() if backends[n] is not reference}
   if not branches:
     return reference
-  return lambda *args: lax.platform_dependent(*args, default=reference, **branches)
+
+  def by_platform(*args, **static):
+    # Keyword arguments are static settings (a chunk length, say): bound to every branch, never traced.
+    bind = lambda fn: functools.partial(fn, **static) if static else fn
+    return lax.platform_dependent(*args, default=bind(reference), **{p: bind(fn) for p, fn in branches.items()})
+
+  return by_platform
 
 
 def resolve(op: str, impl: str, available: Sequence[str], auto: Mapping[str, str], *,

@@ -7,6 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from ltm_pallas import backend
 from ltm_pallas.attention import kernels
 from ltm_pallas.attention.config import BlockSizes, Static, default_block_sizes, fit_block, next_power_of_two
 
@@ -136,13 +137,20 @@ def _flash(st: Static, q, k, v, segments):
   return kernels.forward(st, q, k, v, segments)[0]
 
 
+# The kernels' custom VJP has a first derivative only (see `backend.first_order_only`).
+_SECOND_ORDER = ("attention: impl='pallas' (the Pallas flash attention kernels) has no second derivative; "
+                 "impl='xla' is differentiable to any order")
+
+
 def _flash_fwd(st: Static, q, k, v, segments):
+  q, k, v = backend.first_order_only(_SECOND_ORDER, q, k, v)
   o, lse = kernels.forward(st, q, k, v, segments)
   return o, (q, k, v, segments, o, lse)
 
 
 def _flash_bwd(st: Static, residuals, do):
-  q, k, v, segments, o, lse = residuals
+  (q, k, v, o, lse), do = backend.first_order_only(_SECOND_ORDER, residuals[:3] + residuals[4:], do)
+  segments = residuals[3]
   dq, dk, dv = kernels.backward(st, q, k, v, segments, o, lse, do)
   # Segment ids are integers: no cotangent.
   return dq, dk, dv, None if segments is None else (None, None)

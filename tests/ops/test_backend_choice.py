@@ -3,6 +3,7 @@ without the Triton lowering module."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ from jax import export
 
 from conftest import ROOT
 from ltm_jax import ops
+from ltm_jax.ops.neural_memory import initial_state, neural_memory
 from ltm_pallas import backend as kernel_backend
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
@@ -60,14 +62,39 @@ def test_explicit_pallas_interprets_on_the_cpu_and_compiles_for_a_gpu(gpu_target
   np.testing.assert_allclose(jax.jit(fn)(k, v), ops.wkv4(w, u, k, v, impl="scan")[0], rtol=2e-5, atol=2e-5)
 
 
+def test_auto_binds_keyword_settings_to_every_platform_branch(gpu_target):
+  """neural_memory passes its chunk length as a keyword: where auto dispatches by platform (a GPU host), every
+  branch gets it, and the CPU branch here equals the explicit backend."""
+  rng = np.random.default_rng(3)
+  b, t, h, n = 2, 6, 2, 4
+  q, k, v = (jnp.asarray(rng.normal(size=(b, t, h, n)), jnp.float32) for _ in range(3))
+  eta, theta, alpha = (jnp.asarray(rng.uniform(0.1, 0.5, size=(b, t, h)), jnp.float32) for _ in range(3))
+  state = initial_state((rng.normal(size=(h, n, n)) / 2,), b)
+  run = lambda impl: neural_memory(q, k, v, eta, theta, alpha, state, chunk=3, impl=impl)[0]
+  np.testing.assert_array_equal(run("auto"), run("chunked"))
+
+
 def test_a_process_without_gpu_targets_traces_no_kernel_under_auto():
-  """Here (no GPU, no CUDA plugin) auto resolves statically: no kernel is traced, so twice-differentiable ops stay
-  twice differentiable (a custom VJP kernel is not)."""
-  assert not kernel_backend.may_compile_for_gpu()
-  (q,) = _inputs(2, SHAPES["attention"])
-  second = jax.grad(lambda q: jax.grad(lambda q: CASES["attention"](q).sum())(q).sum())
-  assert "pallas_call" not in str(jax.make_jaxpr(second)(q))
-  assert np.isfinite(np.asarray(second(q))).all()
+  """A process that cannot compile for a GPU (no GPU backend, no CUDA/ROCm plugin) resolves auto statically: no
+  kernel is traced, so twice-differentiable ops stay twice differentiable (a custom VJP kernel is not). The
+  subprocess hides the GPU and the plugins, so the test means the same on a GPU host."""
+  code = """
+import sys
+sys.modules["jax_plugins"] = None  # No CUDA/ROCm PJRT plugin can be found (importing it raises ImportError).
+import jax, jax.numpy as jnp, numpy as np
+from ltm_jax import ops
+from ltm_jax.ops.neural_memory import initial_state, neural_memory
+from ltm_pallas import backend
+assert jax.default_backend() == "cpu" and not backend.may_compile_for_gpu()
+q = jax.random.normal(jax.random.key(2), (1, 16, 2, 8))
+second = jax.grad(lambda q: jax.grad(lambda q: ops.attention(q, q, q, causal=True).sum())(q).sum())
+assert "pallas_call" not in str(jax.make_jaxpr(second)(q))
+assert np.isfinite(np.asarray(jax.jit(second)(q))).all()
+print("ok")
+"""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "CUDA_VISIBLE_DEVICES": ""}
+  out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
 def test_library_and_interpreted_kernels_work_without_the_triton_lowering_module():
@@ -77,10 +104,14 @@ sys.modules["jax.experimental.pallas.triton"] = None  # As if jax had removed it
 import jax, jax.numpy as jnp, numpy as np
 import ltm_jax
 from ltm_jax import ops
+from ltm_jax.ops.neural_memory import initial_state, neural_memory
 k = jax.random.normal(jax.random.key(0), (2, 16, 8))
 y = ops.wkv4(-jnp.ones(8), jnp.zeros(8), k, k, impl="pallas")[0]
 np.testing.assert_allclose(y, ops.wkv4(-jnp.ones(8), jnp.zeros(8), k, k, impl="scan")[0], rtol=2e-5, atol=2e-5)
 print("ok")
 """
-  out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+  # Interpreting is what a process without a GPU does (on a GPU, a missing Triton lowering is an error): the GPU is
+  # hidden, so the test means the same on a GPU host.
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "CUDA_VISIBLE_DEVICES": ""}
+  out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

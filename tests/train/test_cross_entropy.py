@@ -82,11 +82,14 @@ def test_lm_loss_equals_the_sliced_logits_loss():
 def test_chunks_bound_the_loss_memory():
   """The compiled loss + gradient of [2, 512] tokens over 4096 columns: the plain form's scratch holds the [2, 512,
   4096] float32 logits (16 MiB) and their gradient; with chunks of 64 positions, a few [2, 64, 4096] blocks (2 MiB
-  each: logits, their exponentials and gradient)."""
+  each: logits, their exponentials and gradient). Compiled for the CPU on every host: the bounds are XLA's CPU
+  buffer assignment (a GPU compilation adds cuBLAS workspaces and fuses differently, so its scratch is another
+  number)."""
   rng = np.random.default_rng(3)
-  x = jnp.asarray(rng.standard_normal((2, 512, 64)), jnp.float32)
-  kernel = jnp.asarray(rng.standard_normal((64, 4096)) * 0.1, jnp.float32)
-  targets = jnp.asarray(rng.integers(0, 4000, (2, 512)), jnp.int32)
+  cpu = jax.devices("cpu")[0]
+  x = jax.device_put(jnp.asarray(rng.standard_normal((2, 512, 64)), jnp.float32), cpu)
+  kernel = jax.device_put(jnp.asarray(rng.standard_normal((64, 4096)) * 0.1, jnp.float32), cpu)
+  targets = jax.device_put(jnp.asarray(rng.integers(0, 4000, (2, 512)), jnp.int32), cpu)
 
   def temp_bytes(chunk):
     grad = jax.jit(jax.grad(lambda x, k: cross_entropy.token_nll(x, k, targets, 4000, chunk).mean(), (0, 1)))

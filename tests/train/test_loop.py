@@ -28,7 +28,11 @@ from ltm_jax.train.step import create_train_state
 
 # Fields that must match between an interrupted+resumed run and an uninterrupted one (timings are excluded).
 COMPARED = ("loss", "grad_norm", "lr", "val_loss", "val_bpb")
-RESUME_RTOL = 1e-6  # Same program, same inputs, same device: only a different compilation could differ.
+# Same program, same inputs, same device: on the CPU only a different compilation could differ. On a GPU the same
+# program is not bitwise reproducible between runs (XLA's GPU reductions may use atomics, and each compilation
+# autotunes its own cuBLAS/Triton configurations): 60 steps of the loop's model drifted by up to 1e-5 relative in
+# grad_norm between uninterrupted runs on an H200.
+RESUME_RTOL = 1e-6 if jax.default_backend() == "cpu" else 1e-4
 
 
 def _tree_digest(path: pathlib.Path) -> str:

@@ -10,10 +10,13 @@ they are tested on CPU by running the same mapping through `implementation="xla"
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from ltm_pallas.backend import first_order_only
 
 _DTYPES = (jnp.float16, jnp.bfloat16)
 
@@ -110,4 +113,29 @@ def attention(
     [B, T, Hq, D] in q's dtype.
   """
   kwargs = dot_product_attention_kwargs(causal=causal, window=window, s=k.shape[1])
-  return jax.nn.dot_product_attention(q, k, v, scale=scale, implementation=implementation, **kwargs)
+  call = functools.partial(jax.nn.dot_product_attention, scale=scale, implementation=implementation, **kwargs)
+  return _first_order(call)(q, k, v)
+
+
+_SECOND_ORDER = ("attention: impl='cudnn' (cuDNN flash attention) has no second derivative; impl='xla' is "
+                 "differentiable to any order")
+
+
+def _first_order(call):
+  """`call` (q, k, v) -> o, differentiable once: its derivative is `call`'s own (cuDNN's backward kernel), and a
+  second derivative raises NotImplementedError naming the op and the backends that have one (cuDNN's kernels have
+  no derivative rules of their own, and JAX's error would name neither)."""
+
+  @jax.custom_vjp
+  def run(q, k, v):
+    return call(q, k, v)
+
+  def run_fwd(q, k, v):
+    return jax.vjp(call, *first_order_only(_SECOND_ORDER, q, k, v))
+
+  def run_bwd(pullback, do):
+    pullback, do = first_order_only(_SECOND_ORDER, pullback, do)
+    return pullback(do)
+
+  run.defvjp(run_fwd, run_bwd)
+  return run
