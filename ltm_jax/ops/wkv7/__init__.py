@@ -16,6 +16,8 @@ tensor-core kernels, `pallas/wkv7_chunked.py`, with the sequential kernels for d
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 
@@ -38,6 +40,18 @@ _BACKENDS = {"scan": scan.wkv7, "chunked": chunked.wkv7, "pallas": pallas.wkv7, 
 AUTO = {"cpu": "scan", "gpu": "pallas_chunked"}
 
 _NAMES = ("r", "w", "k", "v", "a", "b")
+
+
+def scan_backward_bytes(batch: int, length: int, heads: int, size: int) -> int:
+  """What differentiating the "scan" reference keeps for its backward pass: the float32 [N, N] state after every
+  token of every row and head (B·T·H·N²·4 bytes; 64 GiB at (8, 4096, 4096, 128))."""
+  return 4 * batch * length * heads * size * size
+
+
+def _device_bytes() -> int | None:
+  """The default device's memory limit, where the platform reports one (GPUs do; CPUs do not)."""
+  stats = jax.devices()[0].memory_stats() or {}
+  return stats.get("bytes_limit")
 
 
 def empty_state(batch: int, heads: int, size: int) -> jax.Array:
@@ -84,6 +98,12 @@ def wkv7(
   if not all(jnp.issubdtype(x.dtype, jnp.floating) for x in inputs):
     raise ValueError(f"wkv7: inputs must be floating point; got {', '.join(str(x.dtype) for x in inputs)}")
   batch, length, heads, size = r.shape
+  if backend.resolve("wkv7", impl, AVAILABLE, AUTO, length=length) == "scan":
+    needed, limit = scan_backward_bytes(batch, length, heads, size), _device_bytes()
+    if limit is not None and needed > limit:
+      warnings.warn(f"wkv7: differentiating impl='scan' at (B, T, H, N) = {r.shape} keeps every token's state, "
+                    f"{needed / 2**30:.1f} GiB, more than this device's {limit / 2**30:.1f} GiB; impl='pallas_chunked' "
+                    f"keeps one state per chunk", stacklevel=2)
   if state is None:
     state = empty_state(batch, heads, size)
   elif state.shape != (batch, heads, size, size):
