@@ -114,7 +114,7 @@ def _programs():
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
   from ltm_jax.ops import fp8  # pylint: disable=g-import-not-at-top
-  from ltm_pallas import aot_cases  # pylint: disable=g-import-not-at-top
+  import aot_cases  # pylint: disable=g-import-not-at-top
 
   def projection(abstract):
     def run(x, w, g):

@@ -18,7 +18,7 @@ cuDNN; from jax 0.11 the lowering runs under the topology's abstract mesh, where
 target. XLA's dump (`--xla_dump_to`, `--xla_dump_emitter_re=ptx`) gives the PTX and the thunk sequence (grid, threads
 and dynamic shared memory of every launch); `ptxas -arch=sm_90a -v` on the PTX gives registers, spills and stack.
 
-Cases are `pallas/aot_cases.py`: the kernels at their default tiles and at the models' shapes, the models' train
+Cases are `benchmarks/aot_cases.py`: the kernels at their default tiles and at the models' shapes, the models' train
 steps and generation, and two controls that must fail (tiles too large for shared memory, tiles that must spill).
 Each case compiles in its own process with its own dump directory and timeout, `--jobs` at a time.
 
@@ -110,7 +110,7 @@ def _worker(name: str, block_sizes: str | None) -> int:
     from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
     from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
 
-    from ltm_pallas import aot_cases  # pylint: disable=g-import-not-at-top
+    import aot_cases  # pylint: disable=g-import-not-at-top
 
     case = aot_cases.all_cases()[name]
     topology = topologies.get_topology_desc(platform="cuda", target_config=H100_TARGET_CONFIG, topology="1x1x1")
@@ -158,7 +158,7 @@ def _launches(dump: str) -> dict[str, dict]:
 
 
 def _is_ours(entry: str) -> bool:
-  from ltm_pallas.aot_cases import KERNEL_PREFIXES  # pylint: disable=g-import-not-at-top
+  from aot_cases import KERNEL_PREFIXES  # pylint: disable=g-import-not-at-top
   return entry.startswith(KERNEL_PREFIXES)
 
 
@@ -363,7 +363,7 @@ def main() -> int:
   if args.worker:
     return _worker(args.worker, args.block_sizes)
 
-  from ltm_pallas import aot_cases  # pylint: disable=g-import-not-at-top
+  import aot_cases  # pylint: disable=g-import-not-at-top
   groups = {"kernels", "models", "controls"} if args.group == "all" else set(args.group.split(","))
   cases = [c for c in aot_cases.all_cases().values()
            if c.group in groups and (args.cases is None or re.search(args.cases, c.name))]

@@ -29,7 +29,7 @@ from ltm_jax.config import LatentConfig, ModelConfig
 from ltm_jax.layers import Attention, ChannelMix, ChannelMixState, CrossAttention, KVCache, SwiGLU, TimeMix, TimeMixState
 from ltm_jax.layers import ChannelMix7, MemoryAsGate, MemoryAsLayer, NeuralMemoryState, TimeMix7, TimeMix7State
 from ltm_jax.layers import MMRec, MMRecState, TitansState
-from ltm_jax.layers.common import fp8_projections, init, norm
+from ltm_jax.layers.common import init, norm
 from ltm_jax.layers import pipeline
 from ltm_jax.layers.latent_encoder import LatentEncoder
 from ltm_jax.ops import cross_entropy
@@ -116,42 +116,45 @@ class Block(nn.Module):
     std, out_std = _std(cfg)
     attention = dict(n_heads=cfg.n_heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, window=cfg.window,
                      capacity=cache_capacity(cfg, self.capacity), rope_theta=cfg.rope_theta, std=std,
-                     out_std=out_std, impl=cfg.attention_impl)
+                     out_std=out_std, impl=cfg.attention_impl, fp8=cfg.fp8)
     if mixer_kind == "attention":
       mixer = self._sublayer(Attention, "mixer")(**attention, dtype=cfg.dtype, name="mixer")
     elif mixer_kind in ("titans_mal", "titans_mag"):
       memory = dict(n_heads=cfg.n_heads, head_dim=cfg.head_dim, depth=cfg.memory_depth,
                     expansion=cfg.memory_expansion, chunk=cfg.memory_chunk, max_lr=cfg.memory_max_lr, std=std,
-                    out_std=out_std, impl=cfg.memory_impl)
+                    out_std=out_std, impl=cfg.memory_impl, fp8=cfg.fp8)
       if mixer_kind == "titans_mal":
         mixer = self._sublayer(MemoryAsLayer, "mixer")(memory=memory, attention=attention, norm_kind=cfg.norm,
                                                        norm_eps=cfg.norm_eps, dtype=cfg.dtype, name="mixer")
       else:
         mixer = self._sublayer(MemoryAsGate, "mixer")(memory=memory, attention=attention, std=std, dtype=cfg.dtype,
-                                                      name="mixer")
+                                                      fp8=cfg.fp8, name="mixer")
     elif mixer_kind == "mmrec":
       mixer = self._sublayer(MMRec, "mixer")(
           n_heads=cfg.n_heads, slots=cfg.mmrec_slots, segment=cfg.mmrec_segment, precompute=cfg.mmrec_precompute,
-          remat=cfg.mmrec_remat, std=std, out_std=out_std, impl=cfg.mmrec_impl, dtype=cfg.dtype, name="mixer")
+          remat=cfg.mmrec_remat, std=std, out_std=out_std, impl=cfg.mmrec_impl, dtype=cfg.dtype, fp8=cfg.fp8,
+          name="mixer")
     elif mixer_kind == "rwkv7":
       lora = cfg.rwkv7_lora_dims()
       mixer = self._sublayer(TimeMix7, "mixer")(
           layer=self.layer, n_layers=cfg.n_layers, head_size=cfg.rwkv7_head_size, decay_lora=lora["decay"],
           iclr_lora=lora["iclr"], value_lora=lora["value"], gate_lora=lora["gate"],
-          first=cfg.mixers.index("rwkv7") == self.layer, impl=cfg.wkv7_impl, dtype=cfg.dtype, name="mixer")
+          first=cfg.mixers.index("rwkv7") == self.layer, impl=cfg.wkv7_impl, dtype=cfg.dtype, fp8=cfg.fp8,
+          name="mixer")
     else:
       mixer = self._sublayer(TimeMix, "mixer")(layer=self.layer, n_layers=cfg.n_layers, std=std, out_std=out_std,
-                                               impl=cfg.wkv_impl, dtype=cfg.dtype, name="mixer")
+                                               impl=cfg.wkv_impl, dtype=cfg.dtype, fp8=cfg.fp8, name="mixer")
     ffn_kind = cfg.ffn_kind(mixer_kind)
     if ffn_kind == "channel_mix":
       ffn = self._sublayer(ChannelMix, "ffn")(layer=self.layer, n_layers=cfg.n_layers, hidden=cfg.ffn_dim(ffn_kind),
-                                              std=std, out_std=out_std, dtype=cfg.dtype, name="ffn")
+                                              std=std, out_std=out_std, dtype=cfg.dtype, fp8=cfg.fp8, name="ffn")
     elif ffn_kind == "channel_mix7":
       ffn = self._sublayer(ChannelMix7, "ffn")(layer=self.layer, n_layers=cfg.n_layers,
-                                               hidden=cfg.ffn_dim(ffn_kind), dtype=cfg.dtype, name="ffn")
+                                               hidden=cfg.ffn_dim(ffn_kind), dtype=cfg.dtype, fp8=cfg.fp8,
+                                               name="ffn")
     else:
       ffn = self._sublayer(SwiGLU, "ffn")(hidden=cfg.ffn_dim(ffn_kind), std=std, out_std=out_std, dtype=cfg.dtype,
-                                          name="ffn")
+                                          fp8=cfg.fp8, name="ffn")
     mixer_state, ffn_state = (None, None) if state is None else state
     h = norm(cfg.norm, cfg.norm_eps, cfg.dtype, "mixer_norm")(x)
     if mixer_kind == "rwkv7":
@@ -163,7 +166,7 @@ class Block(nn.Module):
       cross = self._sublayer(CrossAttention, "cross_attention")(
           n_heads=cfg.n_heads, head_dim=cfg.head_dim, std=std, out_std=out_std,
           rope_span=self.latent.rope_span if self.latent.rope else None, rope_theta=cfg.rope_theta,
-          impl=cfg.attention_impl, dtype=cfg.dtype, name="cross_attention")
+          impl=cfg.attention_impl, dtype=cfg.dtype, fp8=cfg.fp8, name="cross_attention")
       h = cross(norm(cfg.norm, cfg.norm_eps, cfg.dtype, "cross_norm")(x), z, positions)
       x = x + h.astype(x.dtype)
     h, ffn_state = ffn(norm(cfg.norm, cfg.norm_eps, cfg.dtype, "ffn_norm")(x), ffn_state, valid)
@@ -317,11 +320,6 @@ def run_blocks(cfg: ModelConfig, x, state: tuple[BlockState, ...] | None = None,
   Called inside a compact method, the blocks become the caller's submodules (`block_{i}`, and `blocks` when
   scanned), so a model with its own input embedding and head (ltm_jax/timeseries) runs the same layers with the same
   parameter layout, state API and padding rules as the decoder."""
-  with fp8_projections(cfg.fp8):
-    return _run_blocks(cfg, x, state, latent, latents, positions, valid, capacity)
-
-
-def _run_blocks(cfg: ModelConfig, x, state, latent, latents, positions, valid, capacity):
   layout = scan_layout(cfg)
   block_cls, new_state, v_first = _block_class(cfg, scanned=False), [], None
   for i in range(layout.prefix_layers):

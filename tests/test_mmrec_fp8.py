@@ -6,7 +6,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ltm_jax.layers import common
 from ltm_jax.layers.mmrec import MMRec, _matmul
 
 PROJECTIONS = 8  # qkvz, gate_z, decay_z down/up, decay_k down/up, bank_query, bank_out.
@@ -14,13 +13,13 @@ PROJECTIONS = 8  # qkvz, gate_z, decay_z down/up, decay_k down/up, bank_query, b
 
 @pytest.mark.parametrize("precompute", [True, False])
 def test_every_projection_rounds_both_operands_to_e4m3_under_fp8(precompute):
-  layer = MMRec(n_heads=2, slots=4, segment=4, precompute=precompute, dtype="bfloat16")
+  make = lambda fp8: MMRec(n_heads=2, slots=4, segment=4, precompute=precompute, dtype="bfloat16", fp8=fp8)
   x = jax.random.normal(jax.random.key(0), (2, 8, 16))
-  params = layer.init(jax.random.key(1), x)
+  params = make(False).init(jax.random.key(1), x)
 
-  def count(enabled):
-    with common.fp8_projections(enabled):
-      return str(jax.make_jaxpr(lambda p: layer.apply(p, x)[0])(params)).count("new_dtype=float8_e4m3fn")
+  def count(fp8):
+    layer = make(fp8)
+    return str(jax.make_jaxpr(lambda p: layer.apply(p, x)[0])(params)).count("new_dtype=float8_e4m3fn")
 
   assert count(False) == 0
   assert count(True) == 2 * PROJECTIONS

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata
 import pathlib
 import tomllib
@@ -29,3 +30,23 @@ def test_kernels_install_as_ltm_pallas_from_the_pallas_folder():
   assert pathlib.Path(ltm_pallas.__file__).resolve() == ROOT / "pallas" / "__init__.py"
   assert _pyproject()["tool"]["setuptools"]["package-dir"] == {"ltm_pallas": "pallas"}
   assert importlib.metadata.version("ltm-jax")  # Installed (editable), which is what maps the name.
+
+
+def _imported_modules(path: pathlib.Path) -> set[str]:
+  """Every module a Python file imports, at any depth of its code (function-level imports included)."""
+  found = set()
+  for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    if isinstance(node, ast.Import):
+      found.update(alias.name for alias in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+      found.add(node.module)
+  return found
+
+
+def test_kernel_package_imports_nothing_from_ltm_jax():
+  """`ltm_pallas` knows no model: none of its files imports `ltm_jax` (the ops import the kernels, never back)."""
+  files = sorted((ROOT / "pallas").rglob("*.py"))
+  assert files
+  reaching_up = {str(f.relative_to(ROOT)): sorted(m for m in _imported_modules(f) if m.split(".")[0] == "ltm_jax")
+                 for f in files}
+  assert not {f: m for f, m in reaching_up.items() if m}

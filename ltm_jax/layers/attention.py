@@ -74,13 +74,17 @@ class Attention(nn.Module):
   out_std: float
   impl: str = "auto"
   dtype: str = "float32"
+  fp8: bool = False  # Its projections multiply in FP8 (ltm_jax.ops.fp8); the model sets it from model.fp8.
 
   @nn.compact
   def __call__(self, x, cache: KVCache | None = None, valid=None):
     batch, length, d_model = x.shape
-    q = dense((self.n_heads, self.head_dim), ("embed", "heads", "head_dim"), self.std, self.dtype, "q")(x)
-    k = dense((self.kv_heads, self.head_dim), ("embed", "kv_heads", "head_dim"), self.std, self.dtype, "k")(x)
-    v = dense((self.kv_heads, self.head_dim), ("embed", "kv_heads", "head_dim"), self.std, self.dtype, "v")(x)
+    q = dense((self.n_heads, self.head_dim), ("embed", "heads", "head_dim"), self.std, self.dtype, "q",
+              fp8=self.fp8)(x)
+    k = dense((self.kv_heads, self.head_dim), ("embed", "kv_heads", "head_dim"), self.std, self.dtype, "k",
+              fp8=self.fp8)(x)
+    v = dense((self.kv_heads, self.head_dim), ("embed", "kv_heads", "head_dim"), self.std, self.dtype, "v",
+              fp8=self.fp8)(x)
     fresh = cache is None
     if fresh:
       cache = KVCache.empty(batch, self.capacity, self.kv_heads, self.head_dim, k.dtype)
@@ -111,5 +115,6 @@ class Attention(nn.Module):
     if not decode_step:
       # Only the last `capacity` valid tokens of each row can still be seen; writing just those keeps slots unique.
       cache = cache.write(k, v, positions, keep & (positions >= (end - cache.capacity)[:, None]))
-    y = dense(d_model, ("heads", "head_dim", "embed"), self.out_std, self.dtype, "out", in_axis=(-2, -1))(y)
+    y = dense(d_model, ("heads", "head_dim", "embed"), self.out_std, self.dtype, "out", in_axis=(-2, -1),
+              fp8=self.fp8)(y)
     return y, cache._replace(next_position=end)

@@ -12,8 +12,6 @@ axes):
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from collections.abc import Sequence
 
 import flax.linen as nn
@@ -45,29 +43,17 @@ class Dense(nn.DenseGeneral):
     return quant_weights.matmul(inputs.astype(self.dtype or inputs.dtype), stored, n_in, features)
 
 
-_FP8_PROJECTIONS = contextvars.ContextVar("fp8_projections", default=False)
+def projection_dot_general(use_fp8: bool):
+  """The dot_general of a projection: FP8's (`ltm_jax.ops.fp8`) when `use_fp8`, else None (lax.dot_general). The
+  layers take it from their `fp8` attribute, which the model sets from model.fp8 in the blocks' layers."""
+  return fp8.dot_general if use_fp8 else None
 
 
-@contextlib.contextmanager
-def fp8_projections(enabled: bool):
-  """While tracing a model inside this context, `dense` projections built with `projection_dot_general()` multiply
-  in FP8 (`ltm_jax.ops.fp8`) when `enabled`. The model enters it around its blocks, from model.fp8."""
-  token = _FP8_PROJECTIONS.set(enabled)
-  try:
-    yield
-  finally:
-    _FP8_PROJECTIONS.reset(token)
-
-
-def projection_dot_general():
-  """The dot_general of a projection built now: FP8's inside `fp8_projections(True)`, else None (lax.dot_general)."""
-  return fp8.dot_general if _FP8_PROJECTIONS.get() else None
-
-
-def dense(features, axes: Sequence[str], std: float, dtype, name: str, in_axis=-1) -> Dense:
-  """A bias-free projection whose kernel carries the logical axes `axes` (input axes first)."""
+def dense(features, axes: Sequence[str], std: float, dtype, name: str, in_axis=-1, fp8: bool = False) -> Dense:
+  """A bias-free projection whose kernel carries the logical axes `axes` (input axes first); with `fp8` it
+  multiplies in FP8 (`ltm_jax.ops.fp8`)."""
   return Dense(features, axis=in_axis, use_bias=False, dtype=dtype, param_dtype=jnp.float32,
-               dot_general=projection_dot_general(),
+               dot_general=projection_dot_general(fp8),
                # rules=(): flax checks the kernel's shape on its flat 2-D initial value, where a rank-3
                # constraint would fail; parameters are placed by ltm_jax.parallel, not by this box.
                kernel_init=nn.with_logical_partitioning(nn.initializers.normal(std), tuple(axes), rules=()),

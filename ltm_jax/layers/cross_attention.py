@@ -31,14 +31,15 @@ class CrossAttention(nn.Module):
   rope_theta: float = 10_000.0
   impl: str = "auto"
   dtype: str = "float32"
+  fp8: bool = False  # Its projections multiply in FP8 (ltm_jax.ops.fp8); the model sets it from model.fp8.
 
   @nn.compact
   def __call__(self, x, z, positions=None):
     batch, _, d_model = x.shape
     heads = (self.n_heads, self.head_dim)
-    q = dense(heads, ("embed", "heads", "head_dim"), self.std, self.dtype, "q")(x)
-    k = dense(heads, ("embed", "heads", "head_dim"), self.std, self.dtype, "k")(z.astype(x.dtype))
-    v = dense(heads, ("embed", "heads", "head_dim"), self.std, self.dtype, "v")(z.astype(x.dtype))
+    q = dense(heads, ("embed", "heads", "head_dim"), self.std, self.dtype, "q", fp8=self.fp8)(x)
+    k = dense(heads, ("embed", "heads", "head_dim"), self.std, self.dtype, "k", fp8=self.fp8)(z.astype(x.dtype))
+    v = dense(heads, ("embed", "heads", "head_dim"), self.std, self.dtype, "v", fp8=self.fp8)(z.astype(x.dtype))
     if self.rope_span is not None:
       if positions is None:
         positions = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])
@@ -46,4 +47,5 @@ class CrossAttention(nn.Module):
       q = apply_rope(q, positions, self.rope_theta)
       k = apply_rope(k, z_positions, self.rope_theta)
     y = ops.attention(q, k, v, causal=False, impl=self.impl)
-    return dense(d_model, ("heads", "head_dim", "embed"), self.out_std, self.dtype, "out", in_axis=(-2, -1))(y)
+    return dense(d_model, ("heads", "head_dim", "embed"), self.out_std, self.dtype, "out", in_axis=(-2, -1),
+                 fp8=self.fp8)(y)

@@ -14,11 +14,12 @@ class SwiGLU(nn.Module):
   std: float
   out_std: float
   dtype: str = "float32"
+  fp8: bool = False  # Its projections multiply in FP8 (ltm_jax.ops.fp8); the model sets it from model.fp8.
 
   @nn.compact
   def __call__(self, x, state=None, valid=None):
     del valid  # Token-wise: padding cannot leak.
     d = x.shape[-1]
-    gate = dense(self.hidden, ("embed", "mlp"), self.std, self.dtype, "gate")(x)
-    up = dense(self.hidden, ("embed", "mlp"), self.std, self.dtype, "up")(x)
-    return dense(d, ("mlp", "embed"), self.out_std, self.dtype, "down")(nn.silu(gate) * up), None
+    gate = dense(self.hidden, ("embed", "mlp"), self.std, self.dtype, "gate", fp8=self.fp8)(x)
+    up = dense(self.hidden, ("embed", "mlp"), self.std, self.dtype, "up", fp8=self.fp8)(x)
+    return dense(d, ("mlp", "embed"), self.out_std, self.dtype, "down", fp8=self.fp8)(nn.silu(gate) * up), None

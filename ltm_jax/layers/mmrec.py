@@ -133,6 +133,7 @@ class MMRec(nn.Module):
   out_std: float = 0.02
   impl: str = "auto"
   dtype: str = "float32"
+  fp8: bool = False  # Its projections multiply in FP8 (ltm_jax.ops.fp8); the model sets it from model.fp8.
 
   @nn.compact
   def __call__(self, x, state: MMRecState | None = None, valid=None):
@@ -157,7 +158,7 @@ class MMRec(nn.Module):
     scale = _param(self, "h_norm", ones, (d,), ("norm",))
     w_qm = _param(self, "bank_query", normal(self.std), (d, heads, size), ("embed", "heads", "head_dim"))
     w_o = _param(self, "bank_out", normal(self.out_std), (heads, size, d), ("heads", "head_dim", "embed"))
-    dot_general = projection_dot_general()  # Read while the model's FP8 context is active (trace time).
+    dot_general = projection_dot_general(self.fp8)
 
     def recurrence(p, w_h, scale, x, valid, h0):
       if self.precompute:

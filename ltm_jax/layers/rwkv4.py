@@ -58,6 +58,7 @@ class TimeMix(nn.Module):
   out_std: float
   impl: str = "auto"
   dtype: str = "float32"
+  fp8: bool = False  # Its projections multiply in FP8 (ltm_jax.ops.fp8); the model sets it from model.fp8.
 
   @nn.compact
   def __call__(self, x, state: TimeMixState | None = None, valid=None):
@@ -83,9 +84,9 @@ class TimeMix(nn.Module):
 
     time_decay = self.param("time_decay", nn.with_logical_partitioning(decay_init, ("wkv",)), (d,))
     time_first = self.param("time_first", nn.with_logical_partitioning(bonus_init, ("wkv",)), (d,))
-    k = dense(d, ("embed", "wkv"), self.std, self.dtype, "key")(xk)
-    v = dense(d, ("embed", "wkv"), self.std, self.dtype, "value")(xv)
-    r = dense(d, ("embed", "wkv"), self.std, self.dtype, "receptance")(xr)
+    k = dense(d, ("embed", "wkv"), self.std, self.dtype, "key", fp8=self.fp8)(xk)
+    v = dense(d, ("embed", "wkv"), self.std, self.dtype, "value", fp8=self.fp8)(xv)
+    r = dense(d, ("embed", "wkv"), self.std, self.dtype, "receptance", fp8=self.fp8)(xr)
     wkv_in = state.wkv
     if valid is not None:
       # A padded token adds nothing (weight e^k = 0) but still decays the state by e^w, w = -e^time_decay: start
@@ -97,7 +98,7 @@ class TimeMix(nn.Module):
     wkv, wkv_state = ops.wkv4(-jnp.exp(time_decay), time_first, k, v, wkv_in, impl=self.impl)
     if valid is not None:  # Padding before any real token reads an empty state, 0 / 0: keep NaN out of later layers.
       wkv = jnp.where(valid[..., None], wkv, 0).astype(r.dtype)
-    y = dense(d, ("wkv", "embed"), self.out_std, self.dtype, "output")(nn.sigmoid(r) * wkv)
+    y = dense(d, ("wkv", "embed"), self.out_std, self.dtype, "output", fp8=self.fp8)(nn.sigmoid(r) * wkv)
     return y, TimeMixState(wkv_state, x[:, -1].astype(jnp.float32))
 
 
@@ -109,6 +110,7 @@ class ChannelMix(nn.Module):
   std: float
   out_std: float
   dtype: str = "float32"
+  fp8: bool = False  # Its projections multiply in FP8 (ltm_jax.ops.fp8); the model sets it from model.fp8.
 
   @nn.compact
   def __call__(self, x, state: ChannelMixState | None = None, valid=None):
@@ -119,7 +121,7 @@ class ChannelMix(nn.Module):
     _, down = _depth_ratios(self.layer, self.n_layers)
     xk = _shift_mix(self, x, shifted, "mix_k", _mix_init(down))
     xr = _shift_mix(self, x, shifted, "mix_r", _mix_init(down))
-    hidden = jnp.square(nn.relu(dense(self.hidden, ("embed", "mlp"), self.std, self.dtype, "key")(xk)))
-    value = dense(d, ("mlp", "embed"), self.out_std, self.dtype, "value")(hidden)
-    gate = nn.sigmoid(dense(d, ("embed", "embed_out"), self.std, self.dtype, "receptance")(xr))
+    hidden = jnp.square(nn.relu(dense(self.hidden, ("embed", "mlp"), self.std, self.dtype, "key", fp8=self.fp8)(xk)))
+    value = dense(d, ("mlp", "embed"), self.out_std, self.dtype, "value", fp8=self.fp8)(hidden)
+    gate = nn.sigmoid(dense(d, ("embed", "embed_out"), self.std, self.dtype, "receptance", fp8=self.fp8)(xr))
     return gate * value, ChannelMixState(x[:, -1].astype(jnp.float32))

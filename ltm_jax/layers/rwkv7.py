@@ -69,11 +69,11 @@ def _centered_uniform(bound: float, axes: tuple[str, ...]):
   return nn.with_logical_partitioning(init, axes)
 
 
-def _projection(features: int, init, dtype, name: str) -> Dense:
+def _projection(features: int, init, dtype, name: str, fp8: bool) -> Dense:
   """A bias-free projection of the last axis; `init` carries the logical axes (the official inits are uniform or
-  zero, not the normal of common.dense)."""
+  zero, not the normal of common.dense); with `fp8` it multiplies in FP8."""
   return Dense(features, use_bias=False, dtype=dtype, param_dtype=jnp.float32, kernel_init=init,
-               dot_general=projection_dot_general(), name=name)
+               dot_general=projection_dot_general(fp8), name=name)
 
 
 class TimeMix7(nn.Module):
@@ -93,6 +93,7 @@ class TimeMix7(nn.Module):
   first: bool = True
   impl: str = "auto"
   dtype: str = "float32"
+  fp8: bool = False  # Its projections multiply in FP8 (ltm_jax.ops.fp8); the model sets it from model.fp8.
 
   @nn.compact
   def __call__(self, x, state: TimeMix7State | None = None, v_first=None, valid=None):
@@ -132,9 +133,10 @@ class TimeMix7(nn.Module):
              for name, p in powers.items()}
 
     scale = 1 / math.sqrt(d)
-    r = _projection(d, _centered_uniform(0.5 * scale, ("embed", "wkv")), self.dtype, "receptance")(mixed["r"])
-    k = _projection(d, _centered_uniform(0.05 * scale, ("embed", "wkv")), self.dtype, "key")(mixed["k"])
-    v = _projection(d, _centered_uniform(0.5 * scale, ("embed", "wkv")), self.dtype, "value")(mixed["v"])
+    r = _projection(d, _centered_uniform(0.5 * scale, ("embed", "wkv")), self.dtype, "receptance", self.fp8)(
+        mixed["r"])
+    k = _projection(d, _centered_uniform(0.05 * scale, ("embed", "wkv")), self.dtype, "key", self.fp8)(mixed["k"])
+    v = _projection(d, _centered_uniform(0.5 * scale, ("embed", "wkv")), self.dtype, "value", self.fp8)(mixed["v"])
 
     decay_base = -6 + 6 * (channel / max(d - 1, 1)) ** (1 + up ** 0.3) + 0.5 + 2.5 * zigzag
     decay_pre = vector("decay_base", decay_base) + lora("decay", self.decay_lora, mixed["w"], jnp.tanh).astype(
@@ -170,7 +172,7 @@ class TimeMix7(nn.Module):
     rk = jnp.sum(to_heads(r * k * bonus), axis=-1, keepdims=True, dtype=jnp.float32)
     y = y + (rk * to_heads(v).astype(jnp.float32)).astype(y.dtype)
     out = _projection(d, nn.with_logical_partitioning(nn.initializers.zeros, ("wkv", "embed")), self.dtype,
-                      "output")(y.reshape(batch, length, d) * gate)
+                      "output", self.fp8)(y.reshape(batch, length, d) * gate)
     return out, TimeMix7State(wkv_state, x[:, -1].astype(jnp.float32)), v_first
 
 
@@ -192,6 +194,7 @@ class ChannelMix7(nn.Module):
   n_layers: int
   hidden: int
   dtype: str = "float32"
+  fp8: bool = False  # Its projections multiply in FP8 (ltm_jax.ops.fp8); the model sets it from model.fp8.
 
   @nn.compact
   def __call__(self, x, state: ChannelMixState | None = None, valid=None):
@@ -202,8 +205,9 @@ class ChannelMix7(nn.Module):
     x, shifted = shift_inputs(x.astype(self.dtype), state.last_x, valid)
     shift = self.param("shift_k", _constant_init(_shift_fraction(d, down ** 4).astype(np.float32), ("embed",)), (d,))
     xk = x + (shifted - x) * shift.astype(x.dtype)
-    key = _projection(self.hidden, _centered_uniform(0.5 / math.sqrt(d), ("embed", "mlp")), self.dtype, "key")
+    key = _projection(self.hidden, _centered_uniform(0.5 / math.sqrt(d), ("embed", "mlp")), self.dtype, "key",
+                      self.fp8)
     hidden = jnp.square(nn.relu(key(xk)))
     value = _projection(d, nn.with_logical_partitioning(nn.initializers.zeros, ("mlp", "embed")), self.dtype,
-                        "value")
+                        "value", self.fp8)
     return value(hidden), ChannelMixState(x[:, -1].astype(jnp.float32))

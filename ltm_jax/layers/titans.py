@@ -96,6 +96,7 @@ class NeuralMemory(nn.Module):
   out_std: float = 0.02
   impl: str = "auto"
   dtype: str = "float32"
+  fp8: bool = False  # Its projections multiply in FP8 (ltm_jax.ops.fp8); the model sets it from model.fp8.
 
   @nn.compact
   def __call__(self, x, state: NeuralMemoryState | None = None, valid=None):
@@ -103,7 +104,8 @@ class NeuralMemory(nn.Module):
     heads, size = self.n_heads, self.head_dim
     if state is None:
       state = NeuralMemoryState.empty(batch, heads, size, self.depth, self.expansion, self.conv_width)
-    project = lambda name: dense((heads, size), ("embed", "heads", "head_dim"), self.std, self.dtype, name)(x)
+    project = lambda name: dense((heads, size), ("embed", "heads", "head_dim"), self.std, self.dtype, name,
+                                 fp8=self.fp8)(x)
     qkv = jnp.stack([project("q"), project("k"), project("v")], axis=2)  # [B, T, 3, H, N]
     # Taps start as the identity (all weight on the current input) and learn how much of the past to mix in.
     identity_tap = nn.with_logical_partitioning(_identity_taps, ("conv", "heads", "head_dim"))
@@ -115,7 +117,7 @@ class NeuralMemory(nn.Module):
     q, k, v = unit(qkv[:, :, 0]), unit(qkv[:, :, 1]), qkv[:, :, 2]
 
     def gate(name, bias):
-      logits = dense(heads, ("embed", "heads"), self.std, self.dtype, name)(x).astype(jnp.float32)
+      logits = dense(heads, ("embed", "heads"), self.std, self.dtype, name, fp8=self.fp8)(x).astype(jnp.float32)
       offset = self.param(f"{name}_bias", nn.with_logical_partitioning(nn.initializers.constant(bias), ("heads",)),
                           (heads,))
       return jax.nn.sigmoid(logits + offset)
@@ -144,7 +146,7 @@ class NeuralMemory(nn.Module):
       self.sow("intermediates", "weight_norm", norm_of(memory.weights))
       self.sow("intermediates", "momentum_norm", norm_of(memory.momentum))
     y = y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + NORM_EPS)
-    y = dense(d_model, ("heads", "head_dim", "embed"), self.out_std, self.dtype, "out", in_axis=(-2, -1))(
+    y = dense(d_model, ("heads", "head_dim", "embed"), self.out_std, self.dtype, "out", in_axis=(-2, -1), fp8=self.fp8)(
         y.astype(self.dtype))
     started = started | (jnp.ones((batch,), bool) if valid is None else jnp.any(valid, axis=1))
     return y, NeuralMemoryState(memory, conv_history, started)
@@ -189,11 +191,12 @@ class MemoryAsGate(nn.Module):
   attention: dict
   std: float = 0.02
   dtype: str = "float32"
+  fp8: bool = False  # Its projections multiply in FP8 (ltm_jax.ops.fp8); the model sets it from model.fp8.
 
   @nn.compact
   def __call__(self, x, state: TitansState | None = None, valid=None):
     memory_state, cache = (None, None) if state is None else state
     m, memory_state = NeuralMemory(**self.memory, dtype=self.dtype, name="memory")(x, memory_state, valid)
     a, cache = Attention(**self.attention, dtype=self.dtype, name="attention")(x, cache, valid)
-    g = jax.nn.sigmoid(dense(x.shape[-1], ("embed", "embed_out"), self.std, self.dtype, "gate")(x))
+    g = jax.nn.sigmoid(dense(x.shape[-1], ("embed", "embed_out"), self.std, self.dtype, "gate", fp8=self.fp8)(x))
     return g * a + (1 - g) * m, TitansState(memory_state, cache)

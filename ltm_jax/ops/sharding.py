@@ -28,6 +28,9 @@ from ltm_jax.errors import ConfigError
 Axes = tuple[str | None, ...]  # Logical name (or None: never split) of each dimension of one array.
 Rules = Sequence[tuple[str, str | Sequence[str] | None]]  # (logical name, mesh axes), highest priority first.
 
+# The rules are read from a context rather than passed down the layers: they accompany the mesh (`jax.set_mesh`) and
+# flax's `nn.logical_axis_rules`, both contexts, which `ltm_jax.parallel.mesh.activate` installs together with these,
+# so the ops split exactly as the parameters and the step's constraints do for as long as that mesh is active.
 _RULES: contextvars.ContextVar[tuple] = contextvars.ContextVar("ltm_jax_ops_axis_rules", default=())
 _STRICT: contextvars.ContextVar[bool] = contextvars.ContextVar("ltm_jax_ops_strict_sharding", default=False)
 _WARNED: set[tuple[str, tuple[str, ...]]] = set()  # (logical name, mesh axes) of the rules already warned about.

@@ -96,7 +96,7 @@ def _tiles(fwd: tuple[int, int, int, int], dq: tuple[int, int, int, int],
 # per SM), the larger tile per program (it loads its own rows once and streams the others), the larger step, the
 # fewer registers, the more stages. The 2-byte rows keep at least 64 rows per program (one Hopper warpgroup MMA) and
 # 32 per step, since tensor-core throughput and not occupancy alone sets their speed; the float32 rows, whose IEEE
-# products run on the CUDA cores, keep no such floor. Every case of pallas/aot_cases.py was then compiled with the
+# products run on the CUDA cores, keep no such floor. Every case of benchmarks/aot_cases.py was then compiled with the
 # result: nothing spills, and the most registers is 228 (head dim 256, dk/dv). Occupancy is an estimate, and no tiles
 # but these defaults have been timed: on one H100 (bfloat16, head dims 64 and 128; in benchmarks/results/,
 # attention-d64-nvidia-h100-80gb-hbm3.json and attention-d128-nvidia-h100-80gb-hbm3.json) their forward+backward took

@@ -1,5 +1,5 @@
-"""What the deviceless GPU compile check (`benchmarks/gpu_aot.py`, `make gpu-aot`) compiles: every kernel of this
-package at its default tiles and at the shapes the models use, and whole model programs.
+"""What the deviceless GPU compile check (`benchmarks/gpu_aot.py`, `make gpu-aot`) compiles: every kernel of
+`ltm_pallas` at its default tiles and at the shapes the models use, and whole model programs.
 
 A case is a function and abstract arguments; the check compiles it for an H100 (sm_90a) without a GPU and reports,
 per Pallas kernel in the compiled program, warps, registers, spills, shared memory, grid and an occupancy estimate.
@@ -19,7 +19,7 @@ Controls ("controls") must fail: attention tiles too large for shared memory, an
 show that the check sees both kinds of failure.
 
 Importing this module needs only jax and the kernels; the model cases import `ltm_jax` and the configs when they
-are built.
+are built. It lives beside the check, not in the kernel package, which knows no model.
 """
 
 from __future__ import annotations
