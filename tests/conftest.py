@@ -58,6 +58,17 @@ def pytest_collection_modifyitems(config, items):
   items.sort(key=rank)  # Stable: the rest keep their order.
 
 
+@pytest.fixture
+def fast_compile():
+  """XLA without its expensive optimisation passes (jax_disable_most_optimizations), for tests whose time is compiling
+  many tiny programs once each and whose assertions compare values two programs compute, never compiled HLO, memory
+  or speed. A module opts in with `pytestmark = pytest.mark.usefixtures("fast_compile")`."""
+  previous = jax.config.read("jax_disable_most_optimizations")
+  jax.config.update("jax_disable_most_optimizations", True)
+  yield
+  jax.config.update("jax_disable_most_optimizations", previous)
+
+
 def micro_config(**model_overrides) -> Config:
   """A 2-layer hybrid (RWKV-4 + attention) with d_model 32 and short sequences."""
   model = dataclasses.replace(

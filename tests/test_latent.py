@@ -280,6 +280,7 @@ def test_plain_checkpoint_evaluated_with_latents_is_refused(plain_workdir, capsy
   assert metrics["kl"] == 0 and metrics["elbo_ppl_is_upper_bound"] is False
 
 
+@pytest.mark.usefixtures("fast_compile")  # Compile-bound (train, eval, decode once each); asserts messages only.
 def test_latent_checkpoint_evaluated_without_latents_is_refused(tmp_path, capsys):
   small = ["model.d_model=32", "model.n_layers=2", "train.batch_size=4", "train.seq_len=32", "train.eval_batches=1",
            "train.steps=1", "train.eval_every=1", "train.checkpoint_every=1", "data.worker_threads=1",

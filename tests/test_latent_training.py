@@ -25,6 +25,9 @@ from ltm_jax.train.evaluation import full_evaluation
 from ltm_jax.latent import continuation_masks
 from ltm_jax.train.step import create_train_state, make_train_step
 
+# Compile-bound: many tiny programs, each compiled once; the checks compare values (see conftest.fast_compile).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
 STEPS = 3
 LATENT = LatentConfig(enabled=True, n_per_layer=2, inner_steps=STEPS, inner_lr=0.3)
 
@@ -47,8 +50,11 @@ def _mean_nll_grad(model, params, batch, z):
   return _scored_nll_grad(model, params, batch, ((z, None, None),))
 
 
+@functools.partial(jax.jit, static_argnames="model")
 def _scored_nll_grad(model, params, batch, scored):
-  """The NLL per scored target, each (z, mask) pair's targets given its z (held fixed), and its gradient."""
+  """The NLL per scored target, each (z, mask) pair's targets given its z (held fixed), and its gradient. Jitted once
+  per model and structure of `scored`, with z and the masks as arguments: the per-iterate gradients share one
+  compiled program instead of compiling one per iterate."""
   def loss(p):
     total, count = 0.0, 0.0
     for z, mask, _ in scored:  # Every position read: a prefix's own length must not change its NLL.
@@ -56,7 +62,7 @@ def _scored_nll_grad(model, params, batch, scored):
       mask = jnp.ones(nll.shape, bool) if mask is None else mask
       total, count = total + jnp.where(mask, nll, 0.0).sum(), count + mask.sum()
     return total / count
-  return jax.jit(jax.value_and_grad(loss))(params)
+  return jax.value_and_grad(loss)(params)
 
 
 def _assert_trees_close(got, want, rtol=1e-4, atol=1e-6):

@@ -31,6 +31,7 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+@pytest.mark.usefixtures("fast_compile")  # Both sides compiled alike, without XLA's expensive passes.
 def test_two_processes_train_like_one(tmp_path):
   """`ltm train` as 2 processes x 1 CPU device (mesh data=2: each process loads and runs 2 of the 4 rows) against the
   same run in this single process. Loss and gradient norm agree to float32 reassociation (1e-5 relative); only
@@ -38,6 +39,7 @@ def test_two_processes_train_like_one(tmp_path):
   port = _free_port()
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
   env["JAX_PLATFORMS"] = "cpu"
+  env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"  # As this process compiles its single-process run (fast_compile).
   procs = [subprocess.Popen(
       [sys.executable, "-m", "ltm_jax", "train", "--config", str(ROOT / "configs/tiny.py"), "--workdir",
        str(tmp_path / "multi"), *OVERRIDES, "--coordinator-address", f"localhost:{port}", "--num-processes", "2",
