@@ -96,9 +96,9 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = N
   holding the workdir's lock, a checkpoints folder that cannot be written, a checkpoint of another model, train.steps
   below the checkpoint resumed from, a `from_step` that is not kept, a data-iterator state that does not fit, an
   unreadable metrics.jsonl) is checked before anything in the workdir is written: a refused run leaves every file and
-  folder of the workdir as it was (the lock is a flock on the directory itself, which writes nothing). A checkpoint that cannot be read is named on stderr and moved to
-  WORKDIR/damaged-checkpoints/; the run resumes from the newest one that can. No checkpoint is saved whose parameters
-  or optimizer state are not finite.
+  folder of the workdir as it was (the lock is a flock on the directory itself, which writes nothing). A checkpoint
+  that cannot be read is named on stderr and moved to WORKDIR/damaged-checkpoints/; the run resumes from the newest
+  one that can. No checkpoint is saved whose parameters or optimizer state are not finite.
 
   Over several devices the run is sharded by `cfg.mesh` (ltm_jax.parallel); over several processes (after
   `parallel.initialize`) each loads its rows of every batch, and only process 0 writes metrics and config.json
