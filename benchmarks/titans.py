@@ -1,7 +1,7 @@
 """Titans neural memory against the other mixers: language modelling at equal parameters and tokens, and a recall
 probe beyond the attention window.
 
-  python benchmarks/titans.py                      # both sections (about an hour on 2 CPU cores)
+  python benchmarks/titans.py                      # both sections (well over an hour on 2 CPU cores)
   python benchmarks/titans.py --section probe      # one section
   python benchmarks/titans.py --steps 30 --probe-steps 30 --name titans-quick   # the whole script in minutes
 
@@ -45,6 +45,7 @@ CORPUS = {  # name -> (config, overrides)
     "rwkv4": (TINY, ["model.layer_pattern=R"]),
     "rwkv7": (TINY, ["model.layer_pattern=W", "model.rwkv7_head_size=32"]),
     "titans_mal": (TINY_TITANS, []),
+    "mmrec": ("configs/tiny_mmrec.py", []),
 }
 PROBE = {  # name -> model overrides of the probe's decoder
     "attention_window16": dict(layer_pattern="A"),

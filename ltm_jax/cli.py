@@ -20,7 +20,7 @@ def _train(args) -> int:
   cfg = config_lib.load_config(args.config, args.overrides)
   # Before anything touches a device: a multi-process run must join its process group first.
   parallel.initialize(args.coordinator_address, args.num_processes, args.process_id)
-  result = train(cfg, args.workdir)
+  result = train(cfg, args.workdir, from_step=args.from_step)
   if result.interrupted_by is not None:
     return 128 + result.interrupted_by
   if not parallel.is_main_process():
@@ -261,6 +261,9 @@ def parser() -> argparse.ArgumentParser:
   train.add_argument("--config", required=True, help="Python config file, e.g. configs/tiny.py")
   train.add_argument("--workdir", required=True, help="checkpoints, metrics.jsonl and TensorBoard files go here")
   train.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. model.d_model=256 train.steps=200")
+  train.add_argument("--from-step", type=_non_negative_int, default=None, metavar="N",
+                     help="resume from the kept checkpoint of step N instead of the latest, deleting the checkpoints "
+                          "and metrics rows after it (after a divergence whose newest checkpoints are already bad)")
   train.add_argument("--coordinator-address", default=None,
                      help="multi-process: host:port of process 0 (or LTM_COORDINATOR_ADDRESS; SLURM is detected)")
   train.add_argument("--num-processes", type=_positive_int, default=None, help="multi-process: number of processes")

@@ -217,7 +217,10 @@ class TrainConfig:
   qat: str = "none"
   qat_group: int = 128
   checkpoint_every: int = 500
-  keep_checkpoints: int = 3
+  keep_checkpoints: int = 3  # The newest checkpoints kept; older ones are deleted as new ones are saved...
+  # ...except those at multiples of keep_every (0: none), which stay: older steps `ltm train --from-step N` can go
+  # back to after a divergence that outlasts the newest keep_checkpoints. A multiple of checkpoint_every.
+  keep_every: int = 0
   async_checkpoint: bool = True
   log_every: int = 10
   seed: int = 0
@@ -620,6 +623,8 @@ def validate(config: Config) -> Config:
   for key in ("steps", "batch_size", "seq_len", "grad_accum", "eval_every", "eval_batches", "checkpoint_every",
               "keep_checkpoints", "log_every"):
     need(getattr(t, key) > 0, f"train.{key} must be positive, got {getattr(t, key)}")
+  need(t.keep_every >= 0 and t.keep_every % t.checkpoint_every == 0,
+       f"train.keep_every={t.keep_every} must be 0 or a multiple of train.checkpoint_every={t.checkpoint_every}")
   need(t.batch_size % t.grad_accum == 0,
        f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}")
   need(m.pipeline_micro_batches >= 1, f"model.pipeline_micro_batches must be >= 1, got {m.pipeline_micro_batches}")

@@ -85,9 +85,15 @@ def test_bfloat16_compute_keeps_float32_params_and_logits():
   low, _ = model_lib.LM(cfg).apply({"params": params}, tokens)
   full, _ = model_lib.LM(micro_config().model).apply({"params": params}, tokens)
   assert low.dtype == jnp.float32
-  # bfloat16 has an 8-bit mantissa: logits of order 1 agree to a few 1e-2.
-  np.testing.assert_allclose(low, full, atol=0.1, rtol=0)
-  assert np.abs(low - full).mean() < 0.02
+  # Measured against the logits' own spread (their standard deviation, about 0.11 at initialisation; float32 is the
+  # reference, its rounding ~1e-7 of bfloat16's): bfloat16's 8-bit mantissa leaves the largest difference at about
+  # 1.1% of it and the mean at about 0.2%; the bounds allow ~3x that. A block computed wrongly in bfloat16 (a
+  # dropped norm, a lost residual) moves logits by a sizeable part of the spread.
+  low, full = np.asarray(low, np.float64), np.asarray(full, np.float64)
+  spread = full.std()
+  difference = np.abs(low - full)
+  assert difference.max() < 0.03 * spread, (difference.max(), spread)
+  assert difference.mean() < 0.006 * spread, (difference.mean(), spread)
 
 
 def test_logits_cover_the_vocabulary_and_head_is_padded():

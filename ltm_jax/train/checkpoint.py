@@ -43,7 +43,9 @@ def _absl_errors_only():
 class Checkpointer:
   """Items per step: "state" (TrainState pytree), "data" (loader state, JSON), "config" (Config dict, JSON)."""
 
-  def __init__(self, workdir: str | pathlib.Path, keep: int = 3, async_save: bool = True, read_only: bool = False):
+  def __init__(self, workdir: str | pathlib.Path, keep: int = 3, async_save: bool = True, read_only: bool = False,
+               keep_every: int = 0):
+    """Keeps the newest `keep` checkpoints, and those at multiples of `keep_every` (0: none) whatever their age."""
     self.directory = pathlib.Path(workdir).absolute() / "checkpoints"
     self._unsealed: int | None = None  # The step whose save was started and not yet checked and sealed.
     self._sealer: threading.Thread | None = None
@@ -51,7 +53,8 @@ class Checkpointer:
     if read_only:
       options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0, max_to_keep=None)
     else:
-      options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save)
+      options = ocp.CheckpointManagerOptions(max_to_keep=keep, keep_period=keep_every or None,
+                                             enable_async_checkpointing=async_save)
     with _absl_errors_only():  # Opening a read-only manager logs routine notices as warnings.
       self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data", "config"))
 
@@ -198,6 +201,15 @@ class Checkpointer:
       shutil.move(str(self.directory / str(step)), target)
     self._manager.reload()
     return aside
+
+  def drop_after(self, step: int) -> list[int]:
+    """Deletes every checkpoint newer than `step` (on every process: orbax coordinates the deletion) and returns
+    their steps, so that the next save continues from `step`."""
+    newer = [s for s in self.all_steps() if s > step]
+    with _absl_errors_only():
+      for s in newer:
+        self._manager.delete(s)
+    return newer
 
   def wait(self) -> None:
     """Blocks until the last save is committed and sealed; CheckpointError if it failed."""

@@ -135,15 +135,15 @@ def full_evaluation(model: model_lib.LM, params, batches: Iterable[dict[str, Any
       "nll": nll,
       "kl": kl,
       "elbo": nll + kl,
-      "elbo_ppl": math.exp(nll + kl),
+      "elbo_ppl": _ppl(nll + kl),
       "elbo_ppl_is_upper_bound": latent is not None,
-      "continuation_ppl": math.exp(totals["continuation_nll"] / second_half_tokens),
+      "continuation_ppl": _ppl(totals["continuation_nll"] / second_half_tokens),
       "prior_nll": totals["prior_nll"] / tokens if latent is not None else None,
       "shuffled_nll": totals["shuffled_nll"] / tokens if latent is not None else None,
       "active_units": None,
       "latent_dims": None,
       "mu_abs": None,
-      "elbo_ppl_by_inner_steps": {str(s): math.exp(v / curve_tokens) for s, v in curve_totals.items()},
+      "elbo_ppl_by_inner_steps": {str(s): _ppl(v / curve_tokens) for s, v in curve_totals.items()},
       "curve_tokens": curve_tokens if curve else 0,
       "inner_steps": main_steps,
       "tokens": tokens,
@@ -157,6 +157,14 @@ def full_evaluation(model: model_lib.LM, params, batches: Iterable[dict[str, Any
   if bytes_per_token:
     metrics["elbo_bpb"] = (nll + kl) / math.log(2) / bytes_per_token
   return metrics
+
+
+def _ppl(nll_per_token: float) -> float:
+  """exp(NLL per token); infinity where that overflows a float (a diverged model's NLL), instead of an OverflowError."""
+  try:
+    return math.exp(nll_per_token)
+  except OverflowError:
+    return math.inf
 
 
 # The full evaluation's keys that training logs at every evaluation, as val_<key>.

@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -18,7 +19,7 @@ import tqdm
 from ltm_jax import parallel
 from ltm_jax import model as model_lib
 from ltm_jax.config import Config
-from ltm_jax.errors import ConfigError, TrainingError
+from ltm_jax.errors import CheckpointError, ConfigError, TrainingError
 from ltm_jax.inference import quantize as quantize_lib
 from ltm_jax.layers import pipeline
 from ltm_jax.train import checkpoint as ckpt_lib
@@ -81,19 +82,23 @@ def _qat_view(cfg: Config, params):
 
 
 def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = None,
-          stop_at: int | None = None) -> TrainResult:
+          stop_at: int | None = None, from_step: int | None = None) -> TrainResult:
   """Trains `cfg` in `workdir`, resuming from its latest checkpoint. `progress=None` shows a bar only on a terminal.
   `stop_at` ends this call after that step (evaluating and saving a checkpoint there), with the learning-rate
   schedule still that of train.steps: a long run trained in pieces equals the run trained at once.
+  `from_step` resumes from that kept checkpoint instead of the latest (the recovery from a divergence whose newest
+  checkpoints hold finite but diverged parameters) and deletes the checkpoints and metrics rows after it once every
+  check has passed; a step that is not kept is refused in one line naming the kept ones.
   What is trained (the decoder LM on tokens, or with timeseries.enabled a time-series model on labelled series)
   comes from `ltm_jax.train.task`; everything else here is shared.
 
   Everything that can refuse the run (bad data, a mesh that does not fit the devices or the model, another run
   holding the workdir's lock, a checkpoints folder that cannot be written, a checkpoint of another model, train.steps
-  below the latest checkpoint, a data-iterator state that does not fit, an unreadable metrics.jsonl) is checked before
-  anything in the workdir is written. A checkpoint that cannot be read is named on stderr and moved to
-  WORKDIR/damaged-checkpoints/; the run resumes from the newest one that can. No checkpoint is saved whose parameters
-  or optimizer state are not finite.
+  below the checkpoint resumed from, a `from_step` that is not kept, a data-iterator state that does not fit, an
+  unreadable metrics.jsonl) is checked before anything in the workdir is written: a refused run leaves every file and
+  folder of the workdir as it was (the lock is a flock on the directory itself, which writes nothing). A checkpoint
+  that cannot be read is named on stderr and moved to WORKDIR/damaged-checkpoints/; the run resumes from the newest
+  one that can. No checkpoint is saved whose parameters or optimizer state are not finite.
 
   Over several devices the run is sharded by `cfg.mesh` (ltm_jax.parallel); over several processes (after
   `parallel.initialize`) each loads its rows of every batch, and only process 0 writes metrics and config.json
@@ -113,24 +118,33 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = N
       cleanup.enter_context(workdir_lib.exclusive(workdir))
       workdir_lib.check_writable(workdir / "checkpoints")
       read_metrics(workdir)  # Refuses a metrics.jsonl that the run could not extend.
-    checkpointer = ckpt_lib.Checkpointer(workdir, t.keep_checkpoints, t.async_checkpoint)
+    if from_step is not None and not (workdir / "checkpoints").is_dir():  # Refused before orbax creates it.
+      raise CheckpointError(f"cannot resume from step {from_step}: {workdir} has no checkpoints")
+    checkpointer = ckpt_lib.Checkpointer(workdir, t.keep_checkpoints, t.async_checkpoint, keep_every=t.keep_every)
     cleanup.callback(checkpointer.close)
     loader = task.make_loader()
     cleanup.callback(loader.close)
     start, saved_step, damaged = 0, None, []
-    if checkpointer.all_steps():
+    kept = checkpointer.all_steps()
+    if from_step is not None and from_step not in kept:
+      raise CheckpointError(f"cannot resume from step {from_step}: {workdir} " +
+                            (f"keeps checkpoints at steps {_listed(kept)} only" if kept else "has no checkpoints"))
+    if kept:
       target = ckpt_lib.abstract(state, None if sharded is None else sharded.state)
 
       def read(step):
         ckpt_lib.check_compatible(checkpointer.saved_config(step), cfg, str(workdir))
         return checkpointer.restore(step, target)
 
-      start, (state, data_state), damaged = checkpointer.newest_readable(read)
+      start, (state, data_state), damaged = checkpointer.newest_readable(
+          read, None if from_step is None else [from_step])
       if start > t.steps:
-        raise ConfigError(f"train.steps={t.steps} is below the latest checkpoint in {workdir} (step {start}); "
+        which = "latest checkpoint" if from_step is None else "checkpoint resumed from"
+        raise ConfigError(f"train.steps={t.steps} is below the {which} in {workdir} (step {start}); "
                           "set train.steps >= that step or use another workdir")
       loader.set_state(data_state)
       saved_step = start
+    dropped = checkpointer.drop_after(from_step) if from_step is not None else []
     if main:
       aside = checkpointer.set_aside(damaged)
       if aside is not None:
@@ -150,6 +164,8 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = N
     devices, device_kind = jax.device_count(), jax.devices()[0].device_kind
     stages = 1 if sharded is None else sharded.mesh.shape.get(pipeline.AXIS, 1)
     bubble = pipeline.bubble_fraction(stages, cfg.model.pipeline_micro_batches if stages > 1 else 1)
+    if dropped:
+      say(f"deleted the checkpoints after step {start} (steps {_listed(dropped)}) and their metrics rows")
     if start:
       say(f"resuming from step {start} in {workdir}")
     last: dict[str, Any] = {}
@@ -157,6 +173,7 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = N
     first_nonfinite = jnp.full((2,), -1, jnp.int32)  # The first steps whose loss / grad_norm were not finite.
     interval_start, interval_steps = time.time(), 0
     last_step = t.steps if stop_at is None else min(t.steps, stop_at)
+    kept_now = lambda: _kept_steps(checkpointer)
     with StopFlag().installed() as stop:
       while step < last_step and stop.signum is None:
         batch = task.put_batch(next(loader))
@@ -167,7 +184,7 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = N
         log_now, save_now = step % t.log_every == 0 or step == t.steps, step % t.checkpoint_every == 0
         row: dict[str, Any] = {}
         if log_now or save_now:
-          metrics = _finite(jax.device_get(metrics), jax.device_get(first_nonfinite), saved_step)
+          metrics = _finite(jax.device_get(metrics), jax.device_get(first_nonfinite), kept_now)
         if log_now:
           elapsed = time.time() - interval_start
           row.update(metrics, step_seconds=elapsed / interval_steps,
@@ -192,12 +209,12 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = N
           last.update(row)
           interval_start, interval_steps = time.time(), 0
         if save_now or step == last_step:
-          _save(checkpointer, step, state, loader.get_state(), cfg, saved_step)
+          _save(checkpointer, step, state, loader.get_state(), cfg)
           saved_step = step
         bar.update(1)
       if step != (saved_step or 0):  # Stopped by a signal between checkpoints.
-        _finite(jax.device_get(metrics), jax.device_get(first_nonfinite), saved_step)
-        _save(checkpointer, step, state, loader.get_state(), cfg, saved_step)
+        _finite(jax.device_get(metrics), jax.device_get(first_nonfinite), kept_now)
+        _save(checkpointer, step, state, loader.get_state(), cfg)
       checkpointer.wait()  # A failed last save is an error, not a silent loss.
       if stop.signum is not None:
         say(f"stopped by signal {stop.signum} at step {step}; checkpoint saved, run again to resume")
@@ -218,25 +235,46 @@ def _all_finite(tree) -> jax.Array:
   return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
 
 
-def _kept(saved_step: int | None) -> str:
-  return "no checkpoint was saved" if saved_step is None else f"the last checkpoint (step {saved_step}) is kept"
+def _listed(steps: list[int]) -> str:
+  return ", ".join(str(s) for s in steps)
 
 
-def _finite(metrics: dict[str, Any], first_nonfinite, saved_step: int | None) -> dict[str, float]:
+def _kept_steps(checkpointer: ckpt_lib.Checkpointer) -> list[int]:
+  """The checkpoints kept once the save in flight (if any) has ended and train.keep_checkpoints has pruned."""
+  with contextlib.suppress(CheckpointError):  # A failed last save is simply not among them.
+    checkpointer.wait()
+  return checkpointer.all_steps()
+
+
+def _recovery(kept: list[int]) -> str:
+  """What a diverged run can do next, given the checkpoint steps it keeps. The newest ones can hold parameters that
+  are finite yet already diverged (resuming from them with a lower learning rate diverges again), so the advice is to
+  resume from an older one."""
+  fix = "a lower train.lr or a train.grad_clip"
+  if not kept:
+    return f"no checkpoint was saved; run again with {fix}"
+  if len(kept) == 1:
+    return (f"the only checkpoint kept (step {kept[0]}) may already hold diverged parameters; resume from it with "
+            f"{fix}, or start again in a new workdir")
+  return (f"checkpoints kept at steps {_listed(kept)}, the newest of which may already hold diverged parameters; "
+          f"resume from an older one with {fix}: ltm train --from-step {kept[0]} ... (deletes the checkpoints after "
+          "it)")
+
+
+def _finite(metrics: dict[str, Any], first_nonfinite, kept: Callable[[], list[int]]) -> dict[str, float]:
   """Float metrics, or TrainingError naming the first step at which the loss or gradient norm stopped being finite
-  (`first_nonfinite` from _track_nonfinite)."""
+  (`first_nonfinite` from _track_nonfinite) and the recovery from the kept checkpoints (`kept()`, their steps)."""
   metrics = {k: float(v) for k, v in metrics.items()}
   steps = {name: int(s) for name, s in zip(("loss", "grad_norm"), first_nonfinite) if int(s) >= 0}
   if steps:
     what = "; ".join(f"{name} became non-finite at step {s}" for name, s in steps.items())
-    raise TrainingError(f"{what}; {_kept(saved_step)}; lower train.lr or set train.grad_clip and resume")
+    raise TrainingError(f"{what}; {_recovery(kept())}")
   return metrics
 
 
-def _save(checkpointer: ckpt_lib.Checkpointer, step: int, state, data_state, cfg: Config,
-          saved_step: int | None) -> None:
+def _save(checkpointer: ckpt_lib.Checkpointer, step: int, state, data_state, cfg: Config) -> None:
   """Saves unless the parameters or optimizer state hold a NaN or infinity (one device reduction)."""
   if not bool(_all_finite((state.params, state.opt_state))):
-    raise TrainingError(f"parameters or optimizer state are not finite at step {step}; {_kept(saved_step)}; "
-                        "lower train.lr or set train.grad_clip and resume")
+    raise TrainingError(f"parameters or optimizer state are not finite at step {step}; "
+                        f"{_recovery(_kept_steps(checkpointer))}")
   checkpointer.save(step, state, data_state, cfg)

@@ -1,5 +1,6 @@
 """One writer per workdir: an exclusive OS lock held for a training run's lifetime, and a check that the checkpoints
-folder can be written before any step runs."""
+folder can be written before any step runs. Neither writes anything: a run refused by them, or by any later check,
+leaves the workdir as it found it."""
 
 from __future__ import annotations
 
@@ -8,52 +9,73 @@ import errno
 import fcntl
 import os
 import pathlib
-import tempfile
 
 from ltm_jax.errors import WorkdirError
-
-LOCK = ".ltm-train.lock"  # Holds the PID of the run that holds the lock; the lock itself is flock(2) on this file.
 
 
 @contextlib.contextmanager
 def exclusive(workdir: str | pathlib.Path):
-  """Holds an exclusive flock on WORKDIR/.ltm-train.lock, or raises WorkdirError naming the holder's PID.
+  """Holds an exclusive flock(2) on the WORKDIR directory itself (created if absent), or raises WorkdirError naming
+  the holder's PID (from /proc/locks where the OS has one, else "unknown").
 
-  The OS releases the lock when its process exits in any way (kill -9 included), so a lock file left behind by a dead
-  run never blocks the next one."""
+  The lock needs no file, so taking it changes nothing in the workdir. The OS releases it when its process exits in
+  any way (kill -9 included), so a dead run never blocks the next one."""
   workdir = pathlib.Path(workdir)
   _check_directory(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
-  path = workdir / LOCK
-  fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+  try:
+    fd = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY)
+  except OSError as e:
+    raise WorkdirError(f"cannot open {workdir}: {e.strerror}") from e
   try:
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
       if e.errno not in (errno.EWOULDBLOCK, errno.EACCES):
-        raise WorkdirError(f"cannot lock {path}: {e.strerror}") from e
-      holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-      raise WorkdirError(f"{workdir} is in use by another training run (pid {holder}); wait for it to finish or "
-                         "stop it, or use another workdir") from None
-    pid = f"{os.getpid()}\n".encode()
-    if os.pread(fd, 64, 0) != pid:  # Unchanged when this process held it before (an mtime is a change too).
-      os.ftruncate(fd, 0)
-      os.pwrite(fd, pid, 0)
+        raise WorkdirError(f"cannot lock {workdir}: {e.strerror}") from e
+      raise WorkdirError(f"{workdir} is in use by another training run (pid {_holder(fd)}); wait for it to finish "
+                         "or stop it, or use another workdir") from None
     yield
   finally:
     os.close(fd)  # Closing the descriptor releases the lock.
 
 
-def check_writable(folder: str | pathlib.Path) -> None:
-  """WorkdirError at once (not after a save times out) when files cannot be created in `folder`."""
-  folder = pathlib.Path(folder)
-  _check_directory(folder)
+def _holder(fd: int) -> str:
+  """The PID holding a flock on the file of `fd`, read from /proc/locks ("unknown" where it cannot be read)."""
+  st = os.fstat(fd)
+  inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
   try:
-    folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryFile(dir=folder):
-      pass
-  except OSError as e:
-    raise WorkdirError(f"cannot write in {folder}: {e.strerror or e}") from e
+    with open("/proc/locks") as f:
+      lines = f.read().splitlines()
+  except OSError:
+    return "unknown"
+  for line in lines:
+    fields = line.split()  # "1: FLOCK ADVISORY WRITE <pid> <major>:<minor>:<inode> 0 EOF"
+    if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == inode:
+      return fields[4]
+  return "unknown"
+
+
+def check_writable(folder: str | pathlib.Path) -> None:
+  """WorkdirError at once (not after a save times out) when `folder` is a file, or when files cannot be created in
+  it (in its nearest existing parent if it does not exist yet). Asks the OS (access(2), which also reports a
+  read-only file system) instead of writing a test file, so the check changes nothing."""
+  folder = pathlib.Path(folder).absolute()
+  _check_directory(folder)
+  existing = folder
+  while not existing.exists():
+    existing = existing.parent
+  if not existing.is_dir():
+    raise WorkdirError(f"cannot write in {folder}: {existing} is a file, not a directory")
+  if not os.access(existing, os.W_OK | os.X_OK):
+    reason = "read-only file system" if _read_only(existing) else "permission denied"
+    raise WorkdirError(f"cannot write in {folder}: {reason}")
+
+
+def _read_only(path: pathlib.Path) -> bool:
+  with contextlib.suppress(OSError):
+    return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+  return False
 
 
 def _check_directory(path: pathlib.Path) -> None:

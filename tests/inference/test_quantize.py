@@ -474,29 +474,50 @@ def test_kernels_multiplied_as_stored_give_the_logits_of_their_dequantised_value
   np.testing.assert_allclose(stored, ahead, rtol=0, atol=1e-5 * ahead.std())
 
 
-def test_decoding_with_kernels_read_as_stored_holds_no_float_copy_of_them():
-  """`generate.decode(kernels_as_stored=("int8",))` (the GPU's default, `kernels_read_quantized`) multiplies a
-  scanned model's int8 kernels as stored: the compiled decoding program computes no float32 array of a stacked
-  kernel's shape from them, while decoding the same weights with every kernel dequantised ahead (CPU's default)
-  does: the control. Both give the same greedy tokens."""
+@pytest.mark.parametrize("quant, group", [("int8", None), ("int4", 32)])
+def test_decoding_with_kernels_read_as_stored_runs_the_kernel_and_holds_no_float_copy(quant, group, monkeypatch):
+  """`generate.decode(kernels_as_stored=(quant,))` (the GPU's default, `kernels_read_quantized`) multiplies a scanned
+  model's kernels as stored through the quantised-matmul kernel that the GPU runs (`impl="auto"` resolves to the
+  Pallas kernel here as on a GPU, interpreted on a CPU; int4 group 32 gives 16-row packed halves, a shape it takes):
+  the kernel is traced for int8 and for packed int4 weights, the compiled decoding program computes no float32 array
+  of a stacked kernel's shape, and the prefill logits and greedy tokens equal those of the same weights dequantised
+  ahead (CPU's default, where the XLA reference does the products): the control."""
   from ltm_jax.inference import generate  # pylint: disable=g-import-not-at-top
+  from ltm_jax.ops import quant_matmul as quant_matmul_lib  # pylint: disable=g-import-not-at-top
   cfg, latent, params, axes = _model("rwkv7_scanned_tied")
   assert quantize_lib.kernels_read_quantized("gpu") == ("int8", "int4")
   assert quantize_lib.kernels_read_quantized("cpu") == ()
-  tree = quantize_params(params, axes)
-  stacked = {f"f32[{','.join(map(str, leaf.values.shape))}]" for path, leaf in jax.tree_util.tree_flatten_with_path(
-      tree, is_leaf=lambda x: isinstance(x, Int8Weight))[0]
-             if isinstance(leaf, Int8Weight) and model_lib.is_stacked(path) and _name(path).endswith("kernel")}
+  traced = []  # (packed, K, N) of each trace of the Pallas kernel.
+  kernel = quant_matmul_lib._BACKENDS["pallas"]  # pylint: disable=protected-access
+
+  def counted(x, values, scale, packed):
+    traced.append((packed, x.shape[-1], values.shape[-1]))
+    return kernel(x, values, scale, packed=packed)
+
+  monkeypatch.setitem(quant_matmul_lib._BACKENDS, "pallas", counted)  # pylint: disable=protected-access
+  monkeypatch.setattr(quant_matmul_lib, "AUTO", {**quant_matmul_lib.AUTO, "cpu": "pallas"})
+  tree = quantize_params(params, axes, quant, *(() if group is None else (group,)))
+  weight = Int8Weight if quant == "int8" else Int4Weight
+  shape = lambda leaf: leaf.values.shape if isinstance(leaf, Int8Weight) else leaf.shape  # Int4: the original shape.
+  stacked = {f"f32[{','.join(map(str, shape(leaf)))}]" for path, leaf in jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=lambda x: isinstance(x, weight))[0]
+             if isinstance(leaf, weight) and model_lib.is_stacked(path) and _name(path).endswith("kernel")}
   assert stacked
   lm = model_lib.LM(cfg, latent, cache_capacity=24)
   tokens, lengths = generate.left_pad([[3, 5, 7, 2], [4, 1]])
-  programs, outputs = [], []
-  for keep in (("int8",), ()):
+  programs, outputs, logits = [], [], []
+  for keep in ((quant,), ()):
+    traced.clear()
     decoding = generate.prefill(lm, tree, tokens, lengths, kernels_as_stored=keep)
+    logits.append(np.asarray(decoding.logits, np.float64))
     compiled = generate.decode.lower(lm, tree, decoding, jax.random.key(0), steps=6, temperature=0.0,
                                      kernels_as_stored=keep).compile()
     programs.append(compiled.as_text())
     outputs.append(np.asarray(compiled(tree, decoding, jax.random.key(0), temperature=0.0)[0]))
+    if keep:
+      assert traced and all(packed == (quant == "int4") for packed, _, _ in traced), traced
+    else:
+      assert not traced  # The control multiplies float weights: no quantised matmul at all.
   # An instruction computing a float32 array of a stacked kernel's shape from a kernel's values (the RWKV-7 LoRAs,
   # which are not "kernel" leaves, are dequantised ahead and may share the shape).
   dequantised = lambda hlo: [line for line in hlo.splitlines()
@@ -504,4 +525,6 @@ def test_decoding_with_kernels_read_as_stored_holds_no_float_copy_of_them():
   as_stored, control = programs
   assert not dequantised(as_stored)
   assert dequantised(control)
+  spread = logits[1].max() - logits[1].min()
+  np.testing.assert_allclose(logits[0], logits[1], rtol=0, atol=1e-5 * spread)
   np.testing.assert_array_equal(outputs[0], outputs[1])

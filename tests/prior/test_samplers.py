@@ -258,17 +258,47 @@ def test_ddpm_matches_gaussian_marginal():
   assert np.all(np.abs(covariance - s_0) < bias + 5 * se_cov), covariance - s_0
 
 
-@pytest.mark.parametrize("name,sampler", [("dpm++", samplers.dpm_solver_pp), ("ddpm", samplers.ddpm)])
-def test_sample_dispatches_by_name(name, sampler):
-  """sample(name, ...) is the named sampler, bit for bit (3 steps, float32)."""
+def np_ddpm(np_eps_fn, x_T, schedule, noises):
+  """Ancestral sampling (Ho et al., 2020, in continuous time) in float64, one step per entry of `noises`, on a grid
+  uniform in t from 1 to t_min: from x_s, x_0 = (x_s - sigma_s eps) / alpha_s, then x_t ~ q(x_t | x_s, x_0), the
+  Gaussian with mean alpha_{s|t} sigma_t^2 / sigma_s^2 x_s + alpha_t sigma_{s|t}^2 / sigma_s^2 x_0 and variance
+  sigma_{s|t}^2 sigma_t^2 / sigma_s^2, where alpha_{s|t} = alpha_s / alpha_t and
+  sigma_{s|t}^2 = sigma_s^2 - alpha_{s|t}^2 sigma_t^2; x_t = mean + std * noise."""
+  times = np.linspace(1.0, schedule.t_min, len(noises) + 1)
+  x = x_T
+  for s, t, noise in zip(times[:-1], times[1:], noises):
+    a_s, a_t, sig_s, sig_t = (np_alpha(schedule, s), np_alpha(schedule, t), np_sigma(schedule, s),
+                              np_sigma(schedule, t))
+    x0 = (x - sig_s * np_eps_fn(x, np.full(len(x), s))) / a_s
+    a_st = a_s / a_t
+    var_st = sig_s**2 - a_st**2 * sig_t**2
+    mean = a_st * sig_t**2 / sig_s**2 * x + a_t * var_st / sig_s**2 * x0
+    x = mean + np.sqrt(var_st * sig_t**2 / sig_s**2) * noise
+  return x
+
+
+@pytest.mark.parametrize("name", ["dpm++", "ddpm"])
+def test_sample_by_name_matches_the_float64_transcription_of_that_sampler(name):
+  """sample(name, ...) (3 steps, float32) against the float64 NumPy transcription of the named sampler, and not the
+  other one's: DPM-Solver++(2M) above, ancestral DDPM in np_ddpm (fed the same standard-normal draws, which are the
+  sampler's input: jax.random.normal of each of jax.random.split(key, steps))."""
   schedule = VPSchedule()
+  steps = 3
   rng = np.random.default_rng(60)
-  w = jnp.asarray(rng.normal(size=(3, 3)) / 2, jnp.float32)
-  eps_fn = lambda x, t: jnp.tanh(x @ w) * t[:, None]
-  x_T = jnp.asarray(rng.normal(size=(4, 3)), jnp.float32)
+  w = rng.normal(size=(3, 3)) / 2
+  eps_fn = lambda x, t: jnp.tanh(x @ jnp.asarray(w, jnp.float32)) * t[:, None]
+  np_eps_fn = lambda x, t: np.tanh(x @ w) * t[:, None]
+  x_T = rng.normal(size=(4, 3))
   key = jax.random.key(60)
-  np.testing.assert_array_equal(np.asarray(samplers.sample(name, eps_fn, x_T, schedule, 3, key)),
-                                np.asarray(sampler(eps_fn, x_T, schedule, 3, key)))
+  noises = [np.asarray(jax.random.normal(k, x_T.shape, jnp.float32), np.float64)
+            for k in jax.random.split(key, steps)]
+  references = {"dpm++": np_dpm_solver_pp(np_eps_fn, x_T, schedule, steps),
+                "ddpm": np_ddpm(np_eps_fn, x_T, schedule, noises)}
+  got = np.asarray(samplers.sample(name, eps_fn, jnp.asarray(x_T, jnp.float32), schedule, steps, key), np.float64)
+  scale = np.abs(references[name]).max()
+  np.testing.assert_allclose(got, references[name], rtol=0, atol=1e-5 * scale)
+  other = references["ddpm" if name == "dpm++" else "dpm++"]
+  assert np.abs(got - other).max() > 1e-2 * scale  # The two references differ: a swapped name would fail.
 
 
 @pytest.mark.parametrize("name,steps", [("dpm++", 0), ("ddpm", 0), ("dpm++", -2), ("ddpm", 2.0), ("dpm++", True),

@@ -178,11 +178,14 @@ def test_first_nonfinite_step_is_tracked_on_device():
     first = _track_nonfinite(first, jnp.float32(loss), jnp.float32(norm), jnp.int32(step))
   np.testing.assert_array_equal(first, [3, 4])
   with pytest.raises(TrainingError, match=r"^loss became non-finite at step 3; grad_norm became non-finite at step 4; "
-                                          r"the last checkpoint \(step 2\) is kept"):
-    _finite({"loss": 1.0, "grad_norm": 1.0}, first, 2)
+                                          r"checkpoints kept at steps 1, 2, the newest of which may already hold "
+                                          r"diverged parameters; .* ltm train --from-step 1 \.\.\. "):
+    _finite({"loss": 1.0, "grad_norm": 1.0}, first, lambda: [1, 2])
+  with pytest.raises(TrainingError, match=r"the only checkpoint kept \(step 2\) may already hold diverged"):
+    _finite({"loss": 1.0, "grad_norm": 1.0}, first, lambda: [2])
   with pytest.raises(TrainingError, match="loss became non-finite at step 3; no checkpoint was saved"):
-    _finite({"loss": 1.0, "grad_norm": 1.0}, np.array([3, -1]), None)
-  assert _finite({"loss": np.float32(2.5), "grad_norm": 1.0}, np.array([-1, -1]), 2)["loss"] == 2.5
+    _finite({"loss": 1.0, "grad_norm": 1.0}, np.array([3, -1]), lambda: [])
+  assert _finite({"loss": np.float32(2.5), "grad_norm": 1.0}, np.array([-1, -1]), lambda: [2])["loss"] == 2.5
 
 
 def test_divergence_names_its_first_step_and_saves_nothing(tmp_path):
@@ -206,10 +209,10 @@ def test_nonfinite_parameters_are_never_saved(tmp_path):
   state = create_train_state(model_lib.init_params(cfg.model, jax.random.key(0)), make_optimizer(cfg.train), 0)
   poisoned = state.replace(params=jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(jnp.inf), state.params))
   checkpointer = ckpt_lib.Checkpointer(tmp_path)
-  _save(checkpointer, 3, state, {"next_batch": 0}, cfg, None)
-  with pytest.raises(TrainingError, match=r"^parameters or optimizer state are not finite at step 4; the last "
-                                          r"checkpoint \(step 3\) is kept"):
-    _save(checkpointer, 4, poisoned, {"next_batch": 0}, cfg, 3)
+  _save(checkpointer, 3, state, {"next_batch": 0}, cfg)
+  with pytest.raises(TrainingError, match=r"^parameters or optimizer state are not finite at step 4; the only "
+                                          r"checkpoint kept \(step 3\)"):
+    _save(checkpointer, 4, poisoned, {"next_batch": 0}, cfg)
   checkpointer.close()
   assert ckpt_lib.Checkpointer(tmp_path, read_only=True).all_steps() == [3]
 
@@ -232,11 +235,12 @@ def test_a_second_run_on_a_locked_workdir_fails_at_once_naming_the_holder(traine
   assert _digest(workdir) == before
 
 
-def test_a_lock_left_by_a_dead_run_does_not_block(trained, tmp_path):
+def test_the_lock_is_released_with_its_holder_and_writes_no_file(trained, tmp_path):
   workdir = _copy(trained, tmp_path)
-  (workdir / workdir_lib.LOCK).write_text("999999999\n")  # Written by a process that no longer holds any lock.
+  with workdir_lib.exclusive(workdir):
+    pass
   assert train(_config("train.steps=13"), workdir, progress=False).step == 13
-  assert (workdir / workdir_lib.LOCK).read_text().strip() == str(os.getpid())
+  assert not [f for f in workdir.iterdir() if "lock" in f.name]
 
 
 def test_unwritable_checkpoints_folder_fails_within_seconds(tmp_path):
