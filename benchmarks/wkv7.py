@@ -113,7 +113,8 @@ def _model(impl, shape, dtype):
   if impl == "pallas_chunked" and wkv7_chunked.fits(size, operands):
     chosen = wkv7_chunked.settings(size, operands)
     states = size / chosen["chunk"] * operands.itemsize  # An [N, N] state per chunk of L tokens, per channel.
-    blocks = size // min(chosen["backward_block"], size)
+    # Looping over its value blocks, one backward program holds a whole head: key-side gradients written once.
+    blocks = 1 if chosen.get("backward_loop") else size // min(chosen["backward_block"], size)
     forward, backward = (f / size for f in _chunked_flops(size, chosen["chunk"]))
   elif impl in ("pallas", "pallas_chunked"):  # pallas_chunked out of its settings runs the sequential kernels.
     # Float32 states every 16 tokens; the backward's adjoint step costs about two forward steps, and it replays

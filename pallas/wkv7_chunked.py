@@ -24,12 +24,15 @@ chunks in order, carrying its [BV, N] block of S: one state pass, everything els
 store the state entering every chunk, [B, H, T / L, N, N] in the products' operand dtype, the backward's only residual
 besides the inputs.
 
-Backward: the same grid, chunks in reverse, carrying dS (the gradient of the state leaving the chunk). Each chunk
-recomputes its forward tiles from its stored entering state and takes the adjoint of the equations above as matrix
-products (dU = P_rb^T dY + B̄ dS^T, dX = (I - M_ab)^{-T} dU, dM_ab = strict(dX U^T), ...): no token-by-token replay.
-Key-side gradients (dr, dw, dk, da, db) sum over value rows, so with N / BV > 1 blocks each adds its share atomically
-to one zeroed float32 buffer per gradient (converted to the inputs' dtype after); dv and the incoming state's
-gradient are block-local.
+Backward: chunks in reverse, carrying dS (the gradient of the state leaving the chunk). Each chunk recomputes its
+forward tiles from its stored entering state and takes the adjoint of the equations above as matrix products
+(dU = P_rb^T dY + B̄ dS^T, dX = (I - M_ab)^{-T} dU, dM_ab = strict(dX U^T), ...): no token-by-token replay. The
+value-side part (U, dU, dX, dv, the incoming dS) is local to a block of value rows; the key-side gradients (dr, dw,
+dk, da, db) sum over all value rows. Two layouts: the forward's grid (B, H, N / BV), where with N / BV > 1 blocks each
+adds its key-side share atomically to one zeroed float32 buffer per gradient (converted to the inputs' dtype after);
+or (`backward_loop`) grid (B, H), one program per head that takes its value blocks in turn inside each chunk, sums
+their key-side shares in registers, computes the key-side tiles and inverse once per chunk, and keeps dS in its own
+[N, N] output block in memory between chunks instead of in registers.
 
 Range. Factoring e^{g_t - g_s} = e^{g_t} e^{-g_s} is what puts the chunk on matrix products; it needs e^{-g} to stay
 finite. |g| <= L·max|w| inside a chunk, so with w >= -LOG_RANGE / L every factor lies in [e^-LOG_RANGE, e^LOG_RANGE]
@@ -129,6 +132,68 @@ def chunk_forward(s0, r, w, k, v, a, b, operands=jnp.float32):
   return y, s_end
 
 
+def _value_block_backward(t, solve, s0, v, dy, ds, operands):
+  """The value-side part of a chunk's adjoint for one block of BV value rows: (dv [L, BV], the gradient of the block's
+  entering state rows [BV, N], and the block's shares of the key-side sums). `t` and `solve` are the chunk's
+  `_key_side` tiles (with `_decayed_to_end`'s) and (I - M_ab)^{-1}; s0 [BV, N] the block's entering state rows, v
+  and dy [L, BV], ds [BV, N] (the gradient of the block's state rows after the chunk). The shares add over value
+  blocks: [L, N] products dY S_0, dX S_0, U dS, V dS, [L, L] products dY U^T, dY V^T, dX U^T, dX V^T (unmasked) and
+  the [1, N] column sums of dS ⊙ S_0; `_key_side_backward` takes their totals."""
+  decay_total = t["decay_total"]
+  u = _dot(solve, _dot(t["a_hat"], s0, operands, tb=True) + _dot(t["m_ak"], v, operands))
+  du = _dot(t["p_rb"], dy, operands, ta=True) + _dot(t["b_bar"], ds, operands, tb=True)
+  dx = _dot(solve, du, ta=True)  # The gradient of X = Â S_0^T + M_ak V, through U = (I - M_ab)^{-1} X.
+  dv = (_dot(t["p_rk"], dy, operands, ta=True) + _dot(t["m_ak"], dx, operands, ta=True)
+        + _dot(t["k_bar"], ds, operands, tb=True))
+  ds0 = _dot(dy, t["r_hat"], operands, ta=True) + _dot(dx, t["a_hat"], operands, ta=True) + ds * decay_total
+  # Through B̄ = B̌ e^{g_L} and K̄ = Ǩ e^{g_L} (the state after the chunk), and the decay of the carried state.
+  sums = dict(db_end=_dot(u, ds, operands), dk_end=_dot(v, ds, operands),
+              dg_state=jnp.sum(ds * s0.astype(jnp.float32), axis=0)[None, :],
+              dp_rb=_dot(dy, u, operands, tb=True), dp_rk=_dot(dy, v, operands, tb=True),
+              dm_ab=_dot(dx, u, operands, tb=True), dm_ak=_dot(dx, v, operands, tb=True),
+              dr=_dot(dy, s0, operands), da=_dot(dx, s0, operands))
+  return dv, ds0, sums
+
+
+def _decayed_to_end(t, operands):
+  """B̄ = B̌ e^{g_L} and K̄ = Ǩ e^{g_L} in the operands' dtype (as a product rounds them), added to the tiles `t`."""
+  for name, base in (("b_bar", "b_chk"), ("k_bar", "k_chk")):
+    t[name] = (t[base] * t["decay_total"]).astype(operands)
+  return t
+
+
+def _key_side_backward(t, sums, r, k, a, b, store, operands):
+  """The key-side gradients of a chunk from the value blocks' summed shares (`_value_block_backward`): dr, da, db,
+  dk, dw [L, N] to `store(name, value)`, in that order."""
+  strict, incl = _masks(r.shape[0])
+  decay_total = t["decay_total"]
+  db_end, dk_end = sums["db_end"] * decay_total, sums["dk_end"] * decay_total
+  dg_state = sums["dg_state"] * decay_total
+  inverse = jnp.exp(-t["g"])
+  # Log-decay gradients: through g (R̂ grows with it; B̌, Ǩ shrink), through g⁻ (Â) and through g_L (B̄, K̄ and the
+  # carried state). w_s enters g_t for t >= s, g⁻_t for t > s, and g_L.
+  dg_total = jnp.sum((db_end * b + dk_end * k) * inverse, axis=0)[None, :] + dg_state
+  dp_rb = jnp.where(incl, sums["dp_rb"], 0.0)
+  dp_rk = jnp.where(incl, sums["dp_rk"], 0.0)
+  dr = (sums["dr"] + _dot(dp_rb, t["b_chk"], operands) + _dot(dp_rk, t["k_chk"], operands)) * jnp.exp(t["g"])
+  store("r", dr)
+  dg = dr * r
+  dm_ab = jnp.where(strict, sums["dm_ab"], 0.0)
+  dm_ak = jnp.where(strict, sums["dm_ak"], 0.0)
+  da = (sums["da"] + _dot(dm_ab, t["b_chk"], operands) + _dot(dm_ak, t["k_chk"], operands)) * jnp.exp(t["gp"])
+  store("a", da)
+  dgp = da * a
+  db = (_dot(dp_rb, t["r_hat"], operands, ta=True) + _dot(dm_ab, t["a_hat"], operands, ta=True) + db_end) * inverse
+  store("b", db)
+  dg = dg - db * b
+  dk = (_dot(dp_rk, t["r_hat"], operands, ta=True) + _dot(dm_ak, t["a_hat"], operands, ta=True) + dk_end) * inverse
+  store("k", dk)
+  dg = dg - dk * k
+  both = dg + dgp
+  suffix = jnp.sum(both, axis=0)[None, :] - jnp.cumsum(both, axis=0) + both  # Sum over t >= s.
+  store("w", suffix - dgp + dg_total)
+
+
 def chunk_backward(s0, r, w, k, v, a, b, dy, ds, operands=jnp.float32, emit=None, reload=None):
   """The adjoint of `chunk_forward` given dy [L, BV] and ds [BV, N] (the gradient of the state after the chunk).
 
@@ -141,48 +206,12 @@ def chunk_backward(s0, r, w, k, v, a, b, dy, ds, operands=jnp.float32, emit=None
   gradients stand in for the decayed tiles, which exist only in the operands' dtype."""
   grads = {}
   store = emit or grads.__setitem__
-  strict, incl = _masks(r.shape[0])
-  t = _key_side(r, w, k, a, b, operands)
-  solve = _unit_lower_inverse(t["m_ab"])
-  u = _dot(solve, _dot(t["a_hat"], s0, operands, tb=True) + _dot(t["m_ak"], v, operands))
-  decay_total = t["decay_total"]
-  du = _dot(t["p_rb"], dy, operands, ta=True) + _dot(t["b_chk"] * decay_total, ds, operands, tb=True)
-  dx = _dot(solve, du, ta=True)  # The gradient of X = Â S_0^T + M_ak V, through U = (I - M_ab)^{-1} X.
-  store("v", _dot(t["p_rk"], dy, operands, ta=True) + _dot(t["m_ak"], dx, operands, ta=True)
-        + _dot(t["k_chk"] * decay_total, ds, operands, tb=True))
-  ds0 = _dot(dy, t["r_hat"], operands, ta=True) + _dot(dx, t["a_hat"], operands, ta=True) + ds * decay_total
-  # Through B̄ = B̌ e^{g_L} and K̄ = Ǩ e^{g_L} (the state after the chunk), and the decay of the carried state.
-  db_end = _dot(u, ds, operands) * decay_total
-  dk_end = _dot(v, ds, operands) * decay_total
-  dg_state = jnp.sum(ds * s0.astype(jnp.float32), axis=0)[None, :] * decay_total
-
+  t = _decayed_to_end(_key_side(r, w, k, a, b, operands), operands)
+  dv, ds0, sums = _value_block_backward(t, _unit_lower_inverse(t["m_ab"]), s0, v, dy, ds, operands)
+  store("v", dv)
   if reload is not None:
     r, k, a, b = reload()
-  inverse = jnp.exp(-t["g"])
-  # Log-decay gradients: through g (R̂ grows with it; B̌, Ǩ shrink), through g⁻ (Â) and through g_L (B̄, K̄ and the
-  # carried state). w_s enters g_t for t >= s, g⁻_t for t > s, and g_L.
-  dg_total = jnp.sum((db_end * b + dk_end * k) * inverse, axis=0)[None, :] + dg_state
-  dp_rb = jnp.where(incl, _dot(dy, u, operands, tb=True), 0.0)
-  dp_rk = jnp.where(incl, _dot(dy, v, operands, tb=True), 0.0)
-  dr = (_dot(dy, s0, operands) + _dot(dp_rb, t["b_chk"], operands) + _dot(dp_rk, t["k_chk"], operands)) * jnp.exp(
-      t["g"])
-  store("r", dr)
-  dg = dr * r
-  dm_ab = jnp.where(strict, _dot(dx, u, operands, tb=True), 0.0)
-  dm_ak = jnp.where(strict, _dot(dx, v, operands, tb=True), 0.0)
-  da = (_dot(dx, s0, operands) + _dot(dm_ab, t["b_chk"], operands) + _dot(dm_ak, t["k_chk"], operands)) * jnp.exp(
-      t["gp"])
-  store("a", da)
-  dgp = da * a
-  db = (_dot(dp_rb, t["r_hat"], operands, ta=True) + _dot(dm_ab, t["a_hat"], operands, ta=True) + db_end) * inverse
-  store("b", db)
-  dg = dg - db * b
-  dk = (_dot(dp_rk, t["r_hat"], operands, ta=True) + _dot(dm_ak, t["a_hat"], operands, ta=True) + dk_end) * inverse
-  store("k", dk)
-  dg = dg - dk * k
-  both = dg + dgp
-  suffix = jnp.sum(both, axis=0)[None, :] - jnp.cumsum(both, axis=0) + both  # Sum over t >= s.
-  store("w", suffix - dgp + dg_total)
+  _key_side_backward(t, sums, r, k, a, b, store, operands)
   return ds0 if emit else (ds0, grads)
 
 
@@ -241,6 +270,61 @@ def _backward_kernel(*refs, chunk, operands, accumulate):
   ds0_ref[...] = lax.fori_loop(0, num_chunks, one_chunk, ds_out_ref[...].astype(jnp.float32))
 
 
+def _backward_loop_kernel(r_ref, w_ref, k_ref, v_ref, a_ref, b_ref, ckpt_ref, dy_ref, ds_out_ref, dr_ref, dw_ref,
+                          dk_ref, dv_ref, da_ref, db_ref, ds_ref, *, chunk, block, operands):
+  """One program per (batch, head) that takes the head's value rows in blocks of `block`, one after another, inside
+  every chunk: the key-side tiles, pair matrices and inverse once per chunk, each block's value-side adjoint
+  (`_value_block_backward`) adding its shares to the key-side sums carried in registers, then the key-side gradients
+  once (`_key_side_backward`), written whole in the inputs' dtype. The carried state gradient dS [N, N] float32 lives
+  in the program's own output block `ds_ref` between chunks (each block reads its rows and writes them back), so no
+  [N, N] tile is ever live in registers; it holds the incoming state's gradient at the end. A block's dS rows are
+  written by its step in one chunk and read by its step in the next, with the key-side products of the chunk in
+  between; their layout conversions pass through shared memory behind block barriers (bar.sync in the compiled
+  PTX), which also order the program's global-memory accesses across its threads."""
+  num_chunks = r_ref.shape[0] // chunk
+  size = r_ref.shape[1]
+  num_blocks = size // block
+  cols = lambda j: pl.ds(pl.multiple_of(j * block, block), block)
+
+  def copy_in(j, carry):
+    ds_ref[cols(j), :] = ds_out_ref[cols(j), :].astype(jnp.float32)
+    return carry
+
+  lax.fori_loop(0, num_blocks, copy_in, 0)
+
+  def one_chunk(i, carry):  # Last chunk first.
+    c = num_chunks - 1 - i
+    rows = _chunk_rows(c, chunk)
+    r, w, k, a, b = _load((r_ref, w_ref, k_ref, a_ref, b_ref), rows)
+    t = _decayed_to_end(_key_side(r, w, k, a, b, operands), operands)
+    solve = _unit_lower_inverse(t["m_ab"])
+    del t["g"], t["gp"]  # Recomputed after the value blocks rather than held through them.
+
+    def one_block(j, sums):
+      s0 = ckpt_ref[c, cols(j), :]
+      v, dy = (ref[rows, cols(j)].astype(jnp.float32) for ref in (v_ref, dy_ref))
+      dv, ds0, shares = _value_block_backward(t, solve, s0, v, dy, ds_ref[cols(j), :], operands)
+      dv_ref[rows, cols(j)] = dv.astype(dv_ref.dtype)
+      ds_ref[cols(j), :] = ds0
+      return {name: sums[name] + shares[name] for name in sums}
+
+    zeros = dict(db_end=(chunk, size), dk_end=(chunk, size), dg_state=(1, size), dp_rb=(chunk, chunk),
+                 dp_rk=(chunk, chunk), dm_ab=(chunk, chunk), dm_ak=(chunk, chunk), dr=(chunk, size), da=(chunk, size))
+    sums = lax.fori_loop(0, num_blocks, one_block, {n: jnp.zeros(shape, jnp.float32) for n, shape in zeros.items()})
+    refs = dict(r=dr_ref, w=dw_ref, k=dk_ref, a=da_ref, b=db_ref)
+
+    def store(name, grad):
+      refs[name][rows, :] = grad.astype(refs[name].dtype)
+
+    r, w, k, a, b = _load((r_ref, w_ref, k_ref, a_ref, b_ref), rows)
+    t["g"] = jnp.cumsum(w, axis=0)
+    t["gp"] = t["g"] - w
+    _key_side_backward(t, sums, r, k, a, b, store, operands)
+    return carry
+
+  lax.fori_loop(0, num_chunks, one_chunk, 0)
+
+
 def _specs(length, size, block, num_chunks):
   """BlockSpecs over grid (B, H, N / BV): whole [T, N] sequences of one (batch, head), the block's [T, BV] values,
   the block's [BV, N] state rows and its [T / L, BV, N] chunk states."""
@@ -253,14 +337,20 @@ def _specs(length, size, block, num_chunks):
 
 # Launch settings per (head size N, bytes per product operand), from the deviceless H100 compile report
 # (benchmarks/gpu_aot.py): for each, the fewest value blocks per head that compile without register spills.
-# forward_block and backward_block: value rows per program (BV); warps per program for each kernel. At bfloat16, N = 64
-# fits one block per head (its backward spills 188 B on 4 warps); N = 128's backward spills at BV = 64 and 32 and
-# fits at 16. Chunks of 32 spill at N = 64. Float32 operands take twice the registers: N = 32 fits, N = 64 spills
-# at every setting tried (8 B at best), so float32 inputs with larger heads run the sequential kernels (`fits`).
+# forward_block and backward_block: value rows per program (BV), or with backward_loop the backward's value rows per
+# step of one program per head; warps per program for each kernel. At bfloat16, N = 64 fits one block per head (its
+# backward spills 188 B on 4 warps). N = 128's backward as programs of their own spills at BV = 128, 64 and 32 (2348,
+# 896, 96 B) and fits at 16, 8 programs per head adding key-side gradients atomically; looping over the blocks in one
+# program per head it spills at BV = 32 (72 B) and fits at 16, with no atomics. Chunks of 32 spill at N = 64. Float32
+# operands take twice the registers: N = 32 fits, N = 64 spills at every setting tried (8 B at best), so float32
+# inputs with larger heads run the sequential kernels (`fits`).
 SETTINGS = {
-    (64, 2): dict(chunk=16, forward_block=64, backward_block=64, forward_warps=4, backward_warps=8),
-    (128, 2): dict(chunk=16, forward_block=64, backward_block=16, forward_warps=8, backward_warps=8),
-    (32, 4): dict(chunk=16, forward_block=32, backward_block=32, forward_warps=4, backward_warps=8),
+    (64, 2): dict(chunk=16, forward_block=64, backward_block=64, backward_loop=False, forward_warps=4,
+                  backward_warps=8),
+    (128, 2): dict(chunk=16, forward_block=64, backward_block=16, backward_loop=True, forward_warps=8,
+                   backward_warps=8),
+    (32, 4): dict(chunk=16, forward_block=32, backward_block=32, backward_loop=False, forward_warps=4,
+                  backward_warps=8),
 }
 
 
@@ -313,10 +403,25 @@ def _forward(r, w, k, v, a, b, state, *, chunk, block, warps, operands, interpre
   return (outputs[0], outputs[1], outputs[2]) if checkpoints else (outputs[0], None, outputs[1])
 
 
-def _backward(r, w, k, v, a, b, ckpt, dy, ds_out, *, chunk, block, warps, operands, interpret):
+def _backward(r, w, k, v, a, b, ckpt, dy, ds_out, *, chunk, block, loop, warps, operands, interpret):
   batch, length, heads, size = r.shape
   num_chunks = length // chunk
   blocks = size // block
+  if loop and blocks > 1:
+    seq = pl.BlockSpec((None, length, None, size), lambda b, h: (b, 0, h, 0))
+    state_spec = pl.BlockSpec((None, None, size, size), lambda b, h: (b, h, 0, 0))
+    ckpt_spec = pl.BlockSpec((None, None, num_chunks, size, size), lambda b, h: (b, h, 0, 0, 0))
+    return backend.call(
+        functools.partial(_backward_loop_kernel, chunk=chunk, block=block, operands=operands),
+        out_shape=tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (r, w, k, v, a, b))
+        + (jax.ShapeDtypeStruct((batch, heads, size, size), jnp.float32),),
+        grid=(batch, heads),
+        in_specs=[seq] * 6 + [ckpt_spec, seq, state_spec],
+        out_specs=[seq] * 6 + [state_spec],
+        num_warps=warps,
+        interpret=interpret,
+        name="wkv7_chunked_backward",
+    )(r, w, k, v, a, b, ckpt, dy, ds_out)
   seq, seq_block, state_spec, ckpt_spec = _specs(length, size, block, num_chunks)
   accumulate = blocks > 1
   key_dtypes = [jnp.float32 if accumulate else x.dtype for x in (r, w, k, a, b)]
@@ -346,8 +451,8 @@ _SECOND_ORDER = ("wkv7: impl='pallas' and impl='pallas_chunked' (the Pallas WKV-
 
 
 @functools.lru_cache(maxsize=None)
-def _fused(chunk: int, forward_block: int, backward_block: int, forward_warps: int, backward_warps: int,
-           operands: str, interpret: bool | None, optimize_remat: bool):
+def _fused(chunk: int, forward_block: int, backward_block: int, backward_loop: bool, forward_warps: int,
+           backward_warps: int, operands: str, interpret: bool | None, optimize_remat: bool):
   """The custom_vjp function for one static configuration (inputs' T must be a multiple of `chunk`)."""
   operands = jnp.dtype(operands)
   fwd = functools.partial(_forward, chunk=chunk, block=forward_block, warps=forward_warps, operands=operands,
@@ -368,7 +473,8 @@ def _fused(chunk: int, forward_block: int, backward_block: int, forward_warps: i
     *inputs, ckpt = residuals
     dy, ds_out = cotangents
     return _backward(*inputs, ckpt, dy.astype(inputs[3].dtype), ds_out.astype(jnp.float32), chunk=chunk,
-                     block=backward_block, warps=backward_warps, operands=operands, interpret=interpret)
+                     block=backward_block, loop=backward_loop, warps=backward_warps, operands=operands,
+                     interpret=interpret)
 
   # Under jax.checkpoint the forward pass then runs the primal (no chunk states written), and only the recomputation
   # in the backward pass writes them (jax#21303).
@@ -394,6 +500,7 @@ def wkv7(
     chunk: int | None = None,
     forward_block: int | None = None,
     backward_block: int | None = None,
+    backward_loop: bool | None = None,
     forward_warps: int | None = None,
     backward_warps: int | None = None,
     operands=None,
@@ -407,7 +514,10 @@ def wkv7(
     state: [B, H, N, N] float32, the state before the first token.
     chunk: tokens per chunk L, a power of two (>= 16 on a GPU); None: `settings(N, operands)`, as are blocks and
       warps.
-    forward_block, backward_block: value rows per program (BV, a power of two; min(BV, N) is used).
+    forward_block, backward_block: value rows per program (BV, a power of two; min(BV, N) is used); with
+      backward_loop, the backward's value rows per step of a program that holds the whole head.
+    backward_loop: whether a head's backward value blocks run in turn inside one program (key-side gradients summed
+      in registers and written once) rather than as programs of their own (adding them atomically).
     forward_warps, backward_warps: warps per program on the GPU.
     operands: the dtype matrix-product operands (and the stored chunk states) are rounded to, accumulation being
       float32: None for `operand_dtype(r.dtype)`, bfloat16 for 16-bit inputs (full-rate tensor cores, half the
@@ -423,8 +533,8 @@ def wkv7(
   batch, length, heads, size = r.shape
   operands = operand_dtype(r.dtype) if operands is None else jnp.dtype(operands)
   chosen = settings(size, operands)
-  given = dict(chunk=chunk, forward_block=forward_block, backward_block=backward_block, forward_warps=forward_warps,
-               backward_warps=backward_warps)
+  given = dict(chunk=chunk, forward_block=forward_block, backward_block=backward_block, backward_loop=backward_loop,
+               forward_warps=forward_warps, backward_warps=backward_warps)
   chosen.update({key: value for key, value in given.items() if value is not None})
   _power_of_two("N", size, 1)
   _power_of_two("chunk", chosen["chunk"], 2)
@@ -435,7 +545,7 @@ def wkv7(
   if pad:  # Zero tokens are identity steps (e^0 = 1, no rank-1 terms) and read out y = 0; sliced off below.
     widen = lambda x: jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
     r, w, k, v, a, b = (widen(x) for x in (r, w, k, v, a, b))
-  run = _fused(chosen["chunk"], chosen["forward_block"], chosen["backward_block"], chosen["forward_warps"],
-               chosen["backward_warps"], operands.name, interpret, optimize_remat)
+  run = _fused(chosen["chunk"], chosen["forward_block"], chosen["backward_block"], bool(chosen["backward_loop"]),
+               chosen["forward_warps"], chosen["backward_warps"], operands.name, interpret, optimize_remat)
   y, final = run(r, w, k, v, a, b, state.astype(jnp.float32))
   return y[:, :length], final

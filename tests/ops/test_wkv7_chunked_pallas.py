@@ -71,6 +71,8 @@ def _loss_and_grads(fn):
 
 _REFERENCE = _loss_and_grads(_reference)
 _KERNELS = _loss_and_grads(lambda *x: wkv7_chunked.wkv7(*x, **SETTINGS))
+# The backward as one program per head that takes its two value blocks of 8 rows in turn (head size 128's setting).
+_LOOPED = _loss_and_grads(lambda *x: wkv7_chunked.wkv7(*x, **SETTINGS, backward_loop=True))
 _OP_FORWARD = jax.jit(lambda *x: op(*x, impl="pallas_chunked"))
 
 
@@ -100,6 +102,14 @@ def _check(run, inputs, cot, rtol=F32_RTOL):
 
 def test_kernels_match_reference_across_the_decay_range():
   _check(_KERNELS, _inputs(0), _cotangents(0))
+
+
+def test_backward_loop_over_value_blocks():
+  _check(_LOOPED, _inputs(7), _cotangents(7))
+  *inputs, state = _inputs(8)
+  inputs = (*(x.astype(jnp.bfloat16) for x in inputs), state)
+  (_, _), grads = _check(_LOOPED, inputs, _cotangents(8), rtol=BF16_RTOL)
+  assert all(g.dtype == jnp.bfloat16 for g in grads[:6]) and grads[6].dtype == jnp.float32
 
 
 def test_one_token_from_a_carried_state():
