@@ -209,10 +209,10 @@ class TrainConfig:
   eval_every: int = 200
   eval_batches: int = 16
   # Titans models: every evaluation also logs the memory layers' statistics (surprise, gates, weight and momentum
-  # norms; ltm_jax.inference.diagnostics), averaged over the first validation batch.
+  # norms; ltm_jax.diagnostics), averaged over the first validation batch.
   memory_stats: bool = False
   # Quantisation-aware training: "int8" or "int4" trains (and evaluates) through the weights `ltm generate --quantize`
-  # would store (ltm_jax.inference.quantize.fake_quantize_params: rounded forward, straight-through backward);
+  # would store (ltm_jax.quantize.fake_quantize_params: rounded forward, straight-through backward);
   # qat_group is int4's inputs per scale. The checkpoint keeps the float weights.
   qat: str = "none"
   qat_group: int = 128

@@ -31,7 +31,7 @@ def init(std: float, axes: Sequence[str]):
 
 class Dense(nn.DenseGeneral):
   """nn.DenseGeneral (no bias, no batch dims) whose kernel may be stored quantised (an Int8Weight or Int4Weight in
-  the parameters, left there by `ltm_jax.inference.quantize.dequantize_params(keep_kernels=...)`): then the product
+  the parameters, left there by `ltm_jax.quantize.dequantize_params(keep_kernels=...)`): then the product
   reads the integer values and applies the scales after it (`ltm_jax.ops.quant_matmul`)."""
 
   def __call__(self, inputs):
