@@ -17,6 +17,7 @@ import typing
 from typing import Any
 
 from ltm_jax.errors import ConfigError, first_line
+from ltm_jax.layers import pattern as layer_pattern
 from ltm_jax.ops.attention import IMPLS as ATTENTION_BACKENDS
 from ltm_jax.ops.mdi import AVAILABLE as MDI_BACKENDS
 from ltm_jax.ops.neural_memory import AVAILABLE as MEMORY_BACKENDS
@@ -124,10 +125,7 @@ class ModelConfig:
     them, less the unit holding the first RWKV-7 layer, which stays separate; 0 without scan_layers."""
     if not self.scan_layers:
       return 0
-    pattern = self.layer_pattern
-    period = next(p for p in range(1, len(pattern) + 1)
-                  if len(pattern) % p == 0 and pattern[:p] * (len(pattern) // p) == pattern)
-    return self.n_layers // period - (1 if "W" in pattern else 0)
+    return layer_pattern.scanned_units(self.layer_pattern, self.n_layers)
 
   @property
   def kv_heads(self) -> int:
