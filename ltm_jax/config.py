@@ -17,6 +17,7 @@ import typing
 from typing import Any
 
 from ltm_jax.errors import ConfigError, first_line
+from ltm_jax.layers import pattern as layer_pattern
 from ltm_jax.ops.attention import IMPLS as ATTENTION_BACKENDS
 from ltm_jax.ops.mdi import AVAILABLE as MDI_BACKENDS
 from ltm_jax.ops.neural_memory import AVAILABLE as MEMORY_BACKENDS
@@ -124,10 +125,7 @@ class ModelConfig:
     them, less the unit holding the first RWKV-7 layer, which stays separate; 0 without scan_layers."""
     if not self.scan_layers:
       return 0
-    pattern = self.layer_pattern
-    period = next(p for p in range(1, len(pattern) + 1)
-                  if len(pattern) % p == 0 and pattern[:p] * (len(pattern) // p) == pattern)
-    return self.n_layers // period - (1 if "W" in pattern else 0)
+    return layer_pattern.scanned_units(self.layer_pattern, self.n_layers)
 
   @property
   def kv_heads(self) -> int:
@@ -209,10 +207,10 @@ class TrainConfig:
   eval_every: int = 200
   eval_batches: int = 16
   # Titans models: every evaluation also logs the memory layers' statistics (surprise, gates, weight and momentum
-  # norms; ltm_jax.inference.diagnostics), averaged over the first validation batch.
+  # norms; ltm_jax.diagnostics), averaged over the first validation batch.
   memory_stats: bool = False
   # Quantisation-aware training: "int8" or "int4" trains (and evaluates) through the weights `ltm generate --quantize`
-  # would store (ltm_jax.inference.quantize.fake_quantize_params: rounded forward, straight-through backward);
+  # would store (ltm_jax.quantize.fake_quantize_params: rounded forward, straight-through backward);
   # qat_group is int4's inputs per scale. The checkpoint keeps the float weights.
   qat: str = "none"
   qat_group: int = 128

@@ -30,6 +30,7 @@ from ltm_jax.layers import Attention, ChannelMix, ChannelMixState, CrossAttentio
 from ltm_jax.layers import ChannelMix7, MemoryAsGate, MemoryAsLayer, NeuralMemoryState, TimeMix7, TimeMix7State
 from ltm_jax.layers import MMRec, MMRecState, TitansState
 from ltm_jax.layers.common import init, norm
+from ltm_jax.layers import pattern as layer_pattern
 from ltm_jax.layers import pipeline
 from ltm_jax.layers.latent_encoder import LatentEncoder
 from ltm_jax.ops import cross_entropy
@@ -192,20 +193,13 @@ class ScanLayout(NamedTuple):
   scanned_units: int
 
 
-def _period(pattern: str) -> int:
-  """The length of the smallest unit that `pattern` repeats ("RARA" -> 2, "A" -> 1)."""
-  return next(p for p in range(1, len(pattern) + 1)
-              if len(pattern) % p == 0 and pattern[:p] * (len(pattern) // p) == pattern)
-
-
 def scan_layout(cfg: ModelConfig) -> ScanLayout:
   """Every layer is a separate block unless `scan_layers`. When scanning, the unit holding the first RWKV-7 layer
   stays separate: that layer makes v_first and has no value-residual parameters, unlike the RWKV-7 layers after it."""
-  period = _period(cfg.layer_pattern)
+  period = layer_pattern.period(cfg.layer_pattern)
   if not cfg.scan_layers:
     return ScanLayout(period, cfg.n_layers, 0)
-  prefix_units = 1 if "W" in cfg.layer_pattern else 0
-  return ScanLayout(period, prefix_units * period, cfg.scanned_units)
+  return ScanLayout(period, layer_pattern.prefix_units(cfg.layer_pattern) * period, cfg.scanned_units)
 
 
 class _Unit(nn.Module):

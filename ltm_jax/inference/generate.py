@@ -7,7 +7,7 @@
 sequence is always drawn with `fold_in(key, i)`, so decoding in chunks gives exactly the tokens of one call. The
 loop stops early once every row has produced a stop token; a finished row repeats its stop token.
 
-`params` may hold quantised weights (`ltm_jax.inference.quantize`), so the integer values are what lives in device
+`params` may hold quantised weights (`ltm_jax.quantize`), so the integer values are what lives in device
 memory between calls. Kernels of a kind the platform reads as stored (`kernels_read_quantized`: int8 and int4 on
 GPU, none on CPU, where it was measured to be slower) are multiplied as they are inside every step, so the loop
 reads their integer bytes; the others are dequantised inside the jitted computation ahead of the loop, which then

@@ -31,7 +31,7 @@ def init(std: float, axes: Sequence[str]):
 
 class Dense(nn.DenseGeneral):
   """nn.DenseGeneral (no bias, no batch dims) whose kernel may be stored quantised (an Int8Weight or Int4Weight in
-  the parameters, left there by `ltm_jax.inference.quantize.dequantize_params(keep_kernels=...)`): then the product
+  the parameters, left there by `ltm_jax.quantize.dequantize_params(keep_kernels=...)`): then the product
   reads the integer values and applies the scales after it (`ltm_jax.ops.quant_matmul`)."""
 
   def __call__(self, inputs):
@@ -69,6 +69,11 @@ def norm(kind: str, eps: float, dtype, name: str) -> nn.Module:
   return nn.LayerNorm(epsilon=eps, dtype=dtype, param_dtype=jnp.float32, scale_init=scale, bias_init=bias, name=name)
 
 
+def depth_ratios(layer: int, n_layers: int) -> tuple[float, float]:
+  """(0 -> 1 across depth, 1 -> almost 0 across depth): the RWKV-4 and RWKV-7 initialisation schedule."""
+  return layer / max(n_layers - 1, 1), 1.0 - layer / n_layers
+
+
 def token_shift(x, last):
   """The previous token's input at every position: [B, T, C] from x and `last` [B, C] (the token before x)."""
   return jnp.concatenate([last[:, None].astype(x.dtype), x[:, :-1]], axis=1)
@@ -88,3 +93,11 @@ def shift_inputs(x, last, valid):
   makes it; the previous token's input at every position of that, `token_shift`)."""
   x = hold_last(x, last, valid)
   return x, token_shift(x, last)
+
+
+def start_token_shift(x, state, empty, valid):
+  """The start of a layer that carries its last input token (`state.last_x`, [B, C]): (`state`, or `empty(B, C)`
+  when it is None; then the two inputs `shift_inputs` makes from x [B, T, C] and that last token)."""
+  if state is None:
+    state = empty(x.shape[0], x.shape[-1])
+  return (state, *shift_inputs(x, state.last_x, valid))

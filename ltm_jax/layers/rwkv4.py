@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ltm_jax import ops
-from ltm_jax.layers.common import dense, shift_inputs
+from ltm_jax.layers.common import dense, depth_ratios, start_token_shift
 
 
 class TimeMixState(NamedTuple):
@@ -30,11 +30,6 @@ class ChannelMixState(NamedTuple):
   @classmethod
   def empty(cls, batch: int, d_model: int) -> ChannelMixState:
     return cls(jnp.zeros((batch, d_model), jnp.float32))
-
-
-def _depth_ratios(layer: int, n_layers: int) -> tuple[float, float]:
-  """(0 -> 1 across depth, 1 -> almost 0 across depth): the RWKV-4 initialisation schedule."""
-  return layer / max(n_layers - 1, 1), 1.0 - layer / n_layers
 
 
 def _mix_init(power: float, offset: float = 0.0):
@@ -63,11 +58,9 @@ class TimeMix(nn.Module):
   @nn.compact
   def __call__(self, x, state: TimeMixState | None = None, valid=None):
     """`valid` [B, T] bool (None: all valid) marks left padding, which leaves the state as it was."""
-    batch, length, d = x.shape
-    if state is None:
-      state = TimeMixState.empty(batch, d)
-    x, shifted = shift_inputs(x, state.last_x, valid)
-    up, down = _depth_ratios(self.layer, self.n_layers)
+    _, length, d = x.shape
+    state, x, shifted = start_token_shift(x, state, TimeMixState.empty, valid)
+    up, down = depth_ratios(self.layer, self.n_layers)
     xk = _shift_mix(self, x, shifted, "mix_k", _mix_init(down))
     xv = _shift_mix(self, x, shifted, "mix_v", _mix_init(down, 0.3 * up))
     xr = _shift_mix(self, x, shifted, "mix_r", _mix_init(0.5 * down))
@@ -114,11 +107,9 @@ class ChannelMix(nn.Module):
 
   @nn.compact
   def __call__(self, x, state: ChannelMixState | None = None, valid=None):
-    batch, _, d = x.shape
-    if state is None:
-      state = ChannelMixState.empty(batch, d)
-    x, shifted = shift_inputs(x, state.last_x, valid)
-    _, down = _depth_ratios(self.layer, self.n_layers)
+    d = x.shape[-1]
+    state, x, shifted = start_token_shift(x, state, ChannelMixState.empty, valid)
+    _, down = depth_ratios(self.layer, self.n_layers)
     xk = _shift_mix(self, x, shifted, "mix_k", _mix_init(down))
     xr = _shift_mix(self, x, shifted, "mix_r", _mix_init(down))
     hidden = jnp.square(nn.relu(dense(self.hidden, ("embed", "mlp"), self.std, self.dtype, "key", fp8=self.fp8)(xk)))

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ltm_jax.layers.common import Dense, projection_dot_general, shift_inputs
+from ltm_jax.layers.common import Dense, depth_ratios, projection_dot_general, shift_inputs, start_token_shift
 from ltm_jax.layers.rwkv4 import ChannelMixState
 from ltm_jax.ops.wkv7 import empty_state as wkv7_empty_state
 from ltm_jax.ops.wkv7 import wkv7
@@ -42,11 +42,6 @@ class TimeMix7State(NamedTuple):
   @classmethod
   def empty(cls, batch: int, d_model: int, head_size: int) -> TimeMix7State:
     return cls(wkv7_empty_state(batch, d_model // head_size, head_size), jnp.zeros((batch, d_model), jnp.float32))
-
-
-def _ratios(layer: int, n_layers: int) -> tuple[float, float]:
-  """(0 -> 1 across depth, 1 -> almost 0 across depth), as in the official initialisation."""
-  return layer / max(n_layers - 1, 1), 1.0 - layer / n_layers
 
 
 def _constant_init(values: np.ndarray, axes: tuple[str, ...]):
@@ -107,7 +102,7 @@ class TimeMix7(nn.Module):
       state = TimeMix7State.empty(batch, d, n)
     if not self.first and v_first is None:
       raise ValueError("TimeMix7: a layer after the first RWKV-7 layer needs the first layer's v_first")
-    up, down = _ratios(self.layer, self.n_layers)
+    up, down = depth_ratios(self.layer, self.n_layers)
     channel = np.arange(d)
     linear = channel / max(d - 1, 1) - 0.5  # -0.5 .. 0.5 across channels.
     zigzag = ((channel % n) - (n - 1) / 2) / max((n - 1) / 2, 1)
@@ -198,11 +193,9 @@ class ChannelMix7(nn.Module):
 
   @nn.compact
   def __call__(self, x, state: ChannelMixState | None = None, valid=None):
-    batch, _, d = x.shape
-    if state is None:
-      state = ChannelMixState.empty(batch, d)
-    _, down = _ratios(self.layer, self.n_layers)
-    x, shifted = shift_inputs(x.astype(self.dtype), state.last_x, valid)
+    d = x.shape[-1]
+    state, x, shifted = start_token_shift(x.astype(self.dtype), state, ChannelMixState.empty, valid)
+    _, down = depth_ratios(self.layer, self.n_layers)
     shift = self.param("shift_k", _constant_init(_shift_fraction(d, down ** 4).astype(np.float32), ("embed",)), (d,))
     xk = x + (shifted - x) * shift.astype(x.dtype)
     key = _projection(self.hidden, _centered_uniform(0.5 / math.sqrt(d), ("embed", "mlp")), self.dtype, "key",

@@ -16,11 +16,11 @@ import jax
 import jax.numpy as jnp
 import tqdm
 
-from ltm_jax import parallel
 from ltm_jax import model as model_lib
+from ltm_jax import parallel
+from ltm_jax import quantize as quantize_lib
 from ltm_jax.config import Config
 from ltm_jax.errors import CheckpointError, ConfigError, TrainingError
-from ltm_jax.inference import quantize as quantize_lib
 from ltm_jax.layers import pipeline
 from ltm_jax.train import checkpoint as ckpt_lib
 from ltm_jax.train import task as task_lib

@@ -65,9 +65,9 @@ def throughput(flops_per_step: float, steps: int, seconds: float, devices: int, 
                bubble: float = 0.0) -> dict[str, float]:
   """Model TFLOP/s per device and, where the device's peak is known, MFU (model FLOPs utilisation, 0-1).
 
-  `flops_per_step` is the model's FLOPs for one train step (info.model_info's flops_per_step_train: 6 N per token
-  plus attention, and the latent inner loop's forward and backward passes); recomputation by remat is not counted,
-  as MFU conventionally excludes it. MFU is against the bfloat16 peak whatever the compute dtype.
+  `flops_per_step` is the model's FLOPs for one train step (ltm_jax.flops.flops_per_token's training FLOPs times the
+  step's tokens, info.model_info's flops_per_step_train: 6 N per token plus attention, and the latent inner loop's
+  forward and backward passes); recomputation by remat is not counted, as MFU conventionally excludes it. MFU is against the bfloat16 peak whatever the compute dtype.
 
   `bubble`: the idle fraction of a pipelined step (ltm_jax.layers.pipeline.bubble_fraction). Every device's whole
   step time is counted, idle or not, so the bubble lowers `mfu` (the work done in the bubble is not model FLOPs);

@@ -17,12 +17,12 @@ import jax
 import optax
 
 from ltm_jax import data as data_lib
-from ltm_jax import info as info_lib
+from ltm_jax import diagnostics
+from ltm_jax import flops
 from ltm_jax import model as model_lib
 from ltm_jax import parallel
 from ltm_jax.config import Config
 from ltm_jax.errors import ConfigError
-from ltm_jax.inference import diagnostics
 from ltm_jax.ops import fp8
 from ltm_jax.timeseries import data as ts_data
 from ltm_jax.timeseries import metrics as ts_metrics
@@ -93,8 +93,9 @@ def language_task(cfg: Config, optimizer: optax.GradientTransformation) -> Task:
                                prefetch=cfg.data.prefetch, shard=shard)
 
   put = (lambda b: b) if sharded is None else (lambda b: parallel.put_batch(b, sharded.batch, t.batch_size))
-  return Task(model, state, make_loader, None, evaluate, info_lib.model_info(cfg)["flops_per_step_train"],
-              "tokens", t.batch_size * t.seq_len, sharded, put)
+  flops_per_step = flops.flops_per_token(m, cfg.latent, t.seq_len)[1] * (t.batch_size * t.seq_len)
+  return Task(model, state, make_loader, None, evaluate, flops_per_step, "tokens", t.batch_size * t.seq_len, sharded,
+              put)
 
 
 def timeseries_task(cfg: Config, optimizer: optax.GradientTransformation) -> Task:

@@ -4,7 +4,7 @@ inputs and output channel, scales applied after the product:
   y[..., n] = sum_g scale[g, n] * sum_{k in group g} x[..., k] * values[k, n]
 
 values: int8 [G, rows, N] (int8: rows = group; int4 packed two per byte: rows = group / 2, low nibble input i and high
-nibble input i + group / 2 of the group, as `ltm_jax.inference.quantize.Int4Weight` stores them); scale [G, N].
+nibble input i + group / 2 of the group, as `ltm_jax.quantize.Int4Weight` stores them); scale [G, N].
 Per-output-channel int8 is G = 1. The result has x's dtype; products accumulate in float32.
 """
 

@@ -1,7 +1,7 @@
 """Quantised weights as the model stores them, and the product of activations with one.
 
 `Int8Weight` (one scale per output channel) and `Int4Weight` (one scale per group of inputs and output channel,
-two values per byte) are made by `ltm_jax.inference.quantize`, which also says which parameters are quantised and
+two values per byte) are made by `ltm_jax.quantize`, which also says which parameters are quantised and
 why. A layer whose kernel is stored quantised multiplies with `matmul`, which reads the integer values and applies
 the scales after the product (`ltm_jax.ops.quant_matmul`), so no float copy of the weight is made.
 """
