@@ -5,6 +5,7 @@ import warnings
 import pytest
 
 from ltm_jax import config as config_lib
+from ltm_jax.errors import DataError
 from ltm_jax.ops import fp8
 from ltm_jax.train import task
 
@@ -26,7 +27,7 @@ def test_a_gpu_task_with_fp8_warns_before_reading_data(monkeypatch):
   monkeypatch.delenv("XLA_FLAGS", raising=False)
   cfg = config_lib.load_config("configs/tiny.py", ["model.fp8=true", "model.dtype=bfloat16",
                                                    "data.source=/nonexistent-corpus"])
-  with warnings.catch_warnings(record=True) as caught, pytest.raises(Exception):
+  with warnings.catch_warnings(record=True) as caught, pytest.raises(DataError, match="no such file or folder"):
     warnings.simplefilter("always")
     task.make_task(cfg, None)
   assert any(fp8.GPU_XLA_FLAG in str(w.message) for w in caught)
