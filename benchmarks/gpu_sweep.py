@@ -112,7 +112,7 @@ BENCHMARKS = (
           ("--variant", "latent.encoder=false,latent.inner_steps=8",
            "--variant", "latent.encoder=true,latent.inner_steps=2,latent.continuation_fraction=1", "--rounds", "30"),
           ("--config", "configs/tiny.py", "--variant", "latent.enabled=true,latent.inner_steps=1", "--rounds", "1",
-           "--name", "latent-cost-quick"), "latent-cost", "latent-cost-quick", 3, 150),
+           "--name", "latent-cost-quick"), "latent-cost", "latent-cost-quick", 5, 150),
     Bench("wkv4", "wkv.py", ("--shapes", "gpu"), ("--quick",), "wkv4", "wkv4-quick", 3, 240,
           env=tuple(SHARE_GPU.items())),
     # decode.py's sizes are one RWKV-World-sized model per mixer (its "cpu" plan); the official rwkv package runs on
