@@ -279,12 +279,16 @@ def _stream_options(options, stream: bool) -> tuple[bool, bool]:
   return options.get("include_usage", False), options.get("continuous_usage_stats", False)
 
 
-def completion_body(cid: str, created: int, model: str, choices: list[dict], usage: dict | None) -> dict:
-  """A text_completion object (the whole answer, or one streamed chunk)."""
-  body = {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": choices}
+def _response(kind: str, cid: str, created: int, model: str, choices: list[dict], usage: dict | None) -> dict:
+  body = {"id": cid, "object": kind, "created": created, "model": model, "choices": choices}
   if usage is not None:
     body["usage"] = usage
   return body
+
+
+def completion_body(cid: str, created: int, model: str, choices: list[dict], usage: dict | None) -> dict:
+  """A text_completion object (the whole answer, or one streamed chunk)."""
+  return _response("text_completion", cid, created, model, choices, usage)
 
 
 def choice(index: int, text: str, finish_reason: str | None) -> dict:
@@ -298,18 +302,12 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 def chat_body(cid: str, created: int, model: str, choices: list[dict], usage: dict | None) -> dict:
   """A chat.completion object (the whole answer)."""
-  body = {"id": cid, "object": "chat.completion", "created": created, "model": model, "choices": choices}
-  if usage is not None:
-    body["usage"] = usage
-  return body
+  return _response("chat.completion", cid, created, model, choices, usage)
 
 
 def chat_chunk(cid: str, created: int, model: str, choices: list[dict], usage: dict | None) -> dict:
   """A chat.completion.chunk object (one streamed chunk)."""
-  body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
-  if usage is not None:
-    body["usage"] = usage
-  return body
+  return _response("chat.completion.chunk", cid, created, model, choices, usage)
 
 
 def chat_choice(index: int, text: str, finish_reason: str | None) -> dict:

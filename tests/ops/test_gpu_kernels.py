@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_reference import reference_mask, reference_value_and_grads, value_and_grads
+from wkv7_reference import wkv7_reference
 
 from ltm_jax import ops
 from ltm_jax.ops.attention import cudnn
@@ -139,20 +140,6 @@ def test_wkv4_pallas_compiled_matches_float64(dtype):
     _close(got, want, _rtol(dtype), what)
 
 
-def _wkv7_reference(r, w, k, v, a, b, state):
-  """S_t = S_{t-1} (diag(e^{w_t}) + a_t b_t^T) + v_t k_t^T, y_t = S_t r_t; returns (y, final state)."""
-  size = r.shape[-1]
-
-  def step(s, x):
-    r_t, w_t, k_t, v_t, a_t, b_t = x
-    transition = jnp.exp(w_t)[..., :, None] * jnp.eye(size) + a_t[..., :, None] * b_t[..., None, :]
-    s = s @ transition + v_t[..., :, None] * k_t[..., None, :]
-    return s, (s @ r_t[..., :, None])[..., 0]
-
-  state, y = jax.lax.scan(step, state, tuple(jnp.swapaxes(x, 0, 1) for x in (r, w, k, v, a, b)))
-  return jnp.swapaxes(y, 0, 1), state
-
-
 def _wkv7_inputs(seed, shape, dtype, low):
   """RWKV-7's structure (a = -kk, b = kk * a_lr, kk a unit vector): contractive transitions; log-decays
   -exp(U(low, 0.3)) (the chunked kernels take w >= -3.75 at chunk 16)."""
@@ -179,7 +166,7 @@ def test_wkv7_pallas_compiled_matches_float64(impl, dtype):
   assert TRITON_CALL in _lowered(fn, *inputs)
   out, grads = _vjp(fn, inputs, cot)
   with jax.enable_x64(True):
-    ref, ref_grads = _vjp(_wkv7_reference, _to64(inputs), _to64(cot))
+    ref, ref_grads = _vjp(wkv7_reference, _to64(inputs), _to64(cot))
   for what, got, want in zip(("y", "state"), out, ref):
     _close(got, want, _rtol(dtype), what)
   for what, got, want in zip(("dr", "dw", "dk", "dv", "da", "db", "dstate"), grads, ref_grads):

@@ -11,6 +11,7 @@ import pytest
 
 import ltm_pallas.wkv7
 from ltm_jax.ops.wkv7 import AVAILABLE, empty_state, wkv7
+from wkv7_reference import wkv7_reference
 
 # Tolerances, each relative to the largest magnitude in the compared array (atol = rtol * max|expected|), so that
 # entries which cancel to near zero are judged on the array's scale. float32 over a few dozen tokens: every backend
@@ -64,24 +65,10 @@ def _weighted(cot, y, state):
   return jnp.sum(cot[0] * y) + jnp.sum(cot[1] * state)
 
 
-def _reference(r, w, k, v, a, b, state):
-  """The recurrence in matrix form: S_t = S_{t-1} (diag(e^{w_t}) + a_t b_t^T) + v_t k_t^T, y_t = S_t r_t."""
-  size = r.shape[-1]
-
-  def step(s, x):
-    r_t, w_t, k_t, v_t, a_t, b_t = x  # Each [B, H, N].
-    transition = jnp.exp(w_t)[..., :, None] * jnp.eye(size) + a_t[..., :, None] * b_t[..., None, :]
-    s = s @ transition + v_t[..., :, None] * k_t[..., None, :]
-    return s, (s @ r_t[..., :, None])[..., 0]
-
-  state, y = jax.lax.scan(step, state, tuple(jnp.swapaxes(x, 0, 1) for x in (r, w, k, v, a, b)))
-  return jnp.swapaxes(y, 0, 1), state
-
-
 @jax.jit
 def _reference_and_grads(inputs, cot):
   def loss(inputs):
-    out = _reference(*inputs)
+    out = wkv7_reference(*inputs)
     return _weighted(cot, *out), out
 
   (_, out), grads = jax.value_and_grad(loss, has_aux=True)(inputs)

@@ -12,6 +12,7 @@ import pytest
 
 from ltm_jax.ops.wkv7 import wkv7 as op
 from ltm_pallas import wkv7_chunked
+from wkv7_reference import wkv7_reference
 
 # Chunks of 16 over 37 tokens: two full chunks and a padded one. Head size 16 split into value blocks of 8, so the
 # backward also sums partial key-side gradients.
@@ -47,20 +48,6 @@ def _cotangents(seed, shape=SHAPE):
   return tuple(jnp.asarray(rng.normal(size=s), jnp.float32) for s in (shape, (batch, heads, size, size)))
 
 
-def _reference(r, w, k, v, a, b, state):
-  """S_t = S_{t-1} (diag(e^{w_t}) + a_t b_t^T) + v_t k_t^T, y_t = S_t r_t, token by token."""
-  size = r.shape[-1]
-
-  def step(s, x):
-    r_t, w_t, k_t, v_t, a_t, b_t = x
-    transition = jnp.exp(w_t)[..., :, None] * jnp.eye(size) + a_t[..., :, None] * b_t[..., None, :]
-    s = s @ transition + v_t[..., :, None] * k_t[..., None, :]
-    return s, (s @ r_t[..., :, None])[..., 0]
-
-  state, y = jax.lax.scan(step, state, tuple(jnp.swapaxes(x, 0, 1) for x in (r, w, k, v, a, b)))
-  return jnp.swapaxes(y, 0, 1), state
-
-
 def _loss_and_grads(fn):
   def loss(inputs, cot):
     y, state = fn(*inputs)
@@ -69,7 +56,7 @@ def _loss_and_grads(fn):
   return jax.jit(lambda inputs, cot: jax.value_and_grad(loss, has_aux=True)(inputs, cot))
 
 
-_REFERENCE = _loss_and_grads(_reference)
+_REFERENCE = _loss_and_grads(wkv7_reference)
 _KERNELS = _loss_and_grads(lambda *x: wkv7_chunked.wkv7(*x, **SETTINGS))
 # The backward as one program per head that takes its two value blocks of 8 rows in turn (head size 128's setting).
 _LOOPED = _loss_and_grads(lambda *x: wkv7_chunked.wkv7(*x, **SETTINGS, backward_loop=True))
