@@ -4,6 +4,7 @@
   python benchmarks/latent_markov.py                    # every variant (hours on 2 CPU cores)
   python benchmarks/latent_markov.py --only plain ltm   # some of them
   python benchmarks/latent_markov.py --steps 200 --root /tmp/markov --name latent-markov-quick   # a short run
+  python benchmarks/latent_markov.py --eval-inner-steps 8 32   # latent rows again, z fitted by 8 and 32 inner steps
 
 The references, in nats per symbol over the same positions of the same validation documents:
   oracle   knows each document's chain;
@@ -74,7 +75,9 @@ def main():
   rows, curves = latent_runs.run_variants(VARIANTS, args.only or list(VARIANTS), root, eval_batches=args.eval_batches,
                                           curve_steps=args.curve, steps=args.steps, stop_at=args.stop_at, row_fn=closed,
                                           columns=COLUMNS)
-  for row in rows:
+  rows += latent_runs.inner_step_rows(rows, root, args.eval_inner_steps, eval_batches=args.eval_batches,
+                                      row_fn=closed, columns=COLUMNS)
+  for row in rows:  # None for the rows of extra inner steps: their training curve is the trained count's.
     row["vs_plain_equal_tokens"] = latent_runs.at_equal_tokens(curves, row["model"], "plain")
   common.print_table(rows, COLUMNS)
   print("continuation_nll: nats/symbol on the second halves, z fitted on the first halves; references: " +

@@ -62,18 +62,24 @@ def evaluate_variant(workdir: pathlib.Path, eval_batches: int, curve_steps=(), o
                          curve_steps=curve_steps)
 
 
-def evaluated(workdir: pathlib.Path, step: int, eval_batches: int, curve_steps=()) -> dict:
+def evaluated(workdir: pathlib.Path, step: int, eval_batches: int, curve_steps=(), overrides=()) -> dict:
   """`evaluate_variant` of the workdir at training step `step`, read from its `bench-eval.json` when that holds the
-  same evaluation of the same step (evaluating a latent model takes minutes; a finished comparison is re-tabled
-  often)."""
+  same evaluation (step, batches, curve, runtime overrides) of the same step: evaluating a latent model takes
+  minutes, and a finished comparison is re-tabled often. The file keeps one record per evaluation."""
   record = workdir / "bench-eval.json"
   key = {"step": step, "eval_batches": eval_batches, "curve_steps": list(curve_steps)}
+  if overrides:
+    key["overrides"] = list(overrides)
+  saved = []
   if record.exists():
-    saved = json.loads(record.read_text())
-    if saved["key"] == key:
-      return saved["metrics"]
-  metrics = evaluate_variant(workdir, eval_batches, curve_steps)
-  record.write_text(json.dumps({"key": key, "metrics": metrics}) + "\n")
+    lines = [json.loads(line) for line in record.read_text().splitlines() if line.strip()]
+    saved = [r for r in lines if r["key"]["step"] == step]  # Records of an older checkpoint are dropped.
+    for r in saved:
+      if r["key"] == key:
+        return r["metrics"]
+  metrics = evaluate_variant(workdir, eval_batches, curve_steps, overrides)
+  saved.append({"key": key, "metrics": metrics})
+  record.write_text("".join(json.dumps(r) + "\n" for r in saved))
   return metrics
 
 
@@ -135,6 +141,22 @@ def run_variants(variants: dict, names, root: pathlib.Path, *, eval_batches: int
   return rows, curves
 
 
+def inner_step_rows(rows: list[dict], root: pathlib.Path, inner_steps, *, eval_batches: int, row_fn=None,
+                    columns=()) -> list[dict]:
+  """For every latent row of `rows` (kl > 0), the same trained model evaluated with z fitted by each of
+  `inner_steps` inner steps instead of the trained count: what more inference compute buys at evaluation time."""
+  extra = []
+  for row in rows:
+    if not row.get("kl"):
+      continue
+    for n in inner_steps:
+      metrics = evaluated(root / row["model"], row["steps"], eval_batches, overrides=[f"latent.inner_steps={n}"])
+      new = {**row, **metrics, "model": f"{row['model']} @ {n} inner steps", "eval_inner_steps": n}
+      extra.append(row_fn(new) if row_fn else new)
+      common.print_table(extra[-1:], columns)
+  return extra
+
+
 def at_equal_tokens(curves: dict[str, list[dict]], name: str, baseline: str) -> float | None:
   """Validation continuation perplexity of `name` over `baseline`'s at the last training-token count both curves hold
   (None if they share none): the comparison that stays fair when one run stopped early."""
@@ -153,6 +175,8 @@ def comparison_parser(description: str, variants: dict, name: str, batch: str) -
                       help="stop every variant's training at this step of its schedule (a run already past it stays)")
   parser.add_argument("--eval-batches", type=int, default=16, help=f"validation batches of {batch}")
   parser.add_argument("--curve", type=int, nargs="*", default=[0, 2, 8], help="inner steps of the ELBO curve")
+  parser.add_argument("--eval-inner-steps", type=int, nargs="*", default=[],
+                      help="latent variants: also evaluate with z fitted by this many inner steps (one row each)")
   parser.add_argument("--root", default=str(common.ROOT / "runs" / name))
   parser.add_argument("--name", default=name, help="results file: benchmarks/results/NAME-<device>.json")
   return parser
