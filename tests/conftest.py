@@ -42,6 +42,24 @@ def pytest_unconfigure(config):
     shutil.rmtree(os.environ.pop(_OWN_CACHE), ignore_errors=True)
 
 
+def resume_rtol() -> float:
+  """The relative tolerance of a run resumed from a checkpoint, or trained in pieces, against the uninterrupted run.
+
+  Same program, same inputs, same device: on the CPU only a different compilation could differ (1e-6). On a GPU the
+  same program is not bitwise reproducible between runs (XLA's GPU reductions may use atomics, and each compilation
+  autotunes its own cuBLAS/Triton configurations): 60 steps of tests/train/test_loop.py's model drifted by up to 1e-5
+  relative in grad_norm between uninterrupted runs on an H200 (1e-4). A function, so that importing conftest (the
+  xdist controller, subprocesses) starts no backend."""
+  return 1e-6 if jax.default_backend() == "cpu" else 1e-4
+
+
+def cpu_only_env(**extra: str) -> dict[str, str]:
+  """os.environ for a subprocess that runs on the CPU on every host, plus `extra`: JAX_PLATFORMS=cpu starts no GPU
+  backend in jax, and CUDA_VISIBLE_DEVICES="" hides the GPUs from anything else the process loads (torch, say).
+  A CUDA plugin that is installed stays importable (ltm_pallas.backend.may_compile_for_gpu() is still true)."""
+  return {**os.environ, "JAX_PLATFORMS": "cpu", "CUDA_VISIBLE_DEVICES": "", **extra}
+
+
 # Tests that take 40 s or more (subprocesses, notebooks, 8 simulated devices) start first: xdist hands out tests in
 # collection order, and one of these starting last leaves the other worker idle for its whole run.
 _LONG_FIRST = ("tests/test_notebooks.py::test_notebook_runs[02", "tests/test_gpu_aot.py::test_kernels_compile",

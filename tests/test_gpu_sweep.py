@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 import tarfile
@@ -14,13 +13,15 @@ import time
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, cpu_only_env
 
 SWEEP = ROOT / "benchmarks" / "gpu_sweep.py"
 
 
 def _sweep(tmp_path, *argv, fail: str = ""):
-  env = {**os.environ, "LTM_SWEEP_FAIL": fail}
+  # On the CPU on every host (the summary and results files are named for the device, and the test reads the CPU's):
+  # the driver passes its environment to each benchmark it starts, so none of them starts a GPU either.
+  env = cpu_only_env(LTM_SWEEP_FAIL=fail)
   env.pop("LTM_BENCH_RESULTS", None)
   command = [sys.executable, str(SWEEP), "--quick", "--results-dir", str(tmp_path / "results"), "--log-dir",
              str(tmp_path / "logs"), *argv]

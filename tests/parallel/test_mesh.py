@@ -116,8 +116,9 @@ def test_mesh_fills_the_remaining_devices():
 
 
 def test_make_mesh_refuses_before_compiling():
-  cfg = config_lib.apply_overrides(micro_config(), ["mesh.data=2"])  # This process has one device.
-  with pytest.raises(ConfigError, match="multiply to 2, but there are 1 devices"):
+  n = jax.device_count()  # 1 on a CPU or a one-GPU host; twice as many asked for, whatever it is.
+  cfg = config_lib.apply_overrides(micro_config(), [f"mesh.data={2 * n}", f"train.batch_size={4 * n}"])
+  with pytest.raises(ConfigError, match=f"multiply to {2 * n}, but there are {n} devices"):
     parallel.make_layout(cfg, make_optimizer(cfg.train))
 
 
@@ -151,6 +152,8 @@ def test_parameter_axis_without_rule_and_undivided_parameter():
 
 
 def test_single_device_layout_is_trivial():
+  if jax.device_count() != 1:  # The default mesh fills every device of the process.
+    pytest.skip(f"needs a process with one device (a CPU, or a host with one GPU); this one has {jax.device_count()}")
   cfg = micro_config()
   layout = parallel.make_layout(cfg, make_optimizer(cfg.train))
   assert layout.mesh.size == jax.device_count() == 1
