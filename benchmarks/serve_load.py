@@ -8,7 +8,8 @@ Model and servers: the tiny config's architecture at its initialisation (as in b
 depend on the weights), served by `ltm serve --max-batch 64 --chunk 16 --prefill-chunk 128` in its own process on
 127.0.0.1, then by a second process with `--static-batches`: requests are admitted only while every row is free, so
 the requests taken together run to completion before the next batch starts (same programs, same sampling). Both
-processes share one persistent compilation cache, so the second loads the programs the first compiled.
+processes share one persistent compilation cache (a temporary folder, or JAX_COMPILATION_CACHE_DIR when set), so the
+second loads the programs the first compiled.
 
 Requests (drawn once from a fixed seed by serve.py's `_requests`): prompts of 4 to 120 bytes (one token per byte),
 max_tokens 8 to 128, temperature 1 with a seed each (random weights stop at the end-of-text token now and then: the
@@ -42,7 +43,8 @@ brought, every token of an event is charged its share of the wait since the prev
 the mean over its tokens after its first event: (last event - first event) / (tokens - tokens of the first event).
 The tokens of the first event are covered by TTFT; a request whose tokens all came in its first event (at most
 --chunk tokens) has no TPOT and is left out, not counted as 0 (tpot_requests says how many have one). p50 and p99
-are over requests.
+are over requests; the JSON's per_request lists every request's tokens, tokens of its first event, events, TTFT and
+TPOT, for reading the tails.
 
 Goals, at --streams 64: continuous throughput >= 4x sequential; continuous TPOT p99 <= 2x the lone request's TPOT
 (the median over its runs). The table and the JSON say whether each is met. Every decode chunk runs over all
@@ -165,6 +167,10 @@ def summarise(name: str, records: list[dict]) -> dict:
              streams_mean=sum(r["ended"] - r["sent"] for r in sent) / seconds, ttft_p50_ms=_pct(ttft, 50),
              ttft_p99_ms=_pct(ttft, 99), tpot_requests=len(tpot), tpot_p50_ms=_pct(tpot, 50),
              tpot_p99_ms=_pct(tpot, 99))
+  # Per request sent, for reading the tails: [tokens, tokens of the first event, events with tokens, TTFT, TPOT (ms)].
+  ms = lambda x: None if x is None else round(x * 1e3, 3)
+  row["per_request"] = [[r.get("tokens", 0), r["arrivals"][0][1] if r.get("arrivals") else 0,
+                         len(r.get("arrivals", ())), ms(r.get("ttft")), ms(r.get("tpot"))] for r in sent]
   errors = sorted({r["error"] for r in sent if r.get("error")})
   if errors:
     row["errors"] = errors[:5]
@@ -330,6 +336,7 @@ def main() -> None:
   load_before, began = os.getloadavg(), time.perf_counter()
   with tempfile.TemporaryDirectory() as tmp:
     workdir = _workdir(os.path.join(tmp, "workdir"), overrides)
+    cache_given = "JAX_COMPILATION_CACHE_DIR" in os.environ  # Then the first server may load programs too.
     env = {**os.environ, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
     env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tmp, "compilation-cache"))
     with running_server(workdir, *options, env=env) as server:
@@ -374,8 +381,8 @@ def main() -> None:
       lone=args.lone, max_batch=args.max_batch, chunk=args.chunk, prefill_chunk=args.prefill_chunk,
       prompt_bytes=[4, max_prompt], max_tokens=list(max_tokens), lone_prompt_bytes=LONE_PROMPT,
       lone_tpot_ms=lone_tpot, goals=goals, malformed=malformed, continuous_server=continuous_server,
-      static_server=static_server, load_average_before=list(load_before), load_average_after=list(os.getloadavg()),
-      total_seconds=round(time.perf_counter() - began, 1))
+      static_server=static_server, compilation_cache_given=cache_given, load_average_before=list(load_before),
+      load_average_after=list(os.getloadavg()), total_seconds=round(time.perf_counter() - began, 1))
   print(f"wrote {path}")
 
 

@@ -56,7 +56,7 @@ def test_tpot_is_per_token_after_the_first_event_of_a_fake_stream():
 
 def test_a_phase_accounts_for_every_request_and_checks_the_servers_counts():
   records = [{"outcome": "completed", "http": 200, "sent": 0.0, "ended": 2.0, "tokens": 40, "ttft": 0.1,
-              "tpot": 0.01},
+              "tpot": 0.01, "arrivals": [(0.1, 16), (0.34, 40)]},
              {"outcome": "completed", "http": 200, "sent": 0.5, "ended": 1.5, "tokens": 8, "ttft": 0.2, "tpot": None},
              {"outcome": "refused", "http": 429, "sent": 1.0, "ended": 1.0},
              {"outcome": "failed", "http": 200, "sent": 1.0, "ended": 1.2, "tokens": 3, "error": "APIError: boom"},
@@ -67,6 +67,7 @@ def test_a_phase_accounts_for_every_request_and_checks_the_servers_counts():
           row["lost"]) == (6, 2, 1, 1, 1, 1, 0)
   assert row["refused_by_status"] == {"429": 1} and row["tokens"] == 56 and row["seconds"] == 4.0
   assert row["tpot_requests"] == 1 and row["errors"] == ["APIError: boom"]
+  assert row["per_request"][0] == [40, 16, 2, 100.0, 10.0] and len(row["per_request"]) == 5
   server = {"requests": {"200": 4, "429": 1}, "finished": {"stop": 1, "length": 1, "cancelled": 1, "error": 1}}
   assert serve_load.agrees(row, records, server)
   assert not serve_load.agrees(row, records, {**server, "requests": {"200": 4}})  # A refusal the server missed.
