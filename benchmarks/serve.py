@@ -27,6 +27,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -34,6 +37,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from common import ROOT, print_table, write_results
@@ -124,6 +128,45 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+@dataclasses.dataclass
+class Server:
+  """A running `ltm serve`: its URL, its start-up line, its exit status once stopped (None before), and the last
+  lines it wrote on stderr after start-up."""
+  url: str
+  ready: str
+  exit: int | None = None
+  log: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=50))
+
+
+@contextlib.contextmanager
+def running_server(workdir: str, *options: str, env: dict | None = None):
+  """`ltm serve --workdir workdir *options` as its own process on a free port of 127.0.0.1, yielded as a `Server`
+  once it answers /health; stopped with SIGTERM on exit (its exit status recorded). Its stderr is read on a thread
+  so the server never blocks on a full pipe."""
+  port = _free_port()
+  process = subprocess.Popen([sys.executable, "-m", "ltm_jax", "serve", "--workdir", workdir, "--port", str(port),
+                              *options], cwd=ROOT, stderr=subprocess.PIPE, text=True, env=env)
+  server = None
+  try:
+    ready = next((line for line in process.stderr if "serving" in line), "")
+    if "programs compiled" not in ready:
+      raise SystemExit(f"the server did not start: {ready}")
+    server = Server(f"http://127.0.0.1:{port}", ready.strip())
+    threading.Thread(target=server.log.extend, args=(process.stderr,), daemon=True).start()
+    for _ in range(600):
+      try:
+        if httpx.get(server.url + "/health").status_code == 200:
+          break
+      except httpx.TransportError:
+        time.sleep(0.1)
+    yield server
+  finally:
+    process.send_signal(signal.SIGTERM)
+    code = process.wait(120)
+    if server is not None:
+      server.exit = code
+
+
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--quick", action="store_true", help="a micro model and levels 1 and 4")
@@ -138,32 +181,15 @@ def main() -> None:
   requests = _requests(max(16, 2 * max(levels)), max_prompt, max_tokens)
   load_before = os.getloadavg()
   with tempfile.TemporaryDirectory() as tmp:
-    workdir = _workdir(tmp, overrides)
-    port = _free_port()
-    server = subprocess.Popen([sys.executable, "-m", "ltm_jax", "serve", "--workdir", workdir, "--port", str(port),
-                               "--max-batch", str(args.max_batch), "--chunk", str(args.chunk),
-                               "--prefill-chunk", str(args.prefill_chunk)], cwd=ROOT,
-                              stderr=subprocess.PIPE, text=True)
-    try:
-      ready = next((line for line in server.stderr if "serving" in line), "")
-      if "programs compiled" not in ready:
-        raise SystemExit(f"the server did not start: {ready}")
-      print(ready.strip())
-      url = f"http://127.0.0.1:{port}"
-      for _ in range(600):
-        try:
-          if httpx.get(url + "/health").status_code == 200:
-            break
-        except httpx.TransportError:
-          time.sleep(0.1)
-      asyncio.run(_level(url, requests[:4], 4))  # Warm the connection handling; every program is compiled already.
+    with running_server(_workdir(tmp, overrides), "--max-batch", str(args.max_batch), "--chunk", str(args.chunk),
+                        "--prefill-chunk", str(args.prefill_chunk)) as server:
+      print(server.ready)
+      asyncio.run(_level(server.url, requests[:4], 4))  # Warm the connection handling; every program is compiled.
       rows = []
       for clients in levels:
-        rows.append(asyncio.run(_level(url, requests[:max(16, 2 * clients)], clients)))
+        rows.append(asyncio.run(_level(server.url, requests[:max(16, 2 * clients)], clients)))
         print(f"{clients} clients: {rows[-1]['tokens_per_s']:.1f} tokens/s", flush=True)
-    finally:
-      server.send_signal(signal.SIGTERM)
-      code = server.wait(120)
+  code, ready = server.exit, server.ready
   base = rows[0]
   for row in rows:
     row["vs_one_at_a_time"] = row["tokens_per_s"] / base["tokens_per_s"]

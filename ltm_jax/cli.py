@@ -153,7 +153,7 @@ def _serve(args) -> int:
     raise ValueError(f"ltm serve needs the serve extra (pip install 'ltm-jax[serve]'): {e}") from None
   lm = load(args.workdir, args.step, args.overrides, quantize=args.quantize)
   engine = Engine(lm, max_batch=args.max_batch, chunk=args.chunk, max_wait_ms=args.max_wait_ms, queue=args.queue,
-                  prefill_chunk=args.prefill_chunk or None)
+                  prefill_chunk=args.prefill_chunk or None, static_batches=args.static_batches)
   engine.start()
   name = lm.config.name
   print(f"serving {name} (step {lm.trained_steps}) on http://{args.host}:{args.port}: {engine.max_batch} slots, "
@@ -386,6 +386,9 @@ def parser() -> argparse.ArgumentParser:
   srv.add_argument("--request-timeout", type=_non_negative, default=0.0,
                    help="seconds a request may take from arrival to its last token; a later one is cancelled and "
                         "answered 504, or streamed an error event (0: no limit)")
+  srv.add_argument("--static-batches", action="store_true",
+                   help="a benchmark baseline: requests are admitted only when every row is free, so each batch runs "
+                        "to completion before the next one starts (no continuous batching)")
   srv.add_argument("--grace", type=_non_negative, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM before they are cancelled")
   srv.add_argument("overrides", nargs="*", metavar="key=value", help="runtime changes, e.g. model.wkv_impl=scan")

@@ -193,11 +193,17 @@ class Engine:
   so a long prompt delays the running requests by one piece per chunk rather than by its whole length. The first
   piece is the remainder (1 to prefill_chunk tokens), every later one exactly prefill_chunk tokens; prompts that fit
   one piece are prefilled whole, as without it (their length buckets then end at prefill_chunk). Latent models fit
-  z to the whole prompt and so always prefill it whole."""
+  z to the whole prompt and so always prefill it whole.
+
+  static_batches: the baseline continuous batching is measured against (benchmarks/serve_load.py). Waiting requests
+  are admitted only while every row is free, so the requests taken together (up to max_batch, gathered for up to
+  max_wait_ms) run as one batch to completion before the next batch starts; programs, sampling and answers are
+  otherwise the same."""
 
   def __init__(self, lm, *, max_batch: int = 32, chunk: int = 16, max_wait_ms: float = 10.0, queue: int = 256,
                metrics: ServerMetrics | None = None, length_buckets: Sequence[int] | None = None,
-               group_sizes: Sequence[int] | None = None, prefill_chunk: int | None = None, prefill_lanes: int = 4):
+               group_sizes: Sequence[int] | None = None, prefill_chunk: int | None = None, prefill_lanes: int = 4,
+               static_batches: bool = False):
     for name, value in (("max_batch", max_batch), ("chunk", chunk), ("queue", queue),
                         ("prefill_lanes", prefill_lanes), ("prefill_chunk", prefill_chunk or 1)):
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -208,6 +214,7 @@ class Engine:
       raise ValueError("the model's tokenizer has no end-of-text token to stop at")
     self.lm, self.max_batch, self.chunk, self.queue_size = lm, max_batch, chunk, queue
     self.max_wait = max_wait_ms / 1000
+    self.static_batches = static_batches
     self.metrics = metrics or ServerMetrics()
     m = lm.config.model
     self.context = m.max_seq_len
@@ -352,13 +359,14 @@ class Engine:
   def _take_waiting(self) -> tuple[list[tuple[int, Request]], dict[int, tuple[np.ndarray, bool]]]:
     """Under the lock: frees the rows of cancelled requests still being fed, pops waiting requests into free rows
     (and long prompts into free prefill lanes, in arrival order), and picks the next piece of every lane ->
-    (requests to prefill whole as (row, request), {lane: (its next piece of tokens, whether it starts the prompt)})."""
+    (requests to prefill whole as (row, request), {lane: (its next piece of tokens, whether it starts the prompt)}).
+    With static_batches nothing is taken while any row is held: the running batch finishes first."""
     for lane, row_index in enumerate(self._lane_rows):
       row = None if row_index is None else self._rows[row_index]
       if row is not None and row.request.cancelled:
         self._rows[row_index], self._lane_rows[lane] = None, None
         self._finish(row.request, "cancelled", 0)
-    free = [i for i, row in enumerate(self._rows) if row is None]
+    free = [] if self.static_batches and self.occupancy else [i for i, row in enumerate(self._rows) if row is None]
     admitted = []
     while self._waiting and free:
       request = self._waiting[0]

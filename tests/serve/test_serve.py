@@ -14,6 +14,7 @@ which would hide a wrong row or position). One server, started once, serves most
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import itertools
@@ -400,6 +401,33 @@ def test_a_row_times_each_token_at_its_step_and_counts_the_tokens_it_returns(lm)
   assert stopped.add(tokens, lm.tokenizer.eos_id, 0.0, 8.0, 8) == "stop"
   assert (stopped.text, stopped.produced, stopped.returned) == ("ab", 8, 2)
   assert stopped.time_per_token() == pytest.approx(1.0)
+
+
+def test_static_batches_run_each_batch_to_completion_before_the_next(lm, expected):
+  """Three greedy requests for two rows: the third waits for the whole first batch, including its longer request
+  (continuous batching would give it the row of the shorter one); the longer answer is still `lm.generate`'s."""
+  engine = Engine(lm, max_batch=2, chunk=8, max_wait_ms=50, length_buckets=(16,), group_sizes=(2,), prefill_chunk=16,
+                  prefill_lanes=1, static_batches=True)
+  engine.start()
+  events, texts = [], collections.defaultdict(str)
+
+  def emit(i):
+    def receive(event):
+      events.append((i, event))
+      texts[i] += getattr(event, "text", "")
+    return receive
+
+  prompts, budgets = PROMPTS[3:6], (8, NEW, 8)
+  try:
+    engine.submit([engine_lib.Request(lm.encode(p), n, emit(i), temperature=0.0)
+                   for i, (p, n) in enumerate(zip(prompts, budgets))])
+    _wait_for(lambda: sum(isinstance(e, engine_lib.Finished) for _, e in events) == 3, "three requests to finish")
+  finally:
+    engine.stop(DEADLINE)
+  order = [i for i, _ in events]
+  last_of_first_batch = max(k for k, (i, e) in enumerate(events) if i in (0, 1) and isinstance(e, engine_lib.Finished))
+  assert order.index(2) > last_of_first_batch, order
+  assert texts[1] == expected[prompts[1]]
 
 
 def test_a_long_prompt_is_prefilled_in_pieces_while_another_request_decodes(server, expected, client, monkeypatch):
