@@ -160,9 +160,10 @@ def _dots(jaxpr) -> tuple[int, int]:
 def test_model_fp8_rounds_the_projections_and_keeps_the_gradient_direction(pattern):
   """model.fp8 puts every block projection through the FP8 product: in the traced forward pass, the dot_generals
   whose both operands are float8-rounded number exactly the block projection kernels (none without model.fp8; the
-  head and the mixers' own products stay float); the logits' RMS drift from the float32 logits stays within 12% of their spread (e4m3 rounds to 2^-4
-  relative, compounded over the layers of a tiny random model: measured 4.7% RA, 7.3% RWKV-7), and the loss gradient
-  of every projection kernel keeps its direction (cosine > 0.95; measured 0.989-0.996)."""
+  head and the mixers' own products stay float); the logits' RMS drift from the float32 logits stays within 12% of
+  their spread (e4m3 rounds to 2^-4 relative, compounded over the layers of a tiny random model: measured 4.7% RA,
+  7.3% RWKV-7), and the loss gradient of every projection kernel keeps its direction (cosine > 0.95; measured
+  0.989-0.996)."""
   overrides = {"layer_pattern": pattern}
   if pattern == "W":
     overrides.update(rwkv7_head_size=16)
