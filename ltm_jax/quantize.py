@@ -13,7 +13,9 @@ are too few for one scale over a long fan-in (one large input weight would round
 a group confines an outlier's damage to its group. A fan-in shorter than the group is one group; a group size that
 does not divide the fan-in, or an odd one, is refused. Two values share a byte: within each group, input i of the
 first half is the low nibble and input i + group/2 the high nibble of byte i, so a kernel that reads one group
-unpacks two contiguous halves and multiplies each by a contiguous half of the activations.
+unpacks two contiguous halves and multiplies each by a contiguous half of the activations. An int4 tree may hold
+int8 weights too: `quantize_params(..., keep_int8=names)` stores the weights those names select as int8 (every
+consumer, `dequantize_params` and `layers.common.Dense`, reads each leaf by its own type).
 
 Activations stay in floating point: `dequantize_params` runs inside the jitted forward pass, so the quantised values
 are what sits in device memory between calls and the matmuls see the dequantised weights
