@@ -26,7 +26,7 @@ def _sharpened() -> api.LanguageModel:
 def test_generate_refuses_bad_quantization_choices(tmp_path, capsys, monkeypatch):
   """The workdir's model is the micro model (loading is not what is tested): a group that does not divide the MLP's
   fan-in of 128 is refused on one line naming the weight, as is a --quantize-keep-int8 name that matches no
-  weight, and int3 by argparse."""
+  weight, and int3 and an empty name by argparse."""
   monkeypatch.setattr(api, "load", lambda *args, **kwargs: _sharpened())
   code = cli.main(["generate", "--workdir", str(tmp_path), "--prompt", "Hi", "--quantize", "int4",
                    "--quantize-group", "48"])
@@ -42,6 +42,11 @@ def test_generate_refuses_bad_quantization_choices(tmp_path, capsys, monkeypatch
     cli.main(["generate", "--workdir", str(tmp_path), "--prompt", "Hi", "--quantize", "int3"])
   out = capsys.readouterr()
   assert exit_info.value.code == 2 and out.out == "" and "invalid choice: 'int3'" in out.err.splitlines()[-1]
+  with pytest.raises(SystemExit) as exit_info:
+    cli.main(["generate", "--workdir", str(tmp_path), "--prompt", "Hi", "--quantize", "int4",
+              "--quantize-keep-int8", "head,"])
+  out = capsys.readouterr()
+  assert exit_info.value.code == 2 and out.out == "" and "must be comma-separated names" in out.err.splitlines()[-1]
 
 
 def test_generate_passes_the_group_and_the_int8_names_to_the_quantiser(tmp_path, capsys, monkeypatch):
