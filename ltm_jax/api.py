@@ -63,15 +63,17 @@ class LanguageModel:
     """Bytes the parameters occupy (int8 weights count one byte per value, plus their float32 scales)."""
     return quantize_lib.param_bytes(self.params)
 
-  def quantize(self, kind: str = "int8", group_size: int = quantize_lib.DEFAULT_GROUP_SIZE) -> LanguageModel:
+  def quantize(self, kind: str = "int8", group_size: int = quantize_lib.DEFAULT_GROUP_SIZE,
+               keep_int8: Sequence[str] = ()) -> LanguageModel:
     """This model with every matmul weight stored as int8 with a float32 scale per output channel, or as int4 with
     a float32 scale per `group_size` inputs and output channel (symmetric); norms, per-channel vectors and the input
-    embedding stay float32."""
+    embedding stay float32. With int4, `keep_int8` names weights stored as int8 instead (("head",): the LM head;
+    see `quantize_params`)."""
     if self.quantized:
       raise LtmError("this model is already quantized")
     axes = model_lib.param_axes(self.config.model, self.config.latent)
-    quantized = LanguageModel(self.config, quantize_lib.quantize_params(self.params, axes, kind, group_size),
-                              self.trained_steps, self.workdir)
+    params = quantize_lib.quantize_params(self.params, axes, kind, group_size, keep_int8)
+    quantized = LanguageModel(self.config, params, self.trained_steps, self.workdir)
     quantized._prior = self._prior
     return quantized
 

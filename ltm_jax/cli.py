@@ -83,7 +83,7 @@ def _generate(args) -> int:
   if latents == "dit":  # One z per prompt from the learned prior (refused here if the workdir has none).
     latents = lm.dit_latents(len(args.prompt or [""]), args.seed, sampler=args.sampler, steps=args.sampler_steps)
   if args.quantize:
-    lm = lm.quantize(args.quantize, args.quantize_group)
+    lm = lm.quantize(args.quantize, args.quantize_group, args.quantize_keep_int8)
   prompts = args.prompt or [""]
   options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                  latents=latents)
@@ -231,6 +231,13 @@ def _non_negative_int(text: str) -> int:
   return value
 
 
+def _names(text: str) -> tuple[str, ...]:
+  names = tuple(name.strip() for name in text.split(","))
+  if not all(names):
+    raise argparse.ArgumentTypeError(f"must be comma-separated names, got {text!r}")
+  return names
+
+
 def _probability(text: str) -> float:
   value = float(text)
   if not 0 < value <= 1:  # NaN fails every comparison, so it is refused here too.
@@ -301,6 +308,10 @@ def parser() -> argparse.ArgumentParser:
                         "quantised matmul, dequantised ahead of the decode loop on CPU")
   gen.add_argument("--quantize-group", type=_positive_int, default=128,
                    help="with --quantize int4: inputs per scale (even, dividing every weight's fan-in, or longer)")
+  gen.add_argument("--quantize-keep-int8", type=_names, default=(), metavar="NAMES",
+                   help="with --quantize int4: comma-separated weight names stored as int8 instead, each matching "
+                        "every weight with a path component of that name (head: the LM head; v,out: attention's "
+                        "value and output projections)")
   gen.add_argument("--chunk", type=_positive_int, default=16,
                    help="tokens per on-device decode loop between streamed prints (one prompt)")
   gen.add_argument("--latents", choices=("posterior", "prior", "dit"), default=None,

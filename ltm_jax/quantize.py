@@ -13,7 +13,9 @@ are too few for one scale over a long fan-in (one large input weight would round
 a group confines an outlier's damage to its group. A fan-in shorter than the group is one group; a group size that
 does not divide the fan-in, or an odd one, is refused. Two values share a byte: within each group, input i of the
 first half is the low nibble and input i + group/2 the high nibble of byte i, so a kernel that reads one group
-unpacks two contiguous halves and multiplies each by a contiguous half of the activations.
+unpacks two contiguous halves and multiplies each by a contiguous half of the activations. An int4 tree may hold
+int8 weights too: `quantize_params(..., keep_int8=names)` stores the weights those names select as int8 (every
+consumer, `dequantize_params` and `layers.common.Dense`, reads each leaf by its own type).
 
 Activations stay in floating point: `dequantize_params` runs inside the jitted forward pass, so the quantised values
 are what sits in device memory between calls and the matmuls see the dequantised weights
@@ -198,30 +200,54 @@ def _stacked_by_name(axes) -> dict[str, int]:
       axes, is_leaf=lambda x: isinstance(x, tuple))[0]}
 
 
-def quantize_params(params, axes, kind: str = "int8", group_size: int = DEFAULT_GROUP_SIZE):
+def _kept_int8(chosen: Sequence[tuple[int, str, Any]], keep_int8: Sequence[str]) -> set[str]:
+  """The paths of the quantised weights that `keep_int8` names: a name matches every weight with a path component
+  of that name ("head" matches head/kernel; "v" every block's mixer/v/kernel). Raises ValueError for a name that
+  matches no quantised weight, listing the names that would."""
+  names = [name for _, name, _ in chosen]
+  components = sorted({part for name in names for part in name.split("/")} - {"kernel"})
+  for wanted in keep_int8:
+    if not isinstance(wanted, str) or not any(wanted in name.split("/") for name in names):
+      raise ValueError(f"keep_int8 name {wanted!r} matches no quantised weight; names: {', '.join(components)}")
+  return {name for name in names if set(name.split("/")) & set(keep_int8)}
+
+
+def quantize_params(params, axes, kind: str = "int8", group_size: int = DEFAULT_GROUP_SIZE,
+                    keep_int8: Sequence[str] = ()):
   """`params` with every matmul weight replaced by an Int8Weight (`kind="int8"`: per output channel, per layer when
   stacked) or an Int4Weight (`kind="int4"`: per group of `group_size` inputs and output channel), every other leaf
   unchanged (the same objects); see the module docstring for which leaves are matmul weights. `axes`: as
-  `model.param_axes` gives them. Raises ValueError for an unknown kind, or an int4 group size that does not divide
-  some weight's fan-in (naming the weight). All weights are quantised by one compiled computation; run it once,
-  outside jit, and feed the result to a jitted function that calls `dequantize_params`."""
+  `model.param_axes` gives them. `keep_int8` (int4 only): names of weights stored as int8 instead, each matching
+  every weight with a path component of that name (("head",): the untied LM head; ("v", "out"): attention's value
+  and output projections in every layer). Raises ValueError for an unknown kind, an int4 group size that does not
+  divide some weight's fan-in (naming the weight), or a keep_int8 name that matches no quantised weight or comes
+  with int8. All weights are quantised by one compiled computation per kind; run it once, outside jit, and feed the
+  result to a jitted function that calls `dequantize_params`."""
   if kind not in KINDS:
     raise ValueError(f"unknown quantization {kind!r}; choose from {', '.join(KINDS)}")
+  if isinstance(keep_int8, str):
+    keep_int8 = (keep_int8,)
+  if keep_int8 and kind != "int4":
+    raise ValueError(f"keep_int8 keeps some int4 weights at int8; it does not apply to {kind}")
   plan = quantization_plan(params, axes)
   leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
   stacked = _stacked_by_name(axes)
   chosen = [(i, _path_name(path), plan[_path_name(path)]) for i, (path, _) in enumerate(leaves)
             if plan[_path_name(path)] is not None]
-  if kind == "int4":
-    for i, name, contract in chosen:
-      int4_group(name, math.prod(leaves[i][1].shape[a] for a in contract), group_size)
-    specs = tuple((contract, stacked.get(name, 0)) for _, name, contract in chosen)
-    quantized = _quantize_all_int4([leaves[i][1] for i, _, _ in chosen], specs, group_size)
-  else:
-    quantized = _quantize_all([leaves[i][1] for i, _, _ in chosen], tuple(contract for _, _, contract in chosen))
+  kept = _kept_int8(chosen, keep_int8)
+  eights = [entry for entry in chosen if kind == "int8" or entry[1] in kept]
+  fours = [entry for entry in chosen if kind == "int4" and entry[1] not in kept]
+  for i, name, contract in fours:
+    int4_group(name, math.prod(leaves[i][1].shape[a] for a in contract), group_size)
   out = [leaf for _, leaf in leaves]
-  for (i, _, _), weight in zip(chosen, quantized):
-    out[i] = weight
+  if fours:
+    specs = tuple((contract, stacked.get(name, 0)) for _, name, contract in fours)
+    for (i, _, _), weight in zip(fours, _quantize_all_int4([leaves[i][1] for i, _, _ in fours], specs, group_size)):
+      out[i] = weight
+  if eights:
+    contractions = tuple(contract for _, _, contract in eights)
+    for (i, _, _), weight in zip(eights, _quantize_all([leaves[i][1] for i, _, _ in eights], contractions)):
+      out[i] = weight
   return jax.tree.unflatten(treedef, out)
 
 

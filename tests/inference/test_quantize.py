@@ -389,6 +389,44 @@ def test_int4_bad_group_sizes_are_refused_with_the_weight_named():
   assert q.scale.shape == (1, 16) and q.packed.shape == (1, 24, 16)
 
 
+def test_keep_int8_stores_the_named_weights_as_int8_and_the_rest_as_int4():
+  """keep_int8=("head", "v"): the head and attention's value projection are int8 per output channel, every other
+  matmul weight int4 in groups, each against its float64 reference; the kept weights are exactly those with a path
+  component of a given name (RWKV-4's "value" is not "v"); the model reads the mixed tree as stored as it reads it
+  dequantised."""
+  cfg, latent, params, axes = _model("rwkv4_attention_untied")
+  tree = quantize_params(params, axes, "int4", GROUP, keep_int8=("head", "v"))
+  flat = dict((_name(path), leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0])
+  quantized = dict((_name(path), leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=lambda x: isinstance(x, (Int8Weight, Int4Weight)))[0])
+  eights = sorted(name for name, leaf in quantized.items() if isinstance(leaf, Int8Weight))
+  assert eights == ["block_1/mixer/v/kernel", "head/kernel"]
+  fours = [name for name, leaf in quantized.items() if isinstance(leaf, Int4Weight)]
+  assert "block_0/mixer/value/kernel" in fours and len(fours) > 8
+  for name in eights:
+    _check_against_reference(flat[name], quantized[name], _expected_contraction(name, tied=False))
+  for name in fours:
+    _check_int4(flat[name], quantized[name], _expected_contraction(name, tied=False), 0)
+  assert param_bytes(quantize_params(params, axes, "int4", GROUP)) < param_bytes(tree)
+  # The mixed tree's kernels multiplied as stored give the logits of its weights dequantised ahead (1e-5 of spread).
+  tokens = jax.random.randint(jax.random.key(8), (2, 16), 0, cfg.vocab_size)
+  forward = jax.jit(lambda t, keep: model_lib.LM(cfg, latent).apply(
+      {"params": dequantize_params(t, jnp.float32, keep)}, tokens)[0], static_argnums=1)
+  stored, ahead = (np.asarray(forward(tree, keep), np.float64) for keep in (("int8", "int4"), ()))
+  np.testing.assert_allclose(stored, ahead, rtol=0, atol=1e-5 * ahead.std())
+
+
+def test_keep_int8_refuses_names_that_match_nothing_and_int8():
+  params = {"ffn": {"up": {"kernel": jnp.ones((16, 8))}}, "head": {"kernel": jnp.ones((8, 32))}}
+  axes = {"ffn": {"up": {"kernel": ("embed", "mlp")}}, "head": {"kernel": ("embed", "vocab")}}
+  with pytest.raises(ValueError, match=r"^keep_int8 name 'out' matches no quantised weight; names: ffn, head, up$"):
+    quantize_params(params, axes, "int4", 8, keep_int8=("head", "out"))
+  with pytest.raises(ValueError, match="keep_int8 keeps some int4 weights at int8; it does not apply to int8"):
+    quantize_params(params, axes, "int8", keep_int8=("head",))
+  tree = quantize_params(params, axes, "int4", 8, keep_int8="head")  # One name as a string.
+  assert isinstance(tree["head"]["kernel"], Int8Weight) and isinstance(tree["ffn"]["up"]["kernel"], Int4Weight)
+
+
 def _check_int4_logits(kind, params, tree, dequantized):
   """Logits from int4 weights (groups of 8; `dequantized`: the tree's dequantize_params) against float logits, on
   random tokens: RMS drift < 35% of the float logits' standard deviation (measured 14-27%; 16 levels on a tiny

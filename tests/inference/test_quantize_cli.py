@@ -11,6 +11,7 @@ import pytest
 from conftest import micro_config
 from ltm_jax import api, cli
 from ltm_jax import model as model_lib
+from ltm_jax.inference.quantize import Int4Weight, Int8Weight
 
 @functools.cache
 def _sharpened() -> api.LanguageModel:
@@ -24,14 +25,46 @@ def _sharpened() -> api.LanguageModel:
 
 def test_generate_refuses_bad_quantization_choices(tmp_path, capsys, monkeypatch):
   """The workdir's model is the micro model (loading is not what is tested): a group that does not divide the MLP's
-  fan-in of 128 is refused on one line naming the weight, and int3 by argparse."""
+  fan-in of 128 is refused on one line naming the weight, as is a --quantize-keep-int8 name that matches no
+  weight, and int3 and an empty name by argparse."""
   monkeypatch.setattr(api, "load", lambda *args, **kwargs: _sharpened())
   code = cli.main(["generate", "--workdir", str(tmp_path), "--prompt", "Hi", "--quantize", "int4",
                    "--quantize-group", "48"])
   out = capsys.readouterr()
   assert code == 2 and out.out == "" and len(out.err.splitlines()) == 1
   assert out.err.startswith("error: cannot quantise block_0/") and "with group size 48: its fan-in 128" in out.err
+  code = cli.main(["generate", "--workdir", str(tmp_path), "--prompt", "Hi", "--quantize", "int4",
+                   "--quantize-group", "8", "--quantize-keep-int8", "head,nope"])
+  out = capsys.readouterr()
+  assert code == 2 and out.out == "" and len(out.err.splitlines()) == 1
+  assert out.err.startswith("error: keep_int8 name 'nope' matches no quantised weight; names: ")
   with pytest.raises(SystemExit) as exit_info:
     cli.main(["generate", "--workdir", str(tmp_path), "--prompt", "Hi", "--quantize", "int3"])
   out = capsys.readouterr()
   assert exit_info.value.code == 2 and out.out == "" and "invalid choice: 'int3'" in out.err.splitlines()[-1]
+  with pytest.raises(SystemExit) as exit_info:
+    cli.main(["generate", "--workdir", str(tmp_path), "--prompt", "Hi", "--quantize", "int4",
+              "--quantize-keep-int8", "head,"])
+  out = capsys.readouterr()
+  assert exit_info.value.code == 2 and out.out == "" and "must be comma-separated names" in out.err.splitlines()[-1]
+
+
+def test_generate_passes_the_group_and_the_int8_names_to_the_quantiser(tmp_path, capsys, monkeypatch):
+  """--quantize int4 --quantize-group 8 --quantize-keep-int8 head: the model generate would decode with has an int8
+  head and int4 kernels in groups of 8 (the run is stopped right after quantising)."""
+  monkeypatch.setattr(api, "load", lambda *args, **kwargs: _sharpened())
+  made = []
+  original = api.LanguageModel.quantize
+
+  def quantize_then_stop(self, *args):
+    made.append(original(self, *args))
+    raise ValueError("stopped after quantising")
+
+  monkeypatch.setattr(api.LanguageModel, "quantize", quantize_then_stop)
+  code = cli.main(["generate", "--workdir", str(tmp_path), "--prompt", "Hi", "--quantize", "int4",
+                   "--quantize-group", "8", "--quantize-keep-int8", "head"])
+  assert code == 2 and "stopped after quantising" in capsys.readouterr().err
+  params = made[0].params
+  assert isinstance(params["head"]["kernel"], Int8Weight)
+  up = params["block_1"]["ffn"]["up"]["kernel"]
+  assert isinstance(up, Int4Weight) and up.group_size == 8
