@@ -20,6 +20,10 @@ from ltm_jax.config import ConfigError, LatentConfig, apply_overrides, validate
 from ltm_jax.train.evaluation import CURVE_STEPS, full_evaluation
 from ltm_jax.train.step import create_train_state, make_train_step
 
+# Compile-bound: each test compiles its programs once and compares the values they compute, never compiled HLO (see
+# conftest.fast_compile).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
 # Every test fits with STEPS inner steps on [3, 16] batches where it can, so jitted inner loops are compiled once.
 STEPS = 4
 LATENT = LatentConfig(enabled=True, n_per_layer=3, inner_steps=STEPS, inner_lr=0.3)
@@ -280,7 +284,6 @@ def test_plain_checkpoint_evaluated_with_latents_is_refused(plain_workdir, capsy
   assert metrics["kl"] == 0 and metrics["elbo_ppl_is_upper_bound"] is False
 
 
-@pytest.mark.usefixtures("fast_compile")  # Compile-bound (train, eval, decode once each); asserts messages only.
 def test_latent_checkpoint_evaluated_without_latents_is_refused(tmp_path, capsys):
   small = ["model.d_model=32", "model.n_layers=2", "train.batch_size=4", "train.seq_len=32", "train.eval_batches=1",
            "train.steps=1", "train.eval_every=1", "train.checkpoint_every=1", "data.worker_threads=1",

@@ -7,6 +7,7 @@ which the test asserts on.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -49,6 +50,18 @@ def _batch(cfg, seed=0):
   shape = (cfg.train.batch_size, cfg.train.seq_len)
   return {"inputs": rng.integers(0, cfg.model.vocab_size, shape, dtype=np.int32),
           "targets": rng.integers(0, cfg.model.vocab_size, shape, dtype=np.int32)}
+
+
+@contextlib.contextmanager
+def _fast_compile():
+  """XLA without its expensive optimisation passes (conftest.fast_compile), for checks that compare values only: the
+  reference and the sharded program are both compiled this way; no compiled HLO is inspected under it."""
+  previous = jax.config.read("jax_disable_most_optimizations")
+  jax.config.update("jax_disable_most_optimizations", True)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_disable_most_optimizations", previous)
 
 
 def _max_diff(a, b) -> float:
@@ -152,6 +165,7 @@ def _activation_gathers(hlo: str, leading: tuple[int, ...]) -> list[str]:
   return found
 
 
+@_fast_compile()
 def init_matches():
   """parallel.init_state (created in shards) equals create_train_state on one device."""
   cfg = _config(MESHES["mixed"])
@@ -232,6 +246,7 @@ def kernels_under_mesh():
   return out
 
 
+@_fast_compile()
 def scanned_latent_remat():
   """A scanned latent model whose WKV-4 runs the Pallas kernel (interpreted) under remat=full: one train step on the
   2x2x2 mesh against one device. The kernel's custom VJP runs per shard inside remat inside the layer scan and the
