@@ -18,14 +18,15 @@ from typing import Any
 
 from ltm_jax.errors import ConfigError, first_line
 from ltm_jax.layers import pattern as layer_pattern
+from ltm_jax.layers.pattern import ATTENTION_LETTERS
 from ltm_jax.ops.attention import IMPLS as ATTENTION_BACKENDS
 from ltm_jax.ops.mdi import AVAILABLE as MDI_BACKENDS
 from ltm_jax.ops.neural_memory import AVAILABLE as MEMORY_BACKENDS
 from ltm_jax.ops.wkv4 import AVAILABLE as WKV4_BACKENDS
 from ltm_jax.ops.wkv7 import AVAILABLE as WKV7_BACKENDS
+from ltm_jax.parallel.mesh_checks import MESH_AXES, mesh_axes_of, validate_mesh
 
 MIXERS = {"A": "attention", "R": "rwkv4", "W": "rwkv7", "M": "titans_mal", "G": "titans_mag", "D": "mmrec"}
-ATTENTION_LETTERS = "AMG"  # Letters whose layers run (windowed) attention, with RoPE and a key/value cache.
 # Backend choices are the ops' own tables, so a backend an op offers is never refused here.
 MEMORY_IMPLS = ("auto",) + MEMORY_BACKENDS
 MMREC_IMPLS = ("auto",) + MDI_BACKENDS
@@ -321,10 +322,6 @@ class TimeSeriesConfig:
   head_hidden: int | None = None  # Width of the fused head's hidden layer (None: model.d_model).
 
 
-# The pipeline axis leads: jax.make_mesh keeps the last axes within a host, and stages exchange only activations.
-MESH_AXES = ("pipeline", "data", "fsdp", "tensor")
-
-
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
   """The device mesh (pipeline, data, fsdp, tensor) and the rules that map logical axis names to its axes.
@@ -372,11 +369,6 @@ class MeshConfig:
       axes = mesh_axes_of(getattr(self, f.name))
       rules.append((f.name, None if not axes else axes[0] if len(axes) == 1 else axes))
     return tuple(rules)
-
-
-def mesh_axes_of(rule: str | None) -> tuple[str, ...]:
-  """"data,fsdp" -> ("data", "fsdp"); none or "" -> ()."""
-  return () if rule is None else tuple(a.strip() for a in rule.split(",") if a.strip())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -674,7 +666,7 @@ def validate(config: Config) -> Config:
        f"latent.encoder_width must be a positive multiple of 32, got {z.encoder_width}")
   need(z.encoder_context >= 1, f"latent.encoder_context must be >= 1, got {z.encoder_context}")
   _validate_timeseries(config.timeseries)
-  _validate_mesh(config)
+  validate_mesh(config)
   return config
 
 
@@ -690,89 +682,3 @@ def _validate_timeseries(ts: TimeSeriesConfig) -> None:
   need(ts.patch >= 1 and ts.spectrum_bins >= 1, "timeseries.patch and timeseries.spectrum_bins must be >= 1")
   need(ts.spectrum_max_period > 2, f"timeseries.spectrum_max_period must be > 2 steps, got {ts.spectrum_max_period}")
   need(ts.head_hidden is None or ts.head_hidden > 0, f"timeseries.head_hidden must be positive, got {ts.head_hidden}")
-
-
-def _validate_mesh(config: Config) -> None:
-  """The mesh section on its own: sizes, rule syntax, and the divisibility checks whose sizes are already known."""
-  mesh = config.mesh
-  sizes = mesh.sizes()
-  for axis, size in sizes.items():
-    if size != -1 and size < 1:
-      raise ConfigError(f"mesh.{axis} must be >= 1 or -1 (fill the remaining devices), got {size}")
-  if sum(size == -1 for size in sizes.values()) > 1:
-    raise ConfigError(f"at most one mesh size may be -1, got {', '.join(f'mesh.{a}={s}' for a, s in sizes.items())}")
-  for name, _ in mesh.rules():
-    axes = mesh_axes_of(getattr(mesh, name))
-    unknown = [a for a in axes if a not in MESH_AXES]
-    if unknown:
-      raise ConfigError(f"mesh.{name}={getattr(mesh, name)!r} names unknown mesh axis {unknown[0]!r}; "
-                        f"valid: {', '.join(MESH_AXES)} or none")
-    if len(set(axes)) != len(axes):
-      raise ConfigError(f"mesh.{name}={getattr(mesh, name)!r} names a mesh axis twice")
-  check_mesh_fits(config, sizes)
-
-
-def model_dims(config: Config, stages: int = 1) -> dict[str, list[tuple[str, int]]]:
-  """Logical axis -> [(what, size), ...]: the model and batch dimensions each logical axis shards, for the checks;
-  with `stages` > 1 the batch a stage runs is a pipeline micro-batch."""
-  m, t = config.model, config.train
-  batch = (f"train.batch_size/train.grad_accum={t.batch_size // t.grad_accum} (the micro-batch)",
-           t.batch_size // t.grad_accum)
-  if stages > 1:
-    rows = t.batch_size // t.grad_accum // m.pipeline_micro_batches
-    batch = (f"train.batch_size/train.grad_accum/model.pipeline_micro_batches={rows} (the pipeline micro-batch)",
-             rows)
-  dims: dict[str, list[tuple[str, int]]] = {
-      "batch": [batch],
-      "embed": [(f"model.d_model={m.d_model}", m.d_model)],
-      "vocab": [(f"the padded vocabulary {m.padded_vocab_size}", m.padded_vocab_size)],
-      "heads": [], "kv_heads": [], "mlp": [], "wkv": []}
-  if set(ATTENTION_LETTERS + "D") & set(m.layer_pattern) or config.latent.enabled:
-    dims["heads"].append((f"model.n_heads={m.n_heads}", m.n_heads))
-  if set(ATTENTION_LETTERS) & set(m.layer_pattern):
-    dims["kv_heads"].append((f"the key/value heads {m.kv_heads}", m.kv_heads))
-  if "R" in m.layer_pattern:
-    dims["wkv"].append((f"model.d_model={m.d_model} (RWKV-4 channels)", m.d_model))
-  if "W" in m.layer_pattern and m.rwkv7_head_size > 0 and m.d_model % m.rwkv7_head_size == 0:
-    heads = m.d_model // m.rwkv7_head_size
-    dims["wkv"].append((f"the RWKV-7 heads d_model/rwkv7_head_size={heads}", heads))
-  for kind in sorted({m.ffn_kind(mixer) for mixer in m.mixers}):
-    dims["mlp"].append((f"the {kind} FFN width {m.ffn_dim(kind)}", m.ffn_dim(kind)))
-  return dims
-
-
-def check_mesh_fits(config: Config, sizes: dict[str, int]) -> None:
-  """Raises ConfigError when a mesh axis size does not divide the dimension it shards (heads, FFN width, channels,
-  vocabulary, d_model, micro-batch). Sizes of -1 (not yet resolved against the device count) are skipped."""
-  mesh = config.mesh
-  stages = sizes.get("pipeline", 1)
-  if stages > 1:
-    check_pipeline(config, stages)
-  for name, what in model_dims(config, stages).items():
-    axes = mesh_axes_of(getattr(mesh, name))
-    if not axes or any(sizes[a] == -1 for a in axes):
-      continue
-    shards = math.prod(sizes[a] for a in axes)
-    for label, size in what:
-      if size % shards:
-        mesh_desc = "*".join(f"{a}={sizes[a]}" for a in axes)
-        raise ConfigError(f"{label} is not divisible by the mesh size {mesh_desc} it is split over "
-                          f"(mesh.{name}={getattr(mesh, name)})")
-
-
-def check_pipeline(config: Config, stages: int) -> None:
-  """Raises ConfigError when `stages` pipeline stages cannot split the scanned layer stack evenly, or the
-  pipeline micro-batches cannot split the batch a forward pass sees (train.batch_size / train.grad_accum)."""
-  m, t = config.model, config.train
-  if not m.scan_layers:
-    raise ConfigError(f"mesh.pipeline={stages} splits the scanned layer stack into stages: set model.scan_layers=true")
-  if m.scanned_units % stages:
-    raise ConfigError(f"model.n_layers={m.n_layers} (layer_pattern={m.layer_pattern!r}) scans {m.scanned_units} "
-                      f"units, which mesh.pipeline={stages} stages do not divide")
-  if config.mesh.layers != "pipeline":
-    raise ConfigError(f"mesh.pipeline={stages} needs mesh.layers=pipeline (each stage holds its own layers' "
-                      f"weights), got mesh.layers={config.mesh.layers}")
-  micro = t.batch_size // t.grad_accum
-  if micro % m.pipeline_micro_batches:
-    raise ConfigError(f"train.batch_size/train.grad_accum={micro} is not divisible by "
-                      f"model.pipeline_micro_batches={m.pipeline_micro_batches}")

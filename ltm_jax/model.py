@@ -25,10 +25,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ltm_jax import sublayers
 from ltm_jax.config import LatentConfig, ModelConfig
-from ltm_jax.layers import Attention, ChannelMix, ChannelMixState, CrossAttention, KVCache, SwiGLU, TimeMix, TimeMixState
-from ltm_jax.layers import ChannelMix7, MemoryAsGate, MemoryAsLayer, NeuralMemoryState, TimeMix7, TimeMix7State
-from ltm_jax.layers import MMRec, MMRecState, TitansState
+from ltm_jax.layers import CrossAttention
 from ltm_jax.layers.common import init, norm
 from ltm_jax.layers import pattern as layer_pattern
 from ltm_jax.layers import pipeline
@@ -115,50 +114,15 @@ class Block(nn.Module):
   def __call__(self, x, state: BlockState | None = None, z=None, positions=None, v_first=None, valid=None):
     cfg, mixer_kind = self.cfg, self.cfg.mixers[self.layer]
     std, out_std = _std(cfg)
-    attention = dict(n_heads=cfg.n_heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, window=cfg.window,
-                     capacity=cache_capacity(cfg, self.capacity), rope_theta=cfg.rope_theta, std=std,
-                     out_std=out_std, impl=cfg.attention_impl, fp8=cfg.fp8)
-    if mixer_kind == "attention":
-      mixer = self._sublayer(Attention, "mixer")(**attention, dtype=cfg.dtype, name="mixer")
-    elif mixer_kind in ("titans_mal", "titans_mag"):
-      memory = dict(n_heads=cfg.n_heads, head_dim=cfg.head_dim, depth=cfg.memory_depth,
-                    expansion=cfg.memory_expansion, chunk=cfg.memory_chunk, max_lr=cfg.memory_max_lr, std=std,
-                    out_std=out_std, impl=cfg.memory_impl, fp8=cfg.fp8)
-      if mixer_kind == "titans_mal":
-        mixer = self._sublayer(MemoryAsLayer, "mixer")(memory=memory, attention=attention, norm_kind=cfg.norm,
-                                                       norm_eps=cfg.norm_eps, dtype=cfg.dtype, name="mixer")
-      else:
-        mixer = self._sublayer(MemoryAsGate, "mixer")(memory=memory, attention=attention, std=std, dtype=cfg.dtype,
-                                                      fp8=cfg.fp8, name="mixer")
-    elif mixer_kind == "mmrec":
-      mixer = self._sublayer(MMRec, "mixer")(
-          n_heads=cfg.n_heads, slots=cfg.mmrec_slots, segment=cfg.mmrec_segment, precompute=cfg.mmrec_precompute,
-          remat=cfg.mmrec_remat, std=std, out_std=out_std, impl=cfg.mmrec_impl, dtype=cfg.dtype, fp8=cfg.fp8,
-          name="mixer")
-    elif mixer_kind == "rwkv7":
-      lora = cfg.rwkv7_lora_dims()
-      mixer = self._sublayer(TimeMix7, "mixer")(
-          layer=self.layer, n_layers=cfg.n_layers, head_size=cfg.rwkv7_head_size, decay_lora=lora["decay"],
-          iclr_lora=lora["iclr"], value_lora=lora["value"], gate_lora=lora["gate"],
-          first=cfg.mixers.index("rwkv7") == self.layer, impl=cfg.wkv7_impl, dtype=cfg.dtype, fp8=cfg.fp8,
-          name="mixer")
-    else:
-      mixer = self._sublayer(TimeMix, "mixer")(layer=self.layer, n_layers=cfg.n_layers, std=std, out_std=out_std,
-                                               impl=cfg.wkv_impl, dtype=cfg.dtype, fp8=cfg.fp8, name="mixer")
-    ffn_kind = cfg.ffn_kind(mixer_kind)
-    if ffn_kind == "channel_mix":
-      ffn = self._sublayer(ChannelMix, "ffn")(layer=self.layer, n_layers=cfg.n_layers, hidden=cfg.ffn_dim(ffn_kind),
-                                              std=std, out_std=out_std, dtype=cfg.dtype, fp8=cfg.fp8, name="ffn")
-    elif ffn_kind == "channel_mix7":
-      ffn = self._sublayer(ChannelMix7, "ffn")(layer=self.layer, n_layers=cfg.n_layers,
-                                               hidden=cfg.ffn_dim(ffn_kind), dtype=cfg.dtype, fp8=cfg.fp8,
-                                               name="ffn")
-    else:
-      ffn = self._sublayer(SwiGLU, "ffn")(hidden=cfg.ffn_dim(ffn_kind), std=std, out_std=out_std, dtype=cfg.dtype,
-                                          fp8=cfg.fp8, name="ffn")
+    site = sublayers.Site(cfg, self.layer, std, out_std, cache_capacity(cfg, self.capacity))
+    mixer_entry = sublayers.MIXER_KINDS[mixer_kind]
+    mixer_cls, mixer_args = mixer_entry.build(site)
+    mixer = self._sublayer(mixer_cls, "mixer")(**mixer_args, name="mixer")
+    ffn_cls, ffn_args = sublayers.FFN_KINDS[cfg.ffn_kind(mixer_kind)].build(site)
+    ffn = self._sublayer(ffn_cls, "ffn")(**ffn_args, name="ffn")
     mixer_state, ffn_state = (None, None) if state is None else state
     h = norm(cfg.norm, cfg.norm_eps, cfg.dtype, "mixer_norm")(x)
-    if mixer_kind == "rwkv7":
+    if mixer_entry.value_residual:
       h, mixer_state, v_first = mixer(h, mixer_state, v_first, valid)
     else:
       h, mixer_state = mixer(h, mixer_state, valid)
@@ -393,21 +357,9 @@ def latent_shape(cfg: ModelConfig, latent: LatentConfig, batch: int) -> tuple[in
 
 
 def _layer_state(cfg: ModelConfig, mixer_kind: str, batch: int, capacity: int | None) -> BlockState:
-  cache = lambda: KVCache.empty(batch, cache_capacity(cfg, capacity), cfg.kv_heads, cfg.head_dim,
-                               jnp.dtype(cfg.dtype))
-  if mixer_kind == "attention":
-    mixer = cache()
-  elif mixer_kind in ("titans_mal", "titans_mag"):
-    memory = NeuralMemoryState.empty(batch, cfg.n_heads, cfg.head_dim, cfg.memory_depth, cfg.memory_expansion)
-    mixer = TitansState(memory, cache())
-  elif mixer_kind == "mmrec":
-    mixer = MMRecState.empty(batch, cfg.d_model, cfg.mmrec_slots)
-  elif mixer_kind == "rwkv7":
-    mixer = TimeMix7State.empty(batch, cfg.d_model, cfg.rwkv7_head_size)
-  else:
-    mixer = TimeMixState.empty(batch, cfg.d_model)
-  has_shift = cfg.ffn_kind(mixer_kind) in ("channel_mix", "channel_mix7")
-  return BlockState(mixer, ChannelMixState.empty(batch, cfg.d_model) if has_shift else None)
+  slots = cache_capacity(cfg, capacity)
+  return BlockState(sublayers.MIXER_KINDS[mixer_kind].empty_state(cfg, batch, slots),
+                    sublayers.FFN_KINDS[cfg.ffn_kind(mixer_kind)].empty_state(cfg, batch, slots))
 
 
 def init_state(cfg: ModelConfig, batch: int, capacity: int | None = None) -> tuple[BlockState, ...]:

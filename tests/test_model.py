@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 from conftest import micro_config
+from ltm_jax import config as config_lib
 from ltm_jax import model as model_lib
+from ltm_jax import sublayers
 from ltm_jax.layers.common import LOGICAL_AXES
 
 # Every mixer alone, with its options, and hybrids.
@@ -32,6 +34,11 @@ def _setup(variant: str, seed: int = 0):
 
 def _tokens(key, batch, length, cfg):
   return jax.random.randint(key, (batch, length), 0, cfg.vocab_size)
+
+
+def test_every_mixer_letter_and_ffn_choice_has_a_sublayer_entry():
+  assert set(sublayers.MIXER_KINDS) == set(config_lib.MIXERS.values())
+  assert set(sublayers.FFN_KINDS) == set(config_lib.FFNS) - {"auto"}
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

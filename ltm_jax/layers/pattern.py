@@ -1,7 +1,10 @@
-"""How a layer scan splits a layer pattern's layers: the pattern's smallest repeating unit, the units kept as
-separate blocks before the scan, and the units the scan stacks."""
+"""A layer pattern's letters: which of them run attention, and how a layer scan splits the pattern's layers (the
+pattern's smallest repeating unit, the units kept as separate blocks before the scan, and the units the scan
+stacks)."""
 
 from __future__ import annotations
+
+ATTENTION_LETTERS = "AMG"  # Letters whose layers run (windowed) attention, with RoPE and a key/value cache.
 
 
 def period(pattern: str) -> int:

@@ -10,10 +10,10 @@ import flax.linen as nn
 import jax
 from jax.sharding import AxisType, Mesh
 
-from ltm_jax import config as config_lib
-from ltm_jax.config import MESH_AXES, Config
+from ltm_jax.config import Config
 from ltm_jax.errors import ConfigError
 from ltm_jax.ops import sharding as ops_sharding
+from ltm_jax.parallel.mesh_checks import MESH_AXES, check_mesh_fits
 
 
 def resolve_sizes(cfg: Config, device_count: int) -> dict[str, int]:
@@ -42,7 +42,7 @@ def make_mesh(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Mesh:
   them, rather than being part of every array's type."""
   devices = list(jax.devices() if devices is None else devices)
   sizes = resolve_sizes(cfg, len(devices))
-  config_lib.check_mesh_fits(cfg, sizes)
+  check_mesh_fits(cfg, sizes)
   shape = tuple(sizes[a] for a in MESH_AXES)
   # jax.make_mesh orders the devices for the interconnect: the last axis (tensor) within a host, processes along the
   # leading (pipeline, batch) axes, so each process holds one contiguous block of every batch.
