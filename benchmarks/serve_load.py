@@ -321,6 +321,8 @@ def main() -> None:
   p.add_argument("--max-batch", type=int, default=64)
   p.add_argument("--chunk", type=int, default=16)
   p.add_argument("--prefill-chunk", type=int, default=128)
+  p.add_argument("--name", default=None,
+                 help="results file: benchmarks/results/NAME-<device>.json (default serve-load, or serve-load-quick)")
   args = p.parse_args()
   overrides, max_prompt, max_tokens = ["model.max_seq_len=256"], MAX_PROMPT, MAX_TOKENS
   if args.quick:
@@ -375,7 +377,7 @@ def main() -> None:
         f"{malformed['server_agrees']}, a valid request then completed: {malformed['valid_after']}")
   print(f"server exit status after SIGTERM: continuous {continuous_server['exit']}, static {static_server['exit']}; "
         f"load average before {load_before}, after {os.getloadavg()}; {time.perf_counter() - began:.0f} s in all")
-  path = write_results("serve-load-quick" if args.quick else "serve-load", rows, model=(
+  path = write_results(args.name or ("serve-load-quick" if args.quick else "serve-load"), rows, model=(
       "micro (init weights)" if args.quick else "tiny (init weights)"), overrides=overrides, streams=args.streams,
       requests=args.requests, rate=args.rate, seconds=args.seconds, drain=args.drain, sequential=args.sequential,
       lone=args.lone, max_batch=args.max_batch, chunk=args.chunk, prefill_chunk=args.prefill_chunk,
