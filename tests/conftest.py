@@ -83,8 +83,13 @@ def fast_compile():
   or speed. A module opts in with `pytestmark = pytest.mark.usefixtures("fast_compile")`."""
   previous = jax.config.read("jax_disable_most_optimizations")
   jax.config.update("jax_disable_most_optimizations", True)
-  yield
-  jax.config.update("jax_disable_most_optimizations", previous)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_disable_most_optimizations", previous)
+    # The flag is not part of jit's cache key: a program compiled without the passes would otherwise serve later
+    # tests of the same worker that compare against fully optimised numbers.
+    jax.clear_caches()
 
 
 def micro_config(**model_overrides) -> Config:

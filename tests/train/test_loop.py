@@ -157,7 +157,6 @@ def test_resume_that_does_not_fit_the_data_state_touches_nothing(uninterrupted):
   assert _tree_digest(workdir) == before
 
 
-@pytest.mark.usefixtures("fast_compile")  # Compiles a new train step for three steps; asserts the step reached only.
 def test_resume_may_change_runtime_choices(uninterrupted, tmp_path):
   workdir = tmp_path / "copy"
   shutil.copytree(uninterrupted[0], workdir)
