@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pathlib
@@ -76,11 +77,9 @@ def pytest_collection_modifyitems(config, items):
   items.sort(key=rank)  # Stable: the rest keep their order.
 
 
-@pytest.fixture
-def fast_compile():
-  """XLA without its expensive optimisation passes (jax_disable_most_optimizations), for tests whose time is compiling
-  many tiny programs once each and whose assertions compare values two programs compute, never compiled HLO, memory
-  or speed. A module opts in with `pytestmark = pytest.mark.usefixtures("fast_compile")`."""
+@contextlib.contextmanager
+def without_expensive_passes():
+  """XLA without its expensive optimisation passes (jax_disable_most_optimizations) inside the block."""
   previous = jax.config.read("jax_disable_most_optimizations")
   jax.config.update("jax_disable_most_optimizations", True)
   try:
@@ -88,8 +87,17 @@ def fast_compile():
   finally:
     jax.config.update("jax_disable_most_optimizations", previous)
     # The flag is not part of jit's cache key: a program compiled without the passes would otherwise serve later
-    # tests of the same worker that compare against fully optimised numbers.
+    # callers that compare against fully optimised numbers.
     jax.clear_caches()
+
+
+@pytest.fixture
+def fast_compile():
+  """XLA without its expensive optimisation passes, for tests whose time is compiling many tiny programs once each
+  and whose assertions compare values two programs compute, never compiled HLO, memory or speed. A module opts in
+  with `pytestmark = pytest.mark.usefixtures("fast_compile")`."""
+  with without_expensive_passes():
+    yield
 
 
 def micro_config(**model_overrides) -> Config:

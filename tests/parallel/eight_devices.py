@@ -7,7 +7,6 @@ which the test asserts on.
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -24,7 +23,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from conftest import micro_config  # noqa: E402
+from conftest import micro_config, without_expensive_passes  # noqa: E402
 
 from ltm_jax import config as config_lib  # noqa: E402
 from ltm_jax import model as model_lib  # noqa: E402
@@ -50,18 +49,6 @@ def _batch(cfg, seed=0):
   shape = (cfg.train.batch_size, cfg.train.seq_len)
   return {"inputs": rng.integers(0, cfg.model.vocab_size, shape, dtype=np.int32),
           "targets": rng.integers(0, cfg.model.vocab_size, shape, dtype=np.int32)}
-
-
-@contextlib.contextmanager
-def _fast_compile():
-  """XLA without its expensive optimisation passes (conftest.fast_compile), for checks that compare values only: the
-  reference and the sharded program are both compiled this way; no compiled HLO is inspected under it."""
-  previous = jax.config.read("jax_disable_most_optimizations")
-  jax.config.update("jax_disable_most_optimizations", True)
-  try:
-    yield
-  finally:
-    jax.config.update("jax_disable_most_optimizations", previous)
 
 
 def _max_diff(a, b) -> float:
@@ -165,7 +152,7 @@ def _activation_gathers(hlo: str, leading: tuple[int, ...]) -> list[str]:
   return found
 
 
-@_fast_compile()
+@without_expensive_passes()  # Compares values only: the reference and the sharded program alike.
 def init_matches():
   """parallel.init_state (created in shards) equals create_train_state on one device."""
   cfg = _config(MESHES["mixed"])
@@ -246,7 +233,7 @@ def kernels_under_mesh():
   return out
 
 
-@_fast_compile()
+@without_expensive_passes()  # Compares values only: the reference and the sharded program alike.
 def scanned_latent_remat():
   """A scanned latent model whose WKV-4 runs the Pallas kernel (interpreted) under remat=full: one train step on the
   2x2x2 mesh against one device. The kernel's custom VJP runs per shard inside remat inside the layer scan and the
