@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import shutil
 import time
 
 import common
@@ -32,10 +33,17 @@ def trained(workdir: pathlib.Path) -> dict:
   return json.loads(record.read_text()) if record.exists() else {"steps": 0, "train_s": 0.0}
 
 
-def train_variant(name: str, cfg: config_lib.Config, root: pathlib.Path, stop_at: int | None = None) -> dict:
+def train_variant(name: str, cfg: config_lib.Config, root: pathlib.Path, stop_at: int | None = None,
+                  start_from: str | None = None) -> dict:
   """Trains `cfg` in root/name up to train.steps (or `stop_at`); returns {steps, train_s, train_tokens} of what the
-  workdir holds, train_s summed over every call that trained it."""
+  workdir holds, train_s summed over every call that trained it. With `start_from` (another variant's name), a new
+  workdir begins as a copy of root/start_from, whose training (steps, seconds, metrics) it then continues."""
   workdir = root / name
+  if start_from and not workdir.exists():
+    source = root / start_from
+    if not trained(source)["steps"]:
+      raise SystemExit(f"{name} starts from {start_from}, which is not trained yet: run --only {start_from} first")
+    shutil.copytree(source, workdir, ignore=shutil.ignore_patterns("bench-eval.json", "eval.json", "*.lock"))
   record = workdir / "bench-train.json"
   info = trained(workdir)
   target = cfg.train.steps if stop_at is None else min(stop_at, cfg.train.steps)
@@ -122,17 +130,18 @@ def plot(curves: dict[str, list[dict]], out: pathlib.Path, title: str, log_y: bo
 
 
 def run_variants(variants: dict, names, root: pathlib.Path, *, eval_batches: int, curve_steps=(),
-                 steps: int | None = None, stop_at: int | None = None, row_fn=None,
-                 columns=()) -> tuple[list[dict], dict]:
+                 steps: int | None = None, stop_at: int | None = None, row_fn=None, columns=(),
+                 start_from: dict[str, str] | None = None) -> tuple[list[dict], dict]:
   """Trains (up to `stop_at` steps of the schedule, when given) and evaluates `names` of `variants` (name -> (config
-  file, overrides, what it is)) in root, printing each row as it is done; `row_fn(row)` adds derived columns.
+  file, overrides, what it is)) in root, printing each row as it is done; `row_fn(row)` adds derived columns;
+  `start_from` (name -> variant) names the variants that continue another's training (see `train_variant`).
   Returns (rows, validation curves by name)."""
   root.mkdir(parents=True, exist_ok=True)
   rows, curves = [], {}
   for name in names:
     path, overrides, what = variants[name]
     cfg = load_config(path, overrides, steps)
-    info = train_variant(name, cfg, root, stop_at)
+    info = train_variant(name, cfg, root, stop_at, (start_from or {}).get(name))
     row = {"model": name, "config": path, "overrides": overrides, "what": what, **info,
            **evaluated(root / name, info["steps"], eval_batches, curve_steps)}
     rows.append(row_fn(row) if row_fn else row)
