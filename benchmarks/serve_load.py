@@ -37,9 +37,9 @@ status, `ltm_finished_requests_total` by reason, read from /metrics before and a
 the client got, and as many finished (stop or length) prompts as completed requests.
 
 Throughput: completion tokens streamed / seconds from the first request sent to the last answer. TTFT: request sent
--> the first event that brings tokens. TPOT is measured per token (`serve.time_per_token`): the server hands text out
-at decode-chunk boundaries, so tokens arrive in bursts of up to --chunk; each event's usage says how many tokens it
-brought, every token of an event is charged its share of the wait since the previous event, and a request's TPOT is
+-> the first event that brings tokens. TPOT is measured per token (`serve.time_per_token`): the server streams each
+decode step's tokens as they reach its host (with --stream-per-chunk, at decode-chunk boundaries, in bursts of up to
+--chunk), and an event may carry several tokens; each event's usage says how many tokens it brought, every token of an event is charged its share of the wait since the previous event, and a request's TPOT is
 the mean over its tokens after its first event: (last event - first event) / (tokens - tokens of the first event).
 The tokens of the first event are covered by TTFT; a request whose tokens all came in its first event (at most
 --chunk tokens) has no TPOT and is left out, not counted as 0 (tpot_requests says how many have one). p50 and p99
@@ -321,6 +321,8 @@ def main() -> None:
   p.add_argument("--max-batch", type=int, default=64)
   p.add_argument("--chunk", type=int, default=16)
   p.add_argument("--prefill-chunk", type=int, default=128)
+  p.add_argument("--stream-per-chunk", action="store_true",
+                 help="the servers hand text out per decode chunk, not per step (ltm serve --stream-per-chunk)")
   p.add_argument("--name", default=None,
                  help="results file: benchmarks/results/NAME-<device>.json (default serve-load, or serve-load-quick)")
   args = p.parse_args()
@@ -335,6 +337,7 @@ def main() -> None:
   lone_body = {**_requests(1, 4, (max_tokens[1], max_tokens[1]))[0], "prompt": LONE_TEXT[:LONE_PROMPT]}
   lone = [{**lone_body, "seed": i} for i in range(args.lone)]
   options = ["--max-batch", str(args.max_batch), "--chunk", str(args.chunk), "--prefill-chunk", str(args.prefill_chunk)]
+  options += ["--stream-per-chunk"] if args.stream_per_chunk else []
   load_before, began = os.getloadavg(), time.perf_counter()
   with tempfile.TemporaryDirectory() as tmp:
     workdir = _workdir(os.path.join(tmp, "workdir"), overrides)
@@ -381,6 +384,7 @@ def main() -> None:
       "micro (init weights)" if args.quick else "tiny (init weights)"), overrides=overrides, streams=args.streams,
       requests=args.requests, rate=args.rate, seconds=args.seconds, drain=args.drain, sequential=args.sequential,
       lone=args.lone, max_batch=args.max_batch, chunk=args.chunk, prefill_chunk=args.prefill_chunk,
+      stream_per_chunk=args.stream_per_chunk,
       prompt_bytes=[4, max_prompt], max_tokens=list(max_tokens), lone_prompt_bytes=LONE_PROMPT,
       lone_tpot_ms=lone_tpot, goals=goals, malformed=malformed, continuous_server=continuous_server,
       static_server=static_server, compilation_cache_given=cache_given, load_average_before=list(load_before),

@@ -153,7 +153,8 @@ def _serve(args) -> int:
     raise ValueError(f"ltm serve needs the serve extra (pip install 'ltm-jax[serve]'): {e}") from None
   lm = load(args.workdir, args.step, args.overrides, quantize=args.quantize)
   engine = Engine(lm, max_batch=args.max_batch, chunk=args.chunk, max_wait_ms=args.max_wait_ms, queue=args.queue,
-                  prefill_chunk=args.prefill_chunk or None, static_batches=args.static_batches)
+                  prefill_chunk=args.prefill_chunk or None, static_batches=args.static_batches,
+                  stream_steps=not args.stream_per_chunk)
   engine.start()
   name = lm.config.name
   print(f"serving {name} (step {lm.trained_steps}) on http://{args.host}:{args.port}: {engine.max_batch} slots, "
@@ -389,7 +390,10 @@ def parser() -> argparse.ArgumentParser:
                    help="int8: matmul weights stored as int8 with per-output-channel scales; int4: in groups of 128 "
                         "inputs; read as stored by the GPU's quantised matmul, dequantised ahead on CPU")
   srv.add_argument("--chunk", type=_positive_int, default=16,
-                   help="decode steps per on-device loop: new requests join and text is sent at its boundaries")
+                   help="decode steps per on-device loop: new requests join at its boundaries")
+  srv.add_argument("--stream-per-chunk", action="store_true",
+                   help="hand text out when a decode chunk ends, up to --chunk tokens at once, instead of token by "
+                        "token as each step's tokens reach the host (a host round trip a step cheaper)")
   srv.add_argument("--prefill-chunk", type=_non_negative_int, default=128,
                    help="prompts longer than this many tokens are prefilled in pieces of it, one piece between two "
                         "decode chunks, so a long prompt does not stall the running requests for its whole length "

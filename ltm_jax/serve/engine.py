@@ -7,18 +7,20 @@
 
 The scheduler loops: admit waiting requests into free rows (prefilled in groups by prompt-length bucket), feed one
 piece of every long prompt in a prefill lane (with `prefill_chunk`), run one on-device loop of `chunk` decode steps
-over the decoding rows, hand each row's new text to its request, free the rows that finished or were cancelled. A
-request therefore waits at most one chunk to join a running batch (plus one chunk per piece of a long prompt), no
-request waits for a slower neighbour, and a long prompt delays the others by one piece per chunk, not by its whole
-prefill. When the engine is idle, the first arrival waits up to `max_wait_ms` for company, so a burst of requests is
-prefilled together. A cancelled request that is still waiting leaves the queue at once.
+over the decoding rows, handing each row's new text to its request as every step's tokens reach the host, and free
+the rows that finished or were cancelled. A request therefore waits at most one chunk to join a running batch (plus
+one chunk per piece of a long prompt), no request waits for a slower neighbour, and a long prompt delays the others
+by one piece per chunk, not by its whole prefill. When the engine is idle, the first arrival waits up to
+`max_wait_ms` for company, so a burst of requests is prefilled together. A cancelled request that is still waiting
+leaves the queue at once.
 
 Shapes are bucketed so that steady traffic compiles nothing: prompts are left-padded to a power-of-two length bucket
 (16, 32, ..., the context) and admitted in groups of 1, 4, 16, ... up to max_batch rows (padding rows are dropped on
 device). The programs are one `admit` per (group size, length bucket), one `decode_chunk`, and with chunked prefill
 one `feed_lanes` and one `place`; `start` compiles all of them (`programs` counts them).
 
-Requests' callbacks run on the scheduler thread and must not block (the HTTP layer hands events to its event loop).
+Requests' callbacks run on the scheduler thread, or on the runtime's thread that delivers a step's tokens, and must
+not block (the HTTP layer hands events to its event loop).
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ class Request:
   """One prompt to continue. ids: prompt token ids [T] (T >= 1); max_tokens >= 1, with T + max_tokens within the
   engine's context; temperature (0: greedy), top_k (None: off), top_p (None: off); seed picks the request's PRNG key
   as `LanguageModel.generate(seed=...)` does; stop: strings that end the text (not included). `emit` receives its
-  `Piece`s and one `Finished`, on the scheduler thread."""
+  `Piece`s and one `Finished`, from the engine's threads (it must not block)."""
   ids: np.ndarray
   max_tokens: int
   emit: Callable[[Piece | Finished], None]
@@ -101,8 +103,9 @@ class Request:
 
 
 class _Row:
-  """A request in a decoding row, with its text so far. Each kept token is timed at its step within its decode
-  chunk (the chunk's time split evenly among the steps it ran), and `ends` records the length of the text once that
+  """A request in a decoding row, with its text so far. Each kept token is timed when it reached the host (with
+  per-chunk hand-out, at its step within the chunk: the chunk's time split evenly among the steps it ran), and `ends`
+  records the length of the text once that
   token was decoded, so the tokens behind any prefix of the text can be counted."""
 
   def __init__(self, request: Request, tokenizer):
@@ -116,21 +119,21 @@ class _Row:
     self.hold = max((len(s) for s in request.stop), default=1) - 1  # Text kept back while a stop string may start.
     self.fed = 0  # Prompt tokens prefilled so far (chunked prefill).
     self.lane: int | None = None  # The prefill lane while the prompt is being fed in pieces.
+    self.reason: str | None = None  # Why it finished, once it has (its row is freed at the chunk's end).
 
-  def add(self, tokens: np.ndarray, eos: int, started: float, now: float, steps: int) -> str | None:
-    """Takes this row's tokens of a chunk of `steps` steps run from `started` to `now`; returns the finish reason,
-    or None while it goes on."""
+  def add(self, tokens: np.ndarray, eos: int, stamps: Sequence[float], now: float) -> str | None:
+    """Takes this row's next drawn tokens, drawn at `stamps` and on the host at `now`; returns the finish reason, or
+    None while it goes on."""
     tokens = tokens[:self.request.max_tokens - self.produced]
     hits = np.flatnonzero(tokens == eos)
     ended = hits.size > 0
     kept = tokens[:hits[0]] if ended else tokens
     if self.available_at is None and tokens.size:
       self.available_at = now
-    step = (now - started) / max(steps, 1)
-    for k, token in enumerate(kept):
+    for token, stamp in zip(kept, stamps):
       self.text += self.decoder.decode(self.tokenizer.decode_bytes(np.asarray([token])))
       self.ends.append(len(self.text))
-      self.stamps.append(started + (k + 1) * step)
+      self.stamps.append(stamp)
     self.produced += kept.size
     reason = "stop" if ended else "length" if self.produced >= self.request.max_tokens else None
     cut = min((i for i in (self.text.find(s) for s in self.request.stop) if i >= 0), default=-1)
@@ -140,6 +143,7 @@ class _Row:
       self.text += self.decoder.decode(b"", final=True)
       if self.ends:
         self.ends[-1] = len(self.text)
+    self.reason = reason
     return reason
 
   def tokens_behind(self, chars: int) -> int:
@@ -182,7 +186,7 @@ def _ladder(first: int, factor: int, last: int) -> tuple[int, ...]:
 
 class Engine:
   """The scheduler over `lm` (a `LanguageModel`, possibly int8-quantised). max_batch: decoding rows S; chunk: decode
-  steps per on-device loop (the longest a new request waits to join, and how often text is handed out); max_wait_ms:
+  steps per on-device loop (the longest a new request waits to join); max_wait_ms:
   how long an idle engine holds a first request for others to prefill with it; queue: requests that may wait for a
   row. Every prompt plus its max_tokens must fit the context (model.max_seq_len); `check` says why one does not.
   length_buckets and group_sizes replace the default ladders of prompt lengths and prefill group sizes (fewer
@@ -198,12 +202,16 @@ class Engine:
   static_batches: the baseline continuous batching is measured against (benchmarks/serve_load.py). Waiting requests
   are admitted only while every row is free, so the requests taken together (up to max_batch, gathered for up to
   max_wait_ms) run as one batch to completion before the next batch starts; programs, sampling and answers are
-  otherwise the same."""
+  otherwise the same.
+
+  stream_steps (default): each decode step's tokens are handed out as they reach the host, during the chunk, so a
+  request's text streams token by token and it finishes at the step that ends it (its row is freed at the chunk's
+  end). Off: text is handed out when a chunk ends, up to `chunk` tokens at once, a host round trip a step cheaper."""
 
   def __init__(self, lm, *, max_batch: int = 32, chunk: int = 16, max_wait_ms: float = 10.0, queue: int = 256,
                metrics: ServerMetrics | None = None, length_buckets: Sequence[int] | None = None,
                group_sizes: Sequence[int] | None = None, prefill_chunk: int | None = None, prefill_lanes: int = 4,
-               static_batches: bool = False):
+               static_batches: bool = False, stream_steps: bool = True):
     for name, value in (("max_batch", max_batch), ("chunk", chunk), ("queue", queue),
                         ("prefill_lanes", prefill_lanes), ("prefill_chunk", prefill_chunk or 1)):
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -214,7 +222,7 @@ class Engine:
       raise ValueError("the model's tokenizer has no end-of-text token to stop at")
     self.lm, self.max_batch, self.chunk, self.queue_size = lm, max_batch, chunk, queue
     self.max_wait = max_wait_ms / 1000
-    self.static_batches = static_batches
+    self.static_batches, self.stream_steps = static_batches, stream_steps
     self.metrics = metrics or ServerMetrics()
     m = lm.config.model
     self.context = m.max_seq_len
@@ -244,6 +252,7 @@ class Engine:
     self._thread: threading.Thread | None = None
     self._slots = None
     self._lanes = None
+    self._active = np.zeros(max_batch, bool)  # The rows the running decode chunk draws for.
     self.compile_seconds = 0.0
 
   @property
@@ -460,13 +469,14 @@ class Engine:
     self._slots = slots_lib.place(self._slots, self._lanes, rows, *self._settings(entries), axes=self.axes)
 
   def _decode(self, active: np.ndarray):
-    tokens, count, self._slots = slots_lib.decode_chunk(self.model, self.lm.params, self._slots, active,
-                                                        steps=self.chunk, stop_tokens=self.stop_tokens)
+    tokens, count, self._slots = slots_lib.decode_chunk(
+        self.model, self.lm.params, self._slots, active, steps=self.chunk, stop_tokens=self.stop_tokens,
+        on_step=self._on_step if self.stream_steps else None)
     return tokens, count
 
   def _run_chunk(self) -> None:
-    """One decode chunk over every decoding row; hands out text, frees finished and cancelled rows (rows whose
-    prompt is still being fed sit it out)."""
+    """One decode chunk over every decoding row; hands out text (as each step's tokens arrive, or at the chunk's end
+    without stream_steps), frees finished and cancelled rows (rows whose prompt is still being fed sit it out)."""
     with self._cv:
       for i, row in enumerate(self._rows):
         if row is not None and row.lane is None and row.request.cancelled:
@@ -477,27 +487,43 @@ class Engine:
     if not active.any():
       return
     started = time.monotonic()
+    self._active = active
     tokens, count = self._decode(active)
     tokens, count = np.asarray(tokens), int(count)
     now = time.monotonic()
     self.metrics.chunk_seconds.observe(now - started)
-    generated = 0
     with self._cv:
       for i, row in enumerate(self._rows):
         if row is None or not active[i]:
           continue
-        before, waiting_first = row.produced, row.available_at is None
-        reason = row.add(tokens[i, :count], self.stop_tokens[0], started, now, count)
-        generated += row.produced - before
-        if waiting_first and row.available_at is not None:
-          self.metrics.ttft.observe(row.available_at - row.request.arrived)
-        piece = row.take_text(final=reason is not None)
-        if piece:
-          _send(row.request, Piece(piece, row.tokens_behind(row.sent)))
-        if reason is not None:
+        if not self.stream_steps:
+          step = (now - started) / max(count, 1)
+          self._hand_out(row, tokens[i, :count], [started + (k + 1) * step for k in range(count)], now)
+        if row.reason is not None:
           self._rows[i] = None
-          self._finish(row.request, reason, row.returned, row)
-    self.metrics.tokens.inc(generated)
+
+  def _on_step(self, tokens: np.ndarray, drawing: np.ndarray) -> None:
+    """One decode step's tokens [S], as they reach the host: each drawing row of the chunk gets its token."""
+    now = time.monotonic()
+    with self._cv:
+      for i in np.flatnonzero(drawing & self._active):
+        row = self._rows[i]
+        if row is not None and row.reason is None:
+          self._hand_out(row, tokens[i:i + 1], (now,), now)
+
+  def _hand_out(self, row: _Row, tokens: np.ndarray, stamps: Sequence[float], now: float) -> None:
+    """Adds a row's new tokens, sends the text they complete and, when the row is done, its Finished (under the
+    lock)."""
+    before, waiting_first = row.produced, row.available_at is None
+    reason = row.add(tokens, self.stop_tokens[0], stamps, now)
+    self.metrics.tokens.inc(row.produced - before)
+    if waiting_first and row.available_at is not None:
+      self.metrics.ttft.observe(row.available_at - row.request.arrived)
+    piece = row.take_text(final=reason is not None)
+    if piece:
+      _send(row.request, Piece(piece, row.tokens_behind(row.sent)))
+    if reason is not None:
+      self._finish(row.request, reason, row.returned, row)
 
   def _finish(self, request: Request, reason: str, returned: int, row: _Row | None = None,
               error: str | None = None) -> None:

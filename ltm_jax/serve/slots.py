@@ -3,6 +3,7 @@
   slots = empty_slots(model, S)                                     # every row free
   slots = admit(model, params, slots, tokens, lengths, rows, ...)   # prefill Bp prompts [Bp, T] into rows [Bp]
   tokens, count, slots = decode_chunk(model, params, slots, active, steps=N, stop_tokens=...)   # [S, N]
+  ... decode_chunk(..., on_step=f)       # also calls f(token [S], drawing [S]) on the host after every step
 
 Chunked prefill feeds long prompts in pieces to L prefill lanes, a Decoding of L rows apart from the slots (so decode
 chunks never touch a half-fed prompt), then places each fed lane into its row:
@@ -25,11 +26,13 @@ never read.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
 
 from ltm_jax import latent as latent_lib
 from ltm_jax import model as model_lib
@@ -209,14 +212,17 @@ def place(slots: Slots, lanes: generation.Decoding, rows: jax.Array, key_data: j
   return rest._replace(decoding=rest.decoding._replace(state=state))
 
 
-@functools.partial(jax.jit, static_argnames=("model", "steps", "stop_tokens"), donate_argnames=("slots",))
+@functools.partial(jax.jit, static_argnames=("model", "steps", "stop_tokens", "on_step"), donate_argnames=("slots",))
 def decode_chunk(model: model_lib.LM, params, slots: Slots, active: jax.Array, *, steps: int,
-                 stop_tokens: tuple[int, ...]) -> tuple[jax.Array, jax.Array, Slots]:
+                 stop_tokens: tuple[int, ...], on_step: Callable[[np.ndarray, np.ndarray], None] | None = None
+                 ) -> tuple[jax.Array, jax.Array, Slots]:
   """Draws up to `steps` tokens in every row -> (tokens [S, steps] int32, steps run [] int32, slots after them).
 
   Rows not `active` [S] are marked done first. A row is done once it draws a stop token or its budget runs out;
   a done row repeats its last token. The loop ends early once every row is done (then the columns past `count` are
-  each row's last token)."""
+  each row's last token). `on_step` (hashable; None: off) is called on the host, in step order, with each step's
+  tokens [S] int32 and which rows drew them [S] bool, while the loop goes on: tokens reach the host as they are
+  drawn, not once the chunk ends (for a few hundred microseconds of host round trip a step on CPU)."""
   stops = jnp.asarray(stop_tokens, jnp.int32)
   slots = slots._replace(decoding=slots.decoding._replace(done=slots.decoding.done | ~active))
   params = generation.model_params(model, params)  # Once, ahead of the token loop (as generation.decode does).
@@ -229,6 +235,8 @@ def decode_chunk(model: model_lib.LM, params, slots: Slots, active: jax.Array, *
     drawing = ~d.done
     budget = s.budget - drawing
     done = d.done | jnp.isin(token, stops) | (budget <= 0)
+    if on_step is not None:
+      io_callback(on_step, None, token, drawing, ordered=True)
     return s._replace(decoding=generation.feed(model, params, d, token, done, s.latents, drawing), budget=budget), token
 
   return generation.token_loop(draw, slots, steps, lambda s: s.decoding)
