@@ -72,6 +72,7 @@ def _eval(args) -> int:
 
 def _generate(args) -> int:
   from ltm_jax.api import load
+  _check_quantize(args)
   _check_lm_workdir(args.workdir, "generate")
   lm = load(args.workdir, args.step, args.overrides)
   if args.latents is not None and not lm.has_latents:
@@ -82,8 +83,7 @@ def _generate(args) -> int:
   latents = args.latents
   if latents == "dit":  # One z per prompt from the learned prior (refused here if the workdir has none).
     latents = lm.dit_latents(len(args.prompt or [""]), args.seed, sampler=args.sampler, steps=args.sampler_steps)
-  if args.quantize:
-    lm = lm.quantize(args.quantize, args.quantize_group, args.quantize_keep_int8)
+  lm = _quantized(lm, args)
   prompts = args.prompt or [""]
   options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                  latents=latents)
@@ -144,6 +144,7 @@ def _convert_rwkv(args) -> int:
 
 def _serve(args) -> int:
   from ltm_jax.api import load
+  _check_quantize(args)
   _check_lm_workdir(args.workdir, "serve")
   _check_listen(args.host, args.port)
   try:
@@ -151,7 +152,7 @@ def _serve(args) -> int:
     from ltm_jax.serve.app import serve
   except ImportError as e:
     raise ValueError(f"ltm serve needs the serve extra (pip install 'ltm-jax[serve]'): {e}") from None
-  lm = load(args.workdir, args.step, args.overrides, quantize=args.quantize)
+  lm = _quantized(load(args.workdir, args.step, args.overrides), args)
   engine = Engine(lm, max_batch=args.max_batch, chunk=args.chunk, max_wait_ms=args.max_wait_ms, queue=args.queue,
                   prefill_chunk=args.prefill_chunk or None, static_batches=args.static_batches,
                   stream_steps=not args.stream_per_chunk)
@@ -261,6 +262,29 @@ def _seed(text: str) -> int:
   return value
 
 
+def _add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--quantize", choices=("int8", "int4"), default=None,
+                      help="int8: matmul weights stored as int8 with per-output-channel scales; int4: as int4 with a "
+                           "scale per --quantize-group inputs and output channel; read as stored by the GPU's "
+                           "quantised matmul, dequantised ahead of the decode loop on CPU")
+  parser.add_argument("--quantize-group", type=_positive_int, default=128,
+                      help="with --quantize int4: inputs per scale (even, dividing every weight's fan-in, or longer)")
+  parser.add_argument("--quantize-keep-int8", type=_names, default=(), metavar="NAMES",
+                      help="with --quantize int4: comma-separated weight names stored as int8 instead, each matching "
+                           "every weight with a path component of that name (head: the LM head; v,out: attention's "
+                           "value and output projections)")
+
+
+def _check_quantize(args) -> None:
+  if args.quantize != "int4" and args.quantize_keep_int8:
+    raise ValueError("--quantize-keep-int8 keeps some int4 weights at int8; add --quantize int4")
+
+
+def _quantized(lm, args):
+  """`lm` quantised as --quantize, --quantize-group and --quantize-keep-int8 say (unchanged without --quantize)."""
+  return lm.quantize(args.quantize, args.quantize_group, args.quantize_keep_int8) if args.quantize else lm
+
+
 def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="ltm", description="Train, evaluate and sample Latent Thought language models.")
   sub = p.add_subparsers(dest="command", required=True)
@@ -303,16 +327,7 @@ def parser() -> argparse.ArgumentParser:
   gen.add_argument("--top-p", type=_probability, default=None)
   gen.add_argument("--seed", type=_seed, default=0)
   gen.add_argument("--step", type=int, default=None)
-  gen.add_argument("--quantize", choices=("int8", "int4"), default=None,
-                   help="int8: matmul weights stored as int8 with per-output-channel scales; int4: as int4 with a "
-                        "scale per --quantize-group inputs and output channel; read as stored by the GPU's "
-                        "quantised matmul, dequantised ahead of the decode loop on CPU")
-  gen.add_argument("--quantize-group", type=_positive_int, default=128,
-                   help="with --quantize int4: inputs per scale (even, dividing every weight's fan-in, or longer)")
-  gen.add_argument("--quantize-keep-int8", type=_names, default=(), metavar="NAMES",
-                   help="with --quantize int4: comma-separated weight names stored as int8 instead, each matching "
-                        "every weight with a path component of that name (head: the LM head; v,out: attention's "
-                        "value and output projections)")
+  _add_quantize_arguments(gen)
   gen.add_argument("--chunk", type=_positive_int, default=16,
                    help="tokens per on-device decode loop between streamed prints (one prompt)")
   gen.add_argument("--latents", choices=("posterior", "prior", "dit"), default=None,
@@ -386,9 +401,7 @@ def parser() -> argparse.ArgumentParser:
                    help="how long an idle server holds a first request for others to prefill with it")
   srv.add_argument("--queue", type=_positive_int, default=256,
                    help="requests that may wait for a row; more are answered 429")
-  srv.add_argument("--quantize", choices=("int8", "int4"), default=None,
-                   help="int8: matmul weights stored as int8 with per-output-channel scales; int4: in groups of 128 "
-                        "inputs; read as stored by the GPU's quantised matmul, dequantised ahead on CPU")
+  _add_quantize_arguments(srv)
   srv.add_argument("--chunk", type=_positive_int, default=16,
                    help="decode steps per on-device loop: new requests join at its boundaries")
   srv.add_argument("--stream-per-chunk", action="store_true",

@@ -123,6 +123,13 @@ def test_generate_refuses_before_printing_anything(foreign_vocabulary, capsys):
   _fails(capsys, "generate", "--workdir", foreign_vocabulary, "--prompt", "a", "--prompt", "b", match=message)
 
 
+def test_keep_int8_without_int4_is_refused_before_loading(tmp_path, capsys):
+  for command in (["generate", "--prompt", "a"], ["serve", "--port", "0"]):
+    for quantize in ([], ["--quantize", "int8"]):
+      _fails(capsys, *command, "--workdir", tmp_path / "absent", *quantize, "--quantize-keep-int8", "head",
+             match="--quantize-keep-int8 keeps some int4 weights at int8; add --quantize int4")
+
+
 def test_build_corpus_refuses_a_missing_package_and_an_occupied_folder(tmp_path, capsys):
   _fails(capsys, "build-corpus", "--out", tmp_path / "corpus", "no-such-package-xyz", match="'no-such-package-xyz'")
   assert not (tmp_path / "corpus").exists()
