@@ -257,12 +257,22 @@ async def _complete(http, requests, queues, answer: _Answer, deadline, timeout, 
   return JSONResponse(answer.body(choices, used))
 
 
+def _coalesced(items: list) -> list:
+  """`items` (Pieces, then possibly a Finished) with each run of consecutive Pieces joined into one."""
+  out = []
+  for item in items:
+    if out and isinstance(item, Piece) and isinstance(out[-1], Piece):
+      item = Piece(out.pop().text + item.text, item.tokens)
+    out.append(item)
+  return out
+
+
 async def _stream(requests, queues, answer: _Answer, params, deadline, timeout, metrics):
-  """Server-sent events: one chunk per piece of text of any prompt (a chat reply's leading whitespace dropped), a
-  last chunk per prompt with its finish reason, then (with include_usage) the usage, then [DONE]. With
-  continuous_usage_stats every chunk carries the usage so far. A request that fails, is cancelled by a shutdown or
-  passes the deadline ends the stream with an error event and [DONE]. Closed early (the client went away), it
-  cancels the requests."""
+  """Server-sent events: one chunk per piece of text of any prompt (a chat reply's leading whitespace dropped; the
+  pieces that queued up while the event loop was busy joined into one), a last chunk per prompt with its finish
+  reason, then (with include_usage) the usage, then [DONE]. With continuous_usage_stats every chunk carries the usage
+  so far. A request that fails, is cancelled by a shutdown or passes the deadline ends the stream with an error event
+  and [DONE]. Closed early (the client went away), it cancels the requests."""
   def event(body: dict) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
@@ -285,23 +295,26 @@ async def _stream(requests, queues, answer: _Answer, params, deadline, timeout, 
       failed = None
       for future in done:
         i = pending.pop(future)
-        item = future.result()
-        if isinstance(item, Piece):
-          completion[i] = item.tokens
-          text = item.text
-          if answer.chat and not started[i]:
-            text = text.lstrip()
-          if text:
-            yield event(answer.chunk(i, text, None, usage_now(), first=answer.chat and not started[i]))
-            started[i] = True
+        items = [future.result()]
+        while not queues[i].empty():  # Text that queued up while the loop was busy goes out as one event.
+          items.append(queues[i].get_nowait())
+        for item in _coalesced(items):
+          if isinstance(item, Piece):
+            completion[i] = item.tokens
+            text = item.text
+            if answer.chat and not started[i]:
+              text = text.lstrip()
+            if text:
+              yield event(answer.chunk(i, text, None, usage_now(), first=answer.chat and not started[i]))
+              started[i] = True
+          elif item.reason in ("error", "cancelled"):
+            failed = item
+          else:
+            completion[i] = item.completion_tokens
+            yield event(answer.chunk(i, None if answer.chat else "", item.reason, usage_now(),
+                                     first=answer.chat and not started[i]))
+        if isinstance(items[-1], Piece):
           pending[asyncio.ensure_future(queues[i].get())] = i
-          continue
-        if item.reason in ("error", "cancelled"):
-          failed = item
-          continue
-        completion[i] = item.completion_tokens
-        yield event(answer.chunk(i, None if answer.chat else "", item.reason, usage_now(),
-                                 first=answer.chat and not started[i]))
       if failed is not None:
         status, message = _failure(failed)
         metrics.requests.labels(str(status)).inc()
