@@ -32,6 +32,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable, Sequence
+from queue import SimpleQueue
 
 import jax
 import numpy as np
@@ -253,6 +254,7 @@ class Engine:
     self._slots = None
     self._lanes = None
     self._active = np.zeros(max_batch, bool)  # The rows the running decode chunk draws for.
+    self._steps: SimpleQueue = SimpleQueue()  # Decode steps' tokens for the hand-out thread.
     self.compile_seconds = 0.0
 
   @property
@@ -300,6 +302,8 @@ class Engine:
     self.metrics.programs.set(self.programs)
     self._thread = threading.Thread(target=self._loop, name="ltm-serve-scheduler", daemon=True)
     self._thread.start()
+    if self.stream_steps:
+      threading.Thread(target=self._hand_out_steps, name="ltm-serve-steps", daemon=True).start()
 
   def submit(self, requests: Sequence[Request]) -> None:
     """Queues requests (all or none): TooManyPrompts when they are more than the whole queue, QueueFull when they do
@@ -347,6 +351,7 @@ class Engine:
         while not self._waiting and not self.occupancy and not self._stopping:
           self._cv.wait()
         if self._stopping and not self._waiting and not self.occupancy:
+          self._steps.put(None)  # Ends the hand-out thread.
           return
         if not self.occupancy and self.max_wait:  # Idle: let a burst gather before prefilling it.
           deadline = self._waiting[0].arrived + self.max_wait
@@ -492,6 +497,10 @@ class Engine:
     tokens, count = np.asarray(tokens), int(count)
     now = time.monotonic()
     self.metrics.chunk_seconds.observe(now - started)
+    if self.stream_steps:  # Every step of the chunk handed out before its finished rows are freed.
+      handed_out = threading.Event()
+      self._steps.put(handed_out)
+      handed_out.wait()
     with self._cv:
       for i, row in enumerate(self._rows):
         if row is None or not active[i]:
@@ -503,13 +512,23 @@ class Engine:
           self._rows[i] = None
 
   def _on_step(self, tokens: np.ndarray, drawing: np.ndarray) -> None:
-    """One decode step's tokens [S], as they reach the host: each drawing row of the chunk gets its token."""
-    now = time.monotonic()
-    with self._cv:
-      for i in np.flatnonzero(drawing & self._active):
-        row = self._rows[i]
-        if row is not None and row.reason is None:
-          self._hand_out(row, tokens[i:i + 1], (now,), now)
+    """One decode step's tokens [S], as they reach the host: queued for the hand-out thread, so that the device loop
+    goes on at once instead of waiting for the text to be handed out."""
+    self._steps.put((np.array(tokens), np.array(drawing), time.monotonic()))
+
+  def _hand_out_steps(self) -> None:
+    """The hand-out thread: each queued step's tokens go to the chunk's drawing rows; a queued Event is set once
+    every step queued before it has been handed out; None ends the thread."""
+    while (item := self._steps.get()) is not None:
+      if isinstance(item, threading.Event):
+        item.set()
+        continue
+      tokens, drawing, now = item
+      with self._cv:
+        for i in np.flatnonzero(drawing & self._active):
+          row = self._rows[i]
+          if row is not None and row.reason is None:
+            self._hand_out(row, tokens[i:i + 1], (now,), now)
 
   def _hand_out(self, row: _Row, tokens: np.ndarray, stamps: Sequence[float], now: float) -> None:
     """Adds a row's new tokens, sends the text they complete and, when the row is done, its Finished (under the
