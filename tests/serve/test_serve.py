@@ -37,6 +37,7 @@ from ltm_jax.config import LatentConfig
 from ltm_jax.serve import Engine, protocol
 from ltm_jax.serve import engine as engine_lib
 from ltm_jax.serve import slots as slots_lib
+from ltm_jax.serve import app as app_lib
 from ltm_jax.serve.app import create_app
 from ltm_jax.train import checkpoint as ckpt_lib
 
@@ -421,6 +422,13 @@ def test_text_streams_token_by_token(server, lm, expected):
   assert "".join(p.text for p in pieces) == expected[prompt]
   counts = [0] + [p.tokens for p in pieces]
   assert counts[-1] == NEW and max(np.diff(counts)) <= 4 < engine.chunk, counts  # A UTF-8 character: 1-4 bytes.
+
+
+def test_pieces_queued_together_are_joined_into_one_event_before_the_finish():
+  pieces = [engine_lib.Piece("ab", 2), engine_lib.Piece("c", 3), engine_lib.Piece("de", 5)]
+  finished = engine_lib.Finished("length", 1, 5)
+  assert app_lib._coalesced(pieces + [finished]) == [engine_lib.Piece("abcde", 5), finished]
+  assert app_lib._coalesced([finished]) == [finished]
 
 
 def test_static_batches_run_each_batch_to_completion_before_the_next(lm, expected):
