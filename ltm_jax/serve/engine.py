@@ -19,7 +19,7 @@ Shapes are bucketed so that steady traffic compiles nothing: prompts are left-pa
 device). The programs are one `admit` per (group size, length bucket), one `decode_chunk`, and with chunked prefill
 one `feed_lanes` and one `place`; `start` compiles all of them (`programs` counts them).
 
-Requests' callbacks run on the scheduler thread, or on the runtime's thread that delivers a step's tokens, and must
+Requests' callbacks run on the scheduler thread, or on the hand-out thread that streams each step's tokens, and must
 not block (the HTTP layer hands events to its event loop).
 """
 
