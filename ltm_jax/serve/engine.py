@@ -255,6 +255,7 @@ class Engine:
     self._lanes = None
     self._active = np.zeros(max_batch, bool)  # The rows the running decode chunk draws for.
     self._steps: SimpleQueue = SimpleQueue()  # Decode steps' tokens for the hand-out thread.
+    self._hand_out_error: Exception | None = None
     self.compile_seconds = 0.0
 
   @property
@@ -501,6 +502,9 @@ class Engine:
       handed_out = threading.Event()
       self._steps.put(handed_out)
       handed_out.wait()
+      if self._hand_out_error is not None:
+        error, self._hand_out_error = self._hand_out_error, None
+        raise error
     with self._cv:
       for i, row in enumerate(self._rows):
         if row is None or not active[i]:
@@ -518,17 +522,21 @@ class Engine:
 
   def _hand_out_steps(self) -> None:
     """The hand-out thread: each queued step's tokens go to the chunk's drawing rows; a queued Event is set once
-    every step queued before it has been handed out; None ends the thread."""
+    every step queued before it has been handed out; None ends the thread. An error is kept for the scheduler, which
+    raises it at the chunk's end (and fails the requests in flight, as for a failed device call)."""
     while (item := self._steps.get()) is not None:
       if isinstance(item, threading.Event):
         item.set()
         continue
       tokens, drawing, now = item
-      with self._cv:
-        for i in np.flatnonzero(drawing & self._active):
-          row = self._rows[i]
-          if row is not None and row.reason is None:
-            self._hand_out(row, tokens[i:i + 1], (now,), now)
+      try:
+        with self._cv:
+          for i in np.flatnonzero(drawing & self._active):
+            row = self._rows[i]
+            if row is not None and row.reason is None:
+              self._hand_out(row, tokens[i:i + 1], (now,), now)
+      except Exception as error:
+        self._hand_out_error = self._hand_out_error or error
 
   def _hand_out(self, row: _Row, tokens: np.ndarray, stamps: Sequence[float], now: float) -> None:
     """Adds a row's new tokens, sends the text they complete and, when the row is done, its Finished (under the

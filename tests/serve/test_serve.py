@@ -494,6 +494,19 @@ def test_a_failure_is_an_http_error_or_an_error_event_never_a_finish_reason(serv
   assert _complete(client, prompt="ab", max_tokens=4)["usage"]["completion_tokens"] <= 4  # Serving again.
 
 
+def test_a_failure_to_hand_out_text_fails_the_requests_and_serving_goes_on(server, client, monkeypatch):
+  _, engine = server
+
+  def broken(*args):
+    raise UnicodeError("text went wrong")
+
+  monkeypatch.setattr(engine, "_hand_out", broken)
+  failed = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 4})
+  assert failed.status_code == 500 and "text went wrong" in failed.json()["error"]["message"]
+  monkeypatch.undo()
+  assert _complete(client, prompt="ab", max_tokens=4)["usage"]["completion_tokens"] <= 4
+
+
 def test_the_request_timeout_cancels_and_answers_504_or_an_error_event(server, lm, monkeypatch):
   _, engine = server
   with _running(engine, lm.config.name, request_timeout=0.5, stop_engine_on_shutdown=False) as url, \
