@@ -158,7 +158,7 @@ def inner_step_rows(rows: list[dict], root: pathlib.Path, inner_steps, *, eval_b
   for row in rows:
     if not row.get("kl"):
       continue
-    for n in inner_steps:
+    for n in (n for n in inner_steps if n != row.get("inner_steps")):  # The trained count is the row itself.
       metrics = evaluated(root / row["model"], row["steps"], eval_batches, overrides=[f"latent.inner_steps={n}"])
       new = {**row, **metrics, "model": f"{row['model']} @ {n} inner steps", "eval_inner_steps": n}
       extra.append(row_fn(new) if row_fn else new)
