@@ -3,12 +3,12 @@ each, in alternating rounds, so that both see the same machine load.
 
     python benchmarks/layer_ab.py --config configs/small_rwkv7.py --against HEAD~1 \
         --layer ltm_jax/layers/rwkv7.py --class TimeMix7 --into ltm_jax.sublayers \
-        train.batch_size=4 train.seq_len=256
+        model.dtype=float32 train.batch_size=1 train.seq_len=512
 
 `--against` names the commit whose `--layer` file is loaded beside the checkout's; `--class` is the class swapped
-into the module `--into` (where the model looks it up). Each round compiles the step anew with one version and
-times it (benchmarks/train.py's measure); writes benchmarks/results/<name>-<device>.json with every round and each
-version's median step.
+into the module `--into` (where the model looks it up). Each round compiles the step anew with each version and
+times it (benchmarks/train.py's measure), the versions taking turns to go first; writes
+benchmarks/results/<name>-<device>.json with every round and each version's median step.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import sys
 import tempfile
 
 import common
+from train import measure
 
 from ltm_jax import config as config_lib
-from train import measure
 
 
 def load_version(path: str, commit: str):
@@ -59,7 +59,8 @@ def main():
               args.against: getattr(load_version(args.layer, args.against), args.cls)}
   rows = []
   for round_ in range(args.rounds):
-    for version, cls in versions.items():
+    order = list(versions.items())
+    for version, cls in order if round_ % 2 == 0 else order[::-1]:  # Neither version always runs first.
       setattr(target, args.cls, cls)
       row = {"round": round_, "version": version, **measure(cfg, args.steps)}
       rows.append(row)

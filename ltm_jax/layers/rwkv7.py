@@ -21,8 +21,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ltm_jax.layers.common import (Dense, depth_ratios, projection_dot_general, shift_inputs, start_token_shift,
-                                   token_shift)
+from ltm_jax.layers.common import (
+  Dense,
+  depth_ratios,
+  projection_dot_general,
+  shift_inputs,
+  start_token_shift,
+  token_shift,
+)
 from ltm_jax.layers.rwkv4 import ChannelMixState
 from ltm_jax.ops.wkv7 import empty_state as wkv7_empty_state
 from ltm_jax.ops.wkv7 import wkv7
