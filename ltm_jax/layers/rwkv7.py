@@ -21,7 +21,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ltm_jax.layers.common import Dense, depth_ratios, projection_dot_general, shift_inputs, start_token_shift
+from ltm_jax.layers.common import (
+  Dense,
+  depth_ratios,
+  projection_dot_general,
+  shift_inputs,
+  start_token_shift,
+  token_shift,
+)
 from ltm_jax.layers.rwkv4 import ChannelMixState
 from ltm_jax.ops.wkv7 import empty_state as wkv7_empty_state
 from ltm_jax.ops.wkv7 import wkv7
@@ -111,21 +118,21 @@ class TimeMix7(nn.Module):
     def vector(name, values, axes=("wkv",)):
       return self.param(name, _constant_init(np.asarray(values, np.float32), axes), (d,))
 
-    def lora(name, rank, x_in, activation, out_axes=("wkv",)):
-      """x_in [B, T, C] -> up(activation(down(x_in))) [B, T, C]; down starts at zero, up orthogonal * 0.1."""
+    def lora(name, rank, out_axes=("wkv",)):
+      """The (down [C, rank], up [rank, C]) of one LoRA; down starts at zero, up orthogonal * 0.1."""
       down_w = self.param(f"{name}_down", nn.with_logical_partitioning(nn.initializers.zeros, ("embed", "lora")),
                           (d, rank))
       up_w = self.param(f"{name}_up", nn.with_logical_partitioning(nn.initializers.orthogonal(0.1),
                                                                    ("lora", *out_axes)), (rank, d))
-      h = activation(x_in @ down_w.astype(x_in.dtype))
-      return h @ up_w.astype(x_in.dtype)
+      return down_w, up_w
 
     # Token shift: x + (previous - x) * shift, a per-channel interpolation toward the previous token.
-    x, shifted = shift_inputs(x.astype(self.dtype), state.last_x, valid)
+    last = state.last_x
+    x, shifted = shift_inputs(x.astype(self.dtype), last, valid)
     delta = shifted - x
     powers = {"r": 0.2, "w": 0.9, "k": 0.7, "v": 0.7, "a": 0.9, "g": 0.2}
-    mixed = {name: x + delta * vector(f"shift_{name}", _shift_fraction(d, p * down), ("embed",)).astype(x.dtype)
-             for name, p in powers.items()}
+    shifts = {name: vector(f"shift_{name}", _shift_fraction(d, p * down), ("embed",)) for name, p in powers.items()}
+    mixed = {name: x + delta * shifts[name].astype(x.dtype) for name in "rkv"}
 
     scale = 1 / math.sqrt(d)
     r = _projection(d, _centered_uniform(0.5 * scale, ("embed", "wkv")), self.dtype, "receptance", self.fp8)(
@@ -133,20 +140,23 @@ class TimeMix7(nn.Module):
     k = _projection(d, _centered_uniform(0.05 * scale, ("embed", "wkv")), self.dtype, "key", self.fp8)(mixed["k"])
     v = _projection(d, _centered_uniform(0.5 * scale, ("embed", "wkv")), self.dtype, "value", self.fp8)(mixed["v"])
 
-    decay_base = -6 + 6 * (channel / max(d - 1, 1)) ** (1 + up ** 0.3) + 0.5 + 2.5 * zigzag
-    decay_pre = vector("decay_base", decay_base) + lora("decay", self.decay_lora, mixed["w"], jnp.tanh).astype(
-        jnp.float32)
-    log_decay = -MAX_LOG_DECAY * nn.sigmoid(decay_pre)  # float32, in (-0.61, 0): the decay never flips sign.
+    decay_base = vector("decay_base", -6 + 6 * (channel / max(d - 1, 1)) ** (1 + up ** 0.3) + 0.5 + 2.5 * zigzag)
+    loras = [(*lora("decay", self.decay_lora), shifts["w"], jnp.tanh)]
+    iclr_base = vector("iclr_base", -0.19 + 0.3 * zigzag + 0.4 * linear)
+    loras.append((*lora("iclr", self.iclr_lora), shifts["a"], None))
+    if not self.first:
+      value_residual_base = vector("value_residual_base", 0.73 - 0.4 * linear)
+      loras.append((*lora("value_residual", self.value_lora), shifts["v"], None))
+    loras.append((*lora("gate", self.gate_lora), shifts["g"], nn.sigmoid))
+    decay_lora, iclr_lora, *value_lora, gate = _shifted_loras(x, last, loras)
 
-    iclr = nn.sigmoid(vector("iclr_base", -0.19 + 0.3 * zigzag + 0.4 * linear).astype(x.dtype)
-                      + lora("iclr", self.iclr_lora, mixed["a"], lambda h: h))  # a in (0, 1)
+    log_decay = -MAX_LOG_DECAY * nn.sigmoid(decay_base + decay_lora.astype(jnp.float32))  # float32, in (-0.61, 0).
+    iclr = nn.sigmoid(iclr_base.astype(x.dtype) + iclr_lora)  # a in (0, 1)
     if self.first:
       v_first = v
     else:
-      gate_v = nn.sigmoid(vector("value_residual_base", 0.73 - 0.4 * linear).astype(x.dtype)
-                          + lora("value_residual", self.value_lora, mixed["v"], lambda h: h))
+      gate_v = nn.sigmoid(value_residual_base.astype(x.dtype) + value_lora[0])
       v = v + (v_first.astype(v.dtype) - v) * gate_v
-    gate = lora("gate", self.gate_lora, mixed["g"], nn.sigmoid)
 
     key_norm_scale = vector("key_norm_scale", 0.71 - 0.1 * linear).astype(x.dtype)
     key_iclr_mix = vector("key_iclr_mix", np.full(d, 1.02)).astype(x.dtype)
@@ -169,6 +179,28 @@ class TimeMix7(nn.Module):
     out = _projection(d, nn.with_logical_partitioning(nn.initializers.zeros, ("wkv", "embed")), self.dtype,
                       "output", self.fp8)(y.reshape(batch, length, d) * gate)
     return out, TimeMix7State(wkv_state, x[:, -1].astype(jnp.float32)), v_first
+
+
+def _shifted_loras(x, last, loras):
+  """LoRAs of token-shift mixes: [up(act(mix @ down)) for (down, up, shift, act) in loras], each [B, T, C], where
+  mix = x + (previous - x) * shift, x [B, T, C], last [B, C] the token before x (act None: none).
+
+  mix @ down = x @ ((1 - shift) down) + previous @ (shift down), and previous @ M is x @ M one token later (last @ M
+  first), so one matmul of x against every LoRA's two scaled downs stands for all the down projections: x is read
+  once and no mix is written, forward or backward."""
+  dtype = x.dtype
+  downs = jnp.concatenate([down for down, *_ in loras], axis=1)  # [C, R], R the summed ranks.
+  shift = jnp.concatenate([jnp.broadcast_to(s[:, None], down.shape) for down, _, s, _ in loras], axis=1)
+  now_w, prev_w = (downs * (1 - shift)).astype(dtype), (downs * shift).astype(dtype)
+  rank = downs.shape[1]
+  both = x @ jnp.concatenate([now_w, prev_w], axis=1)  # [B, T, 2R]
+  h = both[..., :rank] + token_shift(both[..., rank:], last.astype(dtype) @ prev_w)
+  outs, start = [], 0
+  for down, up, _, act in loras:
+    h_i = h[..., start:start + down.shape[1]]
+    start += down.shape[1]
+    outs.append((h_i if act is None else act(h_i)) @ up.astype(dtype))
+  return outs
 
 
 def _group_norm(module: nn.Module, y, dtype):
