@@ -74,7 +74,7 @@ $(AOT_VENV)/.installed: pyproject.toml
 	  || { rm -rf $(AOT_VENV); echo "$(AOT_VENV) could not be built (see $(AOT_VENV).log): the GPU AOT test will skip"; }
 
 test: $(VENV)/.installed-dev $(AOT_VENV)/.installed
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --durations=15
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --durations=60
 
 GPU_PYTHON ?= python3
 GPU_VENV ?= .venv-gpu

@@ -15,6 +15,7 @@ the two layouts).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import warnings
 from collections.abc import Callable
@@ -448,8 +449,15 @@ def init_params(cfg: ModelConfig, key: jax.Array, latent: LatentConfig | None = 
   which only add each block's cross-attention (so comparisons start from identical decoders). Nor do they depend on
   `scan_layers` beyond their layout: a scanned model starts from the per-layer initialisation stacked, so every layer
   keeps its depth-dependent RWKV initialisation, and the same key gives the same model either way."""
+  return _init_params(cfg, latent, key)
+
+
+# One compiled program: flax's init run eagerly compiles each of its operations on its own (over a hundred small
+# programs for a 2-layer model, seconds on a CPU, and none big enough for the persistent compilation cache).
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _init_params(cfg: ModelConfig, latent: LatentConfig | None, key: jax.Array):
   if cfg.scan_layers:
-    return scan_params(cfg, init_params(dataclasses.replace(cfg, scan_layers=False), key, latent))
+    return scan_params(cfg, _init_params(dataclasses.replace(cfg, scan_layers=False), latent, key))
   params = nn.meta.unbox(_init_variables(cfg, latent, key)["params"])
   encoder = latent_encoder(cfg, latent)
   if encoder is not None:

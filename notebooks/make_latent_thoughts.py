@@ -32,7 +32,7 @@ TESTING = "LTM_NOTEBOOK_STEPS" in os.environ  # The test suite runs this noteboo
 # Continuation training on every sequence: see docs/latent-thoughts.md for why and for the alternatives.
 LATENT = ["latent.continuation_fraction=1.0"]
 STEPS = [f"train.steps={os.environ['LTM_NOTEBOOK_STEPS']}", "train.eval_every=12", "train.batch_size=4",
-         "train.eval_batches=1", "train.seq_len=128", "model.n_layers=2"] if TESTING else []
+         "train.eval_batches=1", "train.seq_len=128", "model.n_layers=1", "latent.inner_steps=2"] if TESTING else []
 ltm_cfg = ltm_jax.load_config(ROOT / "configs" / "ltm_window.py", LATENT + STEPS)
 plain_cfg = ltm_jax.load_config(ROOT / "configs" / "ltm_window_plain.py", STEPS)
 # The workdirs of `python benchmarks/latent_window.py` (variants "plain" and "ltm_cont100"): finished runs are reused.

@@ -18,12 +18,14 @@ import matplotlib.pyplot as plt
 import ltm_jax
 from ltm_jax.train.metrics import read_metrics
 
-STEPS = int(os.environ.get("LTM_NOTEBOOK_STEPS", 300))  # The test suite runs this notebook with fewer steps.
+STEPS = int(os.environ.get("LTM_NOTEBOOK_STEPS", 300))  # The test suite runs this notebook with fewer steps,
+# smaller batches and 2 layers.
+SMALL = ["train.batch_size=8", "train.eval_batches=2", "model.n_layers=2"] if "LTM_NOTEBOOK_STEPS" in os.environ else []
 ROOT = next(p for p in [pathlib.Path.cwd(), *pathlib.Path.cwd().parents] if (p / "configs" / "tiny.py").exists())"""),
     ("markdown", """## A model from a config in three lines
 Any config key can be overridden with `key=value` strings, exactly as on the command line."""),
     ("code", """cfg = ltm_jax.load_config(ROOT / "configs" / "tiny.py", [f"train.steps={STEPS}", "train.eval_every=100",
-                                                         "train.log_every=10"])
+                                                         "train.log_every=10", *SMALL])
 lm = ltm_jax.build(cfg)
 print(f"{lm.num_params:,} parameters, layers {cfg.model.layer_pattern} x {cfg.model.n_layers // len(cfg.model.layer_pattern)}")
 print("untrained:", repr(lm.generate("The list", max_new_tokens=60, seed=0)))"""),
