@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import statistics
 import subprocess
 import sys
@@ -37,7 +38,10 @@ def load_version(path: str, commit: str):
   spec = importlib.util.spec_from_file_location(name, f.name)
   module = importlib.util.module_from_spec(spec)
   sys.modules[name] = module  # Flax's dataclass transform looks the module up.
-  spec.loader.exec_module(module)
+  try:
+    spec.loader.exec_module(module)
+  finally:
+    os.unlink(f.name)
   return module
 
 

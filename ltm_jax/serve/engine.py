@@ -106,8 +106,8 @@ class Request:
 class _Row:
   """A request in a decoding row, with its text so far. Each kept token is timed when it reached the host (with
   per-chunk hand-out, at its step within the chunk: the chunk's time split evenly among the steps it ran), and `ends`
-  records the length of the text once that
-  token was decoded, so the tokens behind any prefix of the text can be counted."""
+  records the length of the text once that token was decoded, so the tokens behind any prefix of the text can be
+  counted."""
 
   def __init__(self, request: Request, tokenizer):
     self.request, self.tokenizer = request, tokenizer
@@ -494,26 +494,33 @@ class Engine:
       return
     started = time.monotonic()
     self._active = active
-    tokens, count = self._decode(active)
-    tokens, count = np.asarray(tokens), int(count)
+    try:
+      tokens, count = self._decode(active)
+      tokens, count = np.asarray(tokens), int(count)
+    finally:  # Every step of the chunk handed out (even of a failed one) before its rows are freed or reused.
+      self._drain_steps()
     now = time.monotonic()
     self.metrics.chunk_seconds.observe(now - started)
-    if self.stream_steps:  # Every step of the chunk handed out before its finished rows are freed.
-      handed_out = threading.Event()
-      self._steps.put(handed_out)
-      handed_out.wait()
-      if self._hand_out_error is not None:
-        error, self._hand_out_error = self._hand_out_error, None
-        raise error
+    stamps = started + (now - started) / max(count, 1) * np.arange(1, count + 1)  # Per-chunk hand-out only.
     with self._cv:
       for i, row in enumerate(self._rows):
         if row is None or not active[i]:
           continue
         if not self.stream_steps:
-          step = (now - started) / max(count, 1)
-          self._hand_out(row, tokens[i, :count], [started + (k + 1) * step for k in range(count)], now)
+          self._hand_out(row, tokens[i, :count], stamps, now)
         if row.reason is not None:
           self._rows[i] = None
+
+  def _drain_steps(self) -> None:
+    """Waits until the hand-out thread has handed out every step queued so far; raises the error it kept, if any."""
+    if not self.stream_steps:
+      return
+    handed_out = threading.Event()
+    self._steps.put(handed_out)
+    handed_out.wait()
+    if self._hand_out_error is not None:
+      error, self._hand_out_error = self._hand_out_error, None
+      raise error
 
   def _on_step(self, tokens: np.ndarray, drawing: np.ndarray) -> None:
     """One decode step's tokens [S], as they reach the host: queued for the hand-out thread, so that the device loop
