@@ -34,6 +34,11 @@ or (`backward_loop`) grid (B, H), one program per head that takes its value bloc
 their key-side shares in registers, computes the key-side tiles and inverse once per chunk, and keeps dS in its own
 [N, N] output block in memory between chunks instead of in registers.
 
+State-only kernels, for running segments of one sequence side by side (`wkv7_segmented`): `end_states` walks the
+chunks like the forward but keeps only U and the state (no R̂ tiles, no y), from any state, or without values to
+apply the sequence's transition ∏ (diag(e^{w_t}) + a_t b_t^T) to a state; `state_gradients` walks them in reverse
+carrying only dS (du, dx and the incoming dS, which need neither S nor v nor k). Same grid as the forward.
+
 Range. Factoring e^{g_t - g_s} = e^{g_t} e^{-g_s} is what puts the chunk on matrix products; it needs e^{-g} to stay
 finite. |g| <= L·max|w| inside a chunk, so with w >= -LOG_RANGE / L every factor lies in [e^-LOG_RANGE, e^LOG_RANGE]
 = [1e-26, 1e26]: no overflow or denormals, and each product keeps float32's relative precision (rounding acts on
