@@ -475,6 +475,8 @@ def forward(r, w, k, v, a, b, state, *, chunk, block, warps, operands, interpret
 
 
 def backward(r, w, k, v, a, b, ckpt, dy, ds_out, *, chunk, block, loop, warps, operands, interpret):
+  """(dr, dw, dk, dv, da, db in the inputs' dtypes, the entering state's gradient [B, H, N, N] float32) from the
+  inputs, `forward`'s chunk states, dy [B, T, H, N] and ds_out [B, H, N, N] (the final state's gradient)."""
   batch, length, heads, size = r.shape
   num_chunks = length // chunk
   blocks = size // block
