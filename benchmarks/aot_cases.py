@@ -33,7 +33,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ltm_pallas import quant_matmul, wkv4, wkv7, wkv7_chunked
+from ltm_pallas import quant_matmul, wkv4, wkv7, wkv7_chunked, wkv7_segmented
 from ltm_pallas.attention import BlockSizes, config, flash_attention
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -52,6 +52,9 @@ WKV7_KERNELS = ("wkv7_forward", "wkv7_backward")
 # Under remat the forward pass runs the primal kernel (no state checkpoints), the recomputation the full forward.
 WKV7_REMAT_KERNELS = ("wkv7_forward_primal",) + WKV7_KERNELS
 WKV7_CHUNKED_REMAT_KERNELS = ("wkv7_chunked_forward_primal", "wkv7_chunked_forward", "wkv7_chunked_backward")
+# The segmented form adds the state-only passes: each segment's end state and transition, and the state gradients.
+WKV7_SEGMENTED_REMAT_KERNELS = WKV7_CHUNKED_REMAT_KERNELS + (
+    "wkv7_chunked_end_state", "wkv7_chunked_transition", "wkv7_chunked_state_gradient")
 ATTENTION_KERNELS = ("flash_attention_forward", "flash_attention_dq", "flash_attention_dkv")
 QUANT_MATMUL_KERNELS = ("quant_matmul_int8", "quant_matmul_int4")
 # Entry names the compiled program gives the kernels of this package (a suffix _1, _2, ... tells copies apart).
@@ -143,6 +146,19 @@ def _wkv7_chunked(batch: int, length: int, heads: int, size: int, dtype) -> Buil
   return build
 
 
+def _wkv7_segmented(batch: int, length: int, heads: int, size: int, dtype, segments: int) -> Builder:
+  """fwd+bwd of the segmented chunked kernels at their default settings, under jax.checkpoint."""
+
+  def build(abstract: Abstract, block_sizes=None):
+    del block_sizes
+    seq = abstract((batch, length, heads, size), dtype)
+    primals = (seq,) * 6 + (abstract((batch, heads, size, size), jnp.float32),)
+    fn = functools.partial(wkv7_segmented.wkv7, segments=segments, interpret=False)
+    return _vjp_program(jax.checkpoint(fn), primals, abstract, 7)
+
+  return build
+
+
 def _attention(batch: int, length: int, q_heads: int, kv_heads: int, head_dim: int, dtype, *, causal: bool = True,
                window: int | None = None, segments: bool = False, kv_length: int | None = None,
                tiles: BlockSizes | None = None) -> Builder:
@@ -219,6 +235,9 @@ def _kernel_cases() -> list[Case]:
     dtype_name = jnp.dtype(dtype).name
     cases.append(Case(name, f"wkv7 chunked fwd+bwd {dtype_name} {what}", WKV7_CHUNKED_REMAT_KERNELS,
                       _wkv7_chunked(*shape, dtype), dtype=dtype_name, head_dim=shape[3]))
+  # The long sequence in 8 segments of 4096 tokens (ltm_jax.ops.wkv7.pallas_segmented's choice at that shape).
+  cases.append(Case("wkv7s_n64_long_bf16", "wkv7 segmented fwd+bwd bfloat16 B1 T32768 H64 N64, 8 segments",
+                    WKV7_SEGMENTED_REMAT_KERNELS, _wkv7_segmented(1, 32768, 64, 64, bf16, 8), head_dim=64))
   # Flash attention. Head dim 64: base_125m (B64 T2048, 12 query heads on 4 key/value heads) and small_rwkv7 /
   # small (B32 T1024, 8 heads, window 512); head dim 32: tiny (float32). Head dims 128 and 256: B * T = 16k tokens and
   # Hq * D = 2048 (the benchmark's GPU shapes), GQA 4:1 unless said.

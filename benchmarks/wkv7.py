@@ -3,6 +3,8 @@
   python benchmarks/wkv7.py                 # CPU: training-like shapes, about a minute on 2 cores
   python benchmarks/wkv7.py --shapes gpu    # the default on an accelerator: three long-sequence shapes, bfloat16
   python benchmarks/wkv7.py --quick         # tiny shapes, every backend (pallas interpreted on CPU): proves it runs
+  python benchmarks/wkv7.py --impls pallas_chunked pallas_segmented --no-peers   # on a GPU: the segmented form
+                                            # against the chunked kernels (they differ at (1, 32768, 4096, 64) only)
 
   python benchmarks/wkv7.py --quick --aot  # no GPU: the quick run, then the H100 compile report of the kernels
                                             # (benchmarks/gpu_aot.py in .venv-aot, the wkv7 cases)
@@ -44,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 import peers as peers_lib
 
-from ltm_jax.ops.wkv7 import AVAILABLE, wkv7
+from ltm_jax.ops.wkv7 import AVAILABLE, pallas_segmented, wkv7
 from ltm_pallas import wkv7 as sequential_kernels
 from ltm_pallas import wkv7_chunked
 
@@ -101,12 +103,35 @@ def _chunked_flops(size, chunk):
   return forward, backward
 
 
+def _segmented_flops(size, chunk):
+  """Matrix-product FLOPs per token and head of the segmented form's extra passes (head size N, chunk L): forward, the
+  end state from zeros (pairs M_ab, M_ak, the inverse, Â S^T, M_ak V, T X, U^T B̄, V^T K̄) and the transition (M_ab,
+  the inverse, Â S^T, T X, U^T B̄); backward, the state gradient (M_ab, P_rb, the inverse, P_rb^T dY, B̄ dS^T,
+  T^T dU, dY^T R̂, dX^T Â). The [N, N] scans over segments (2·N³ per segment boundary each way) are not counted.
+  """
+  inverse = 4 * (max(int(math.log2(chunk)), 1) - 1) * chunk**2
+  end_state = 6 * size**2 + 8 * chunk * size + inverse
+  transition = 4 * size**2 + 4 * chunk * size + inverse
+  return end_state + transition, end_state
+
+
 def _model(impl, shape, dtype):
   """(bytes, FLOPs) per element of the row's own algorithm, forward and forward+backward: {mode: (B/el, FLOP/el)}.
 
   The forward alone runs each kernel's primal (no chunk states); forward+backward runs the forward that stores them
   and the backward that reads them. The chunked backend also reads w once for its range check."""
   size, item = shape[3], jnp.dtype(dtype).itemsize
+  if impl == "pallas_segmented":
+    # The chunked kernels' counts; with segments, plus the state passes: the end state reads w, k, v, a, b, the
+    # transition w, a, b, the state gradient r, w, a, b, dy (their [N, N] states per segment are not counted).
+    counts = _model("pallas_chunked", shape, dtype)
+    batch, length, channels, _ = shape
+    if pallas_segmented.segments(batch, length, channels // size, size, dtype) == 1:
+      return counts
+    forward, backward = (f / size for f in _segmented_flops(size, wkv7_chunked.settings(
+        size, wkv7_chunked.operand_dtype(dtype))["chunk"]))
+    return {"fwd": (counts["fwd"][0] + 8 * item, counts["fwd"][1] + forward),
+            "fwd_bwd": (counts["fwd_bwd"][0] + 13 * item, counts["fwd_bwd"][1] + forward + backward)}
   minimal = {"fwd": 7 * item, "fwd_bwd": 20 * item}
   flops = {"fwd": FLOPS_PER_TOKEN_HEAD * size, "fwd_bwd": 3 * FLOPS_PER_TOKEN_HEAD * size}
   operands = wkv7_chunked.operand_dtype(dtype)

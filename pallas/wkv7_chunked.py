@@ -34,6 +34,11 @@ or (`backward_loop`) grid (B, H), one program per head that takes its value bloc
 their key-side shares in registers, computes the key-side tiles and inverse once per chunk, and keeps dS in its own
 [N, N] output block in memory between chunks instead of in registers.
 
+State-only kernels, for running segments of one sequence side by side (`wkv7_segmented`): `end_states` walks the
+chunks like the forward but keeps only U and the state (no R̂ tiles, no y), from any state, or without values to
+apply the sequence's transition ∏ (diag(e^{w_t}) + a_t b_t^T) to a state; `state_gradients` walks them in reverse
+carrying only dS (du, dx and the incoming dS, which need neither S nor v nor k). Same grid as the forward.
+
 Range. Factoring e^{g_t - g_s} = e^{g_t} e^{-g_s} is what puts the chunk on matrix products; it needs e^{-g} to stay
 finite. |g| <= L·max|w| inside a chunk, so with w >= -LOG_RANGE / L every factor lies in [e^-LOG_RANGE, e^LOG_RANGE]
 = [1e-26, 1e26]: no overflow or denormals, and each product keeps float32's relative precision (rounding acts on
@@ -97,20 +102,27 @@ def _unit_lower_inverse(m):
 def _key_side(r, w, k, a, b, operands):
   """The value-independent part of a chunk: the decayed keys Â, R̂, B̌, Ǩ (in the operands' dtype: they only ever
   enter products, and a kernel holds half as many registers for them in bfloat16) and the float32 [L, L] pair
-  matrices, log-decays and e^{g_L}."""
-  strict, incl = _masks(r.shape[0])
+  matrices, log-decays and e^{g_L}. With r None the tiles of R̂ (R̂, P_rb, P_rk) are left out, with k None those of
+  Ǩ (Ǩ, M_ak, P_rk): the state-only passes (`chunk_end_state`, `chunk_state_gradient`) need neither."""
+  strict, incl = _masks(w.shape[0])
   g = jnp.cumsum(w, axis=0)
   t = dict(g=g, gp=g - w, decay_total=jnp.exp(jnp.sum(w, axis=0))[None, :])
-  t["a_hat"] = a * jnp.exp(t["gp"])
-  t["r_hat"] = r * jnp.exp(g)
   inverse = jnp.exp(-g)
-  t["b_chk"], t["k_chk"] = b * inverse, k * inverse
+  t["a_hat"], t["b_chk"] = a * jnp.exp(t["gp"]), b * inverse
+  if r is not None:
+    t["r_hat"] = r * jnp.exp(g)
+  if k is not None:
+    t["k_chk"] = k * inverse
   for name in ("a_hat", "r_hat", "b_chk", "k_chk"):
-    t[name] = t[name].astype(operands)
+    if name in t:
+      t[name] = t[name].astype(operands)
   t["m_ab"] = jnp.where(strict, _dot(t["a_hat"], t["b_chk"], operands, tb=True), 0.0)
-  t["m_ak"] = jnp.where(strict, _dot(t["a_hat"], t["k_chk"], operands, tb=True), 0.0)
-  t["p_rb"] = jnp.where(incl, _dot(t["r_hat"], t["b_chk"], operands, tb=True), 0.0)
-  t["p_rk"] = jnp.where(incl, _dot(t["r_hat"], t["k_chk"], operands, tb=True), 0.0)
+  if k is not None:
+    t["m_ak"] = jnp.where(strict, _dot(t["a_hat"], t["k_chk"], operands, tb=True), 0.0)
+  if r is not None:
+    t["p_rb"] = jnp.where(incl, _dot(t["r_hat"], t["b_chk"], operands, tb=True), 0.0)
+  if r is not None and k is not None:
+    t["p_rk"] = jnp.where(incl, _dot(t["r_hat"], t["k_chk"], operands, tb=True), 0.0)
   return t
 
 
@@ -130,6 +142,30 @@ def chunk_forward(s0, r, w, k, v, a, b, operands=jnp.float32):
   s_end = (s0 * t["decay_total"] + _dot(u, t["b_chk"] * t["decay_total"], operands, ta=True)
            + _dot(v, t["k_chk"] * t["decay_total"], operands, ta=True))
   return y, s_end
+
+
+def chunk_end_state(s0, w, k, v, a, b, operands=jnp.float32):
+  """The state block after one chunk [BV, N] from s0 [BV, N], without y: `chunk_forward`'s U and S_L alone. With v
+  (and k) None the chunk's transition alone, as if v = 0: S_0 ↦ S_0 ∏_t (diag(e^{w_t}) + a_t b_t^T)."""
+  t = _key_side(None, w, k if v is not None else None, a, b, operands)
+  x = _dot(t["a_hat"], s0, operands, tb=True)
+  if v is not None:
+    x = x + _dot(t["m_ak"], v, operands)
+  u = _dot(_unit_lower_inverse(t["m_ab"]), x)
+  s_end = s0 * t["decay_total"] + _dot(u, t["b_chk"] * t["decay_total"], operands, ta=True)
+  if v is not None:
+    s_end = s_end + _dot(v, t["k_chk"] * t["decay_total"], operands, ta=True)
+  return s_end
+
+
+def chunk_state_gradient(r, w, a, b, dy, ds, operands=jnp.float32):
+  """The gradient of the state block entering a chunk [BV, N], given dy [L, BV] and ds [BV, N] (the gradient of the
+  state after it): `chunk_backward`'s dS recurrence alone. It is linear in (dy, ds) with key-side coefficients, so
+  it needs neither the entering state nor v nor k."""
+  t = _decayed_to_end(_key_side(r, w, None, a, b, operands), operands)
+  du = _dot(t["p_rb"], dy, operands, ta=True) + _dot(t["b_bar"], ds, operands, tb=True)
+  dx = _dot(_unit_lower_inverse(t["m_ab"]), du, ta=True)
+  return _dot(dy, t["r_hat"], operands, ta=True) + _dot(dx, t["a_hat"], operands, ta=True) + ds * t["decay_total"]
 
 
 def _value_block_backward(t, solve, s0, v, dy, ds, operands):
@@ -156,9 +192,11 @@ def _value_block_backward(t, solve, s0, v, dy, ds, operands):
 
 
 def _decayed_to_end(t, operands):
-  """B̄ = B̌ e^{g_L} and K̄ = Ǩ e^{g_L} in the operands' dtype (as a product rounds them), added to the tiles `t`."""
+  """B̄ = B̌ e^{g_L} and K̄ = Ǩ e^{g_L} in the operands' dtype (as a product rounds them), added to the tiles `t`
+  (K̄ only where `t` has Ǩ)."""
   for name, base in (("b_bar", "b_chk"), ("k_bar", "k_chk")):
-    t[name] = (t[base] * t["decay_total"]).astype(operands)
+    if base in t:
+      t[name] = (t[base] * t["decay_total"]).astype(operands)
   return t
 
 
@@ -325,6 +363,37 @@ def _backward_loop_kernel(r_ref, w_ref, k_ref, v_ref, a_ref, b_ref, ckpt_ref, dy
   lax.fori_loop(0, num_chunks, one_chunk, 0)
 
 
+def _end_state_kernel(*refs, chunk, operands, values):
+  """The state after the sequence from the state before it (no y): with `values` refs (w, k, v, a, b, s0, s_out),
+  else (w, a, b, s0, s_out) and v = 0 (the sequence's transition applied to s0)."""
+  if values:
+    w_ref, k_ref, v_ref, a_ref, b_ref, s0_ref, s_out_ref = refs
+  else:
+    (w_ref, a_ref, b_ref, s0_ref, s_out_ref), k_ref, v_ref = refs, None, None
+  num_chunks = w_ref.shape[0] // chunk
+
+  def one_chunk(c, s):
+    rows = _chunk_rows(c, chunk)
+    w, a, b = _load((w_ref, a_ref, b_ref), rows)
+    k, v = _load((k_ref, v_ref), rows) if values else (None, None)
+    return chunk_end_state(s, w, k, v, a, b, operands)
+
+  s_out_ref[...] = lax.fori_loop(0, num_chunks, one_chunk, s0_ref[...].astype(jnp.float32))
+
+
+def _state_gradient_kernel(r_ref, w_ref, a_ref, b_ref, dy_ref, ds_out_ref, ds0_ref, *, chunk, operands):
+  """The gradient of the state before the sequence from dy and the gradient of the state after it: chunks in
+  reverse, carrying dS (`chunk_state_gradient`)."""
+  num_chunks = w_ref.shape[0] // chunk
+
+  def one_chunk(i, ds):  # Last chunk first.
+    rows = _chunk_rows(num_chunks - 1 - i, chunk)
+    r, w, a, b, dy = _load((r_ref, w_ref, a_ref, b_ref, dy_ref), rows)
+    return chunk_state_gradient(r, w, a, b, dy, ds, operands)
+
+  ds0_ref[...] = lax.fori_loop(0, num_chunks, one_chunk, ds_out_ref[...].astype(jnp.float32))
+
+
 def _specs(length, size, block, num_chunks):
   """BlockSpecs over grid (B, H, N / BV): whole [T, N] sequences of one (batch, head), the block's [T, BV] values,
   the block's [BV, N] state rows and its [T / L, BV, N] chunk states."""
@@ -382,7 +451,7 @@ def settings(size: int, operands=jnp.bfloat16) -> dict:
   return dict(SETTINGS[(fitting[0] if fitting else sizes[-1]), item])
 
 
-def _forward(r, w, k, v, a, b, state, *, chunk, block, warps, operands, interpret, checkpoints=True):
+def forward(r, w, k, v, a, b, state, *, chunk, block, warps, operands, interpret, checkpoints=True):
   """(y, chunk states [B, H, T / L, N, N] in the operands' dtype (None when not asked for), final state).
 
   The backward reads the stored states only as product operands (and in one elementwise sum of dw), which are
@@ -405,7 +474,9 @@ def _forward(r, w, k, v, a, b, state, *, chunk, block, warps, operands, interpre
   return (outputs[0], outputs[1], outputs[2]) if checkpoints else (outputs[0], None, outputs[1])
 
 
-def _backward(r, w, k, v, a, b, ckpt, dy, ds_out, *, chunk, block, loop, warps, operands, interpret):
+def backward(r, w, k, v, a, b, ckpt, dy, ds_out, *, chunk, block, loop, warps, operands, interpret):
+  """(dr, dw, dk, dv, da, db in the inputs' dtypes, the entering state's gradient [B, H, N, N] float32) from the
+  inputs, `forward`'s chunk states, dy [B, T, H, N] and ds_out [B, H, N, N] (the final state's gradient)."""
   batch, length, heads, size = r.shape
   num_chunks = length // chunk
   blocks = size // block
@@ -447,6 +518,43 @@ def _backward(r, w, k, v, a, b, ckpt, dy, ds_out, *, chunk, block, loop, warps, 
   return dr, dw, dk, dv, da, db, ds0
 
 
+def end_states(w, k, v, a, b, state, *, chunk, block, warps, operands, interpret):
+  """The state after each sequence [B, H, N, N] float32 from `state` before it, without y (grid (B, H, N / BV)).
+  w, k, v, a, b [B, T, H, N] with T a multiple of `chunk`. With k and v None: the sequences' transitions applied to
+  `state` (v = 0), the kernel named wkv7_chunked_transition; else wkv7_chunked_end_state."""
+  batch, length, heads, size = w.shape
+  values = v is not None
+  seq, seq_block, state_spec, _ = _specs(length, size, block, length // chunk)
+  inputs = (w, k, v, a, b) if values else (w, a, b)
+  return backend.call(
+      functools.partial(_end_state_kernel, chunk=chunk, operands=operands, values=values),
+      out_shape=jax.ShapeDtypeStruct((batch, heads, size, size), jnp.float32),
+      grid=(batch, heads, size // block),
+      in_specs=([seq, seq, seq_block, seq, seq] if values else [seq] * 3) + [state_spec],
+      out_specs=state_spec,
+      num_warps=warps,
+      interpret=interpret,
+      name="wkv7_chunked_end_state" if values else "wkv7_chunked_transition",
+  )(*inputs, state)
+
+
+def state_gradients(r, w, a, b, dy, ds_out, *, chunk, block, warps, operands, interpret):
+  """The gradient of the state before each sequence [B, H, N, N] float32, given dy [B, T, H, N] and ds_out
+  [B, H, N, N] (the gradient of the state after it), without the inputs' gradients (grid (B, H, N / BV))."""
+  batch, length, heads, size = r.shape
+  seq, seq_block, state_spec, _ = _specs(length, size, block, length // chunk)
+  return backend.call(
+      functools.partial(_state_gradient_kernel, chunk=chunk, operands=operands),
+      out_shape=jax.ShapeDtypeStruct((batch, heads, size, size), jnp.float32),
+      grid=(batch, heads, size // block),
+      in_specs=[seq] * 4 + [seq_block, state_spec],
+      out_specs=state_spec,
+      num_warps=warps,
+      interpret=interpret,
+      name="wkv7_chunked_state_gradient",
+  )(r, w, a, b, dy, ds_out)
+
+
 # Both WKV-7 backends that use Pallas name themselves: impl='pallas_chunked' runs the sequential kernels too.
 _SECOND_ORDER = ("wkv7: impl='pallas' and impl='pallas_chunked' (the Pallas WKV-7 kernels) have no second "
                  "derivative; impl='scan' and impl='chunked' are differentiable to any order")
@@ -457,7 +565,7 @@ def _fused(chunk: int, forward_block: int, backward_block: int, backward_loop: b
            backward_warps: int, operands: str, interpret: bool | None, optimize_remat: bool):
   """The custom_vjp function for one static configuration (inputs' T must be a multiple of `chunk`)."""
   operands = jnp.dtype(operands)
-  fwd = functools.partial(_forward, chunk=chunk, block=forward_block, warps=forward_warps, operands=operands,
+  fwd = functools.partial(forward, chunk=chunk, block=forward_block, warps=forward_warps, operands=operands,
                           interpret=interpret)
 
   @jax.custom_vjp
@@ -474,7 +582,7 @@ def _fused(chunk: int, forward_block: int, backward_block: int, backward_loop: b
     residuals, cotangents = backend.first_order_only(_SECOND_ORDER, residuals, cotangents)
     *inputs, ckpt = residuals
     dy, ds_out = cotangents
-    return _backward(*inputs, ckpt, dy.astype(inputs[3].dtype), ds_out.astype(jnp.float32), chunk=chunk,
+    return backward(*inputs, ckpt, dy.astype(inputs[3].dtype), ds_out.astype(jnp.float32), chunk=chunk,
                      block=backward_block, loop=backward_loop, warps=backward_warps, operands=operands,
                      interpret=interpret)
 
@@ -488,6 +596,19 @@ def _power_of_two(name: str, value: int, low: int) -> int:
   if value < low or value & (value - 1):
     raise ValueError(f"wkv7_chunked: {name} must be a power of two >= {low}, got {value}")
   return value
+
+
+def launch_settings(size: int, operands, **given) -> dict:
+  """`settings(size, operands)` with the entries of `given` that are not None in their place (chunk, forward_block,
+  backward_block, backward_loop, forward_warps, backward_warps), checked: N, the chunk and the blocks powers of two,
+  blocks at most N. Raises ValueError naming a bad one."""
+  chosen = settings(size, operands)
+  chosen.update({key: value for key, value in given.items() if value is not None})
+  _power_of_two("N", size, 1)
+  _power_of_two("chunk", chosen["chunk"], 2)
+  for key in ("forward_block", "backward_block"):
+    chosen[key] = min(_power_of_two(key, chosen[key], 1), size)
+  return chosen
 
 
 def wkv7(
@@ -534,14 +655,8 @@ def wkv7(
   """
   batch, length, heads, size = r.shape
   operands = operand_dtype(r.dtype) if operands is None else jnp.dtype(operands)
-  chosen = settings(size, operands)
-  given = dict(chunk=chunk, forward_block=forward_block, backward_block=backward_block, backward_loop=backward_loop,
-               forward_warps=forward_warps, backward_warps=backward_warps)
-  chosen.update({key: value for key, value in given.items() if value is not None})
-  _power_of_two("N", size, 1)
-  _power_of_two("chunk", chosen["chunk"], 2)
-  for key in ("forward_block", "backward_block"):
-    chosen[key] = min(_power_of_two(key, chosen[key], 1), size)
+  chosen = launch_settings(size, operands, chunk=chunk, forward_block=forward_block, backward_block=backward_block,
+                           backward_loop=backward_loop, forward_warps=forward_warps, backward_warps=backward_warps)
   chunk = chosen["chunk"]
   pad = -length % chunk
   if pad:  # Zero tokens are identity steps (e^0 = 1, no rank-1 terms) and read out y = 0; sliced off below.

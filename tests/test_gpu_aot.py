@@ -2,9 +2,9 @@
 
 The case list is checked here in the main venv (every case traces against the kernels as they are). The compile
 itself runs in .venv-aot, which holds the CUDA plugin and ptxas (the Makefile builds it; `make test` tries to): the
-kernel cases but those in `aot_cases.SUITE_LEAVES_OUT` (variants of in-suite cases) and both controls, about 40 s on
-2 cores. The model cases (whole train steps and generation) and the variants run in `make gpu-aot` only, to keep the
-suite within its time budget.
+kernel cases but those in `aot_cases.SUITE_LEAVES_OUT` (variants of in-suite cases) and both controls, about a
+minute on 2 cores. The model cases (whole train steps and generation) and the variants run in `make gpu-aot` only,
+to keep the suite within its time budget.
 """
 
 from __future__ import annotations

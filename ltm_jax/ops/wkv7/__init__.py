@@ -10,8 +10,10 @@ RWKV-7 passes a = -kk and b = kk·a_lr with kk a unit key per head and a_lr in (
 diag(e^w) + a b^T contractive; the op itself accepts any a, b. Accumulation is float32 whatever the input dtype.
 
 Backends: "scan" (the sequential reference), "chunked" (exact chunked WY form in pure JAX, autodiff), "pallas"
-(fused sequential forward and backward kernels, `pallas/wkv7.py`) and "pallas_chunked" (the chunked WY form as
-tensor-core kernels, `pallas/wkv7_chunked.py`, with the sequential kernels for decays beyond its range).
+(fused sequential forward and backward kernels, `pallas/wkv7.py`), "pallas_chunked" (the chunked WY form as
+tensor-core kernels, `pallas/wkv7_chunked.py`, with the sequential kernels for decays beyond its range) and
+"pallas_segmented" (the chunked kernels parallel over time, `pallas/wkv7_segmented.py`, for few rows and heads over
+long sequences; "pallas_chunked" at the shapes its rule leaves alone, `pallas_segmented.segments`).
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ from ltm_jax.ops import backend, sharding
 from ltm_jax.ops.wkv7 import chunked
 from ltm_jax.ops.wkv7 import pallas
 from ltm_jax.ops.wkv7 import pallas_chunked
+from ltm_jax.ops.wkv7 import pallas_segmented
 from ltm_jax.ops.wkv7 import scan
 
 # The first entry is the reference.
-AVAILABLE = ("scan", "chunked", "pallas", "pallas_chunked")
-_BACKENDS = {"scan": scan.wkv7, "chunked": chunked.wkv7, "pallas": pallas.wkv7, "pallas_chunked": pallas_chunked.wkv7}
+AVAILABLE = ("scan", "chunked", "pallas", "pallas_chunked", "pallas_segmented")
+_BACKENDS = {"scan": scan.wkv7, "chunked": chunked.wkv7, "pallas": pallas.wkv7, "pallas_chunked": pallas_chunked.wkv7,
+             "pallas_segmented": pallas_segmented.wkv7}
 
 # Fastest backend per platform for training-like shapes, forward+backward under jit, as measured by
 # `python benchmarks/wkv7.py` (benchmarks/results/wkv7-<device>.json). cpu: scan, 1.2-2.6x faster than chunked
@@ -37,6 +41,9 @@ _BACKENDS = {"scan": scan.wkv7, "chunked": chunked.wkv7, "pallas": pallas.wkv7, 
 # forward (the chunked form's pairwise decays cost L·N exponentials per token). gpu: pallas_chunked, the fastest of
 # ours at every measured shape on one H100 (bfloat16, forward+backward): 12.3 ms against the sequential kernels'
 # 75.6 at (8, 4096, 4096, 64), 92.4 against 159 at N=128, 25.2 against 223 at (1, 32768, 4096, 64).
+# "pallas_segmented" differs from it only where few rows and heads walk a long sequence (B·H·N/BV programs below the
+# SM count, `pallas_segmented.segments`); it is not in the table until an H100 has timed it at (1, 32768, 4096, 64)
+# (`python benchmarks/wkv7.py --impls pallas_chunked pallas_segmented`): its estimate is in docs/kernels.md.
 AUTO = {"cpu": "scan", "gpu": "pallas_chunked"}
 
 _NAMES = ("r", "w", "k", "v", "a", "b")
