@@ -30,6 +30,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import signal
@@ -130,28 +131,31 @@ def _free_port() -> int:
 
 @dataclasses.dataclass
 class Server:
-  """A running `ltm serve`: its URL, its start-up line, its exit status once stopped (None before), and the last
-  lines it wrote on stderr after start-up."""
+  """A running `ltm serve`: its URL, its start-up line, its process id, its exit status once stopped (None before),
+  and the last lines it wrote on stderr after start-up."""
   url: str
   ready: str
+  pid: int
   exit: int | None = None
   log: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=50))
 
 
 @contextlib.contextmanager
-def running_server(workdir: str, *options: str, env: dict | None = None):
+def running_server(workdir: str, *options: str, env: dict | None = None, cpus: set[int] | None = None):
   """`ltm serve --workdir workdir *options` as its own process on a free port of 127.0.0.1, yielded as a `Server`
   once it answers /health; stopped with SIGTERM on exit (its exit status recorded). Its stderr is read on a thread
-  so the server never blocks on a full pipe."""
+  so the server never blocks on a full pipe. `cpus`: the only CPUs it may run on (Linux), set before it starts, so
+  its threads, XLA's included, inherit them."""
   port = _free_port()
+  pin = None if cpus is None else functools.partial(os.sched_setaffinity, 0, cpus)
   process = subprocess.Popen([sys.executable, "-m", "ltm_jax", "serve", "--workdir", workdir, "--port", str(port),
-                              *options], cwd=ROOT, stderr=subprocess.PIPE, text=True, env=env)
+                              *options], cwd=ROOT, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=pin)
   server = None
   try:
     ready = next((line for line in process.stderr if "serving" in line), "")
     if "programs compiled" not in ready:
       raise SystemExit(f"the server did not start: {ready}")
-    server = Server(f"http://127.0.0.1:{port}", ready.strip())
+    server = Server(f"http://127.0.0.1:{port}", ready.strip(), process.pid)
     threading.Thread(target=server.log.extend, args=(process.stderr,), daemon=True).start()
     for _ in range(600):
       try:

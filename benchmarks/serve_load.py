@@ -178,6 +178,10 @@ def summarise(name: str, records: list[dict]) -> dict:
 
 
 _METRIC = re.compile(r'^ltm_(requests|finished_requests)_total\{(?:status|reason)="([^"]+)"\} (\S+)$', re.M)
+# The server's time accounts: decode chunks (their seconds and steps) and admissions between them.
+_TIMES = ("ltm_decode_chunk_seconds_sum", "ltm_decode_chunk_seconds_count", "ltm_decode_steps_total",
+          "ltm_admission_seconds_sum", "ltm_admission_seconds_count")
+_TIME = re.compile(rf'^({"|".join(_TIMES)}) (\S+)$', re.M)
 
 
 def server_counts(url: str) -> dict:
@@ -188,13 +192,38 @@ def server_counts(url: str) -> dict:
       break
     time.sleep(0.05)
   counts = {"requests": collections.Counter(), "finished": collections.Counter()}
-  for kind, label, value in _METRIC.findall(httpx.get(url + "/metrics").text):
+  text = httpx.get(url + "/metrics").text
+  for kind, label, value in _METRIC.findall(text):
     counts["requests" if kind == "requests" else "finished"][label] += int(float(value))
+  counts["times"] = {name: float(value) for name, value in _TIME.findall(text)}
   return counts
 
 
 def server_delta(before: dict, after: dict) -> dict:
-  return {kind: {k: v for k, v in (after[kind] - before[kind]).items() if v} for kind in after}
+  return {kind: {k: v for k, v in (after[kind] - before[kind]).items() if v} for kind in ("requests", "finished")}
+
+
+def process_cpu_seconds(pid: int) -> float:
+  """User + system CPU seconds of process `pid` and all its threads so far (Linux: /proc/PID/stat)."""
+  with open(f"/proc/{pid}/stat") as f:
+    fields = f.read().rsplit(")", 1)[1].split()
+  return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def where_time_went(wall: float, server_cpu: float, client_cpu: float, before: dict, after: dict) -> dict:
+  """A phase's time accounts: CPU the server and the client (this process) used, in cores over the phase's wall time;
+  the server's mean decode step (its chunks' seconds over their steps) and the shares of wall time its decode chunks
+  and admissions took."""
+  d = {name: after["times"].get(name, 0.0) - before["times"].get(name, 0.0) for name in _TIMES}
+  steps = d["ltm_decode_steps_total"]
+  return {"wall_s": round(wall, 2), "server_cores": server_cpu / wall, "client_cores": client_cpu / wall,
+          "decode_steps": int(steps),
+          "decode_step_ms": d["ltm_decode_chunk_seconds_sum"] / steps * 1e3 if steps else None,
+          "decode_share": d["ltm_decode_chunk_seconds_sum"] / wall,
+          "admissions": int(d["ltm_admission_seconds_count"]),
+          "admission_ms_mean": (d["ltm_admission_seconds_sum"] / d["ltm_admission_seconds_count"] * 1e3
+                                if d["ltm_admission_seconds_count"] else None),
+          "admission_share": d["ltm_admission_seconds_sum"] / wall}
 
 
 def agrees(row: dict, records: list[dict], delta: dict) -> bool:
@@ -204,11 +233,16 @@ def agrees(row: dict, records: list[dict], delta: dict) -> bool:
   return dict(statuses) == delta["requests"] and finished == row["completed"]
 
 
-def _run_phase(name: str, url: str, model: str, bodies, arrivals, streams, window, drain) -> dict:
+def _run_phase(name: str, server, model: str, bodies, arrivals, streams, window, drain) -> dict:
+  url = server.url
   before = server_counts(url)
-  records, _ = asyncio.run(_phase(url, model, bodies, arrivals, streams, window, drain))
+  server_cpu, client_cpu = process_cpu_seconds(server.pid), time.process_time()
+  records, wall = asyncio.run(_phase(url, model, bodies, arrivals, streams, window, drain))
+  server_cpu, client_cpu = process_cpu_seconds(server.pid) - server_cpu, time.process_time() - client_cpu
   row = summarise(name, records)
-  row["server"] = server_delta(before, server_counts(url))
+  after = server_counts(url)
+  row["server"] = server_delta(before, after)
+  row["time"] = where_time_went(wall, server_cpu, client_cpu, before, after)
   row["server_agrees"] = agrees(row, records, row["server"])
   print(f"{name}: {row['completed']}/{row['requests']} completed, {row['tokens_per_s']:.1f} tokens/s, "
         f"server agrees: {row['server_agrees']}", flush=True)
@@ -323,6 +357,9 @@ def main() -> None:
   p.add_argument("--prefill-chunk", type=int, default=128)
   p.add_argument("--stream-per-chunk", action="store_true",
                  help="the servers hand text out per decode chunk, not per step (ltm serve --stream-per-chunk)")
+  p.add_argument("--pin", action="store_true",
+                 help="the servers run on CPU 0 only and this client on the other CPUs (Linux), so that the client's "
+                      "work does not slow the server's steps")
   p.add_argument("--name", default=None,
                  help="results file: benchmarks/results/NAME-<device>.json (default serve-load, or serve-load-quick)")
   args = p.parse_args()
@@ -338,27 +375,34 @@ def main() -> None:
   lone = [{**lone_body, "seed": i} for i in range(args.lone)]
   options = ["--max-batch", str(args.max_batch), "--chunk", str(args.chunk), "--prefill-chunk", str(args.prefill_chunk)]
   options += ["--stream-per-chunk"] if args.stream_per_chunk else []
+  server_cpus = None
+  if args.pin:
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+      raise SystemExit(f"--pin needs at least 2 CPUs; this process may use {len(cpus)}")
+    server_cpus = {cpus[0]}
+    os.sched_setaffinity(0, cpus[1:])
   load_before, began = os.getloadavg(), time.perf_counter()
   with tempfile.TemporaryDirectory() as tmp:
     workdir = _workdir(os.path.join(tmp, "workdir"), overrides)
     cache_given = "JAX_COMPILATION_CACHE_DIR" in os.environ  # Then the first server may load programs too.
     env = {**os.environ, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
     env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tmp, "compilation-cache"))
-    with running_server(workdir, *options, env=env) as server:
+    with running_server(workdir, *options, env=env, cpus=server_cpus) as server:
       print(server.ready, flush=True)
       model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
-      _run_phase("warm-up", server.url, model, bodies[:2], [0.0, 0.0], 2, 0.0, args.drain)
-      rows = [_run_phase("lone", server.url, model, lone, [0.0] * len(lone), 1, 0.0, args.drain),
-              _run_phase("sequential", server.url, model, bodies[:args.sequential], [0.0] * args.sequential, 1, 0.0,
+      _run_phase("warm-up", server, model, bodies[:2], [0.0, 0.0], 2, 0.0, args.drain)
+      rows = [_run_phase("lone", server, model, lone, [0.0] * len(lone), 1, 0.0, args.drain),
+              _run_phase("sequential", server, model, bodies[:args.sequential], [0.0] * args.sequential, 1, 0.0,
                          args.drain),
-              _run_phase("continuous", server.url, model, bodies[:args.requests], arrivals, args.streams,
+              _run_phase("continuous", server, model, bodies[:args.requests], arrivals, args.streams,
                          args.seconds, args.drain)]
       malformed = malformed_phase(server.url, model, args.malformed)
     continuous_server = {"ready": server.ready, "exit": server.exit, "log_tail": list(server.log)[-5:]}
-    with running_server(workdir, *options, "--static-batches", env=env) as server:
+    with running_server(workdir, *options, "--static-batches", env=env, cpus=server_cpus) as server:
       print(server.ready, flush=True)
-      _run_phase("warm-up", server.url, model, bodies[:2], [0.0, 0.0], 2, 0.0, args.drain)
-      rows.append(_run_phase("static", server.url, model, bodies[:args.requests], arrivals, args.streams,
+      _run_phase("warm-up", server, model, bodies[:2], [0.0, 0.0], 2, 0.0, args.drain)
+      rows.append(_run_phase("static", server, model, bodies[:args.requests], arrivals, args.streams,
                              args.seconds, args.drain))
     static_server = {"ready": server.ready, "exit": server.exit, "log_tail": list(server.log)[-5:]}
   lone_tpot, sequential = rows[0]["tpot_p50_ms"], rows[1]["tokens_per_s"]
@@ -371,6 +415,9 @@ def main() -> None:
   print_table(rows, ["phase", "requests", "completed", "refused", "failed", "cut", "not_sent", "lost", "tokens",
                      "seconds", "tokens_per_s", "vs_sequential", "streams_mean", "ttft_p50_ms", "ttft_p99_ms",
                      "tpot_requests", "tpot_p50_ms", "tpot_p99_ms", "tpot_p99_vs_lone", "server_agrees"])
+  print_table([{"phase": row["phase"], **row["time"]} for row in rows],
+              ["phase", "wall_s", "server_cores", "client_cores", "decode_steps", "decode_step_ms", "decode_share",
+               "admissions", "admission_ms_mean", "admission_share"])
   print(f"lone request TPOT (median of {args.lone}): {lone_tpot:.3f} ms")
   print(f"goal: continuous throughput >= 4x sequential: {continuous['vs_sequential']:.2f}x, "
         f"{'met' if goals['throughput_4x_sequential'] else 'NOT met'}")
@@ -385,6 +432,7 @@ def main() -> None:
       requests=args.requests, rate=args.rate, seconds=args.seconds, drain=args.drain, sequential=args.sequential,
       lone=args.lone, max_batch=args.max_batch, chunk=args.chunk, prefill_chunk=args.prefill_chunk,
       stream_per_chunk=args.stream_per_chunk,
+      pinned={"server": sorted(server_cpus), "client": sorted(os.sched_getaffinity(0))} if args.pin else None,
       prompt_bytes=[4, max_prompt], max_tokens=list(max_tokens), lone_prompt_bytes=LONE_PROMPT,
       lone_tpot_ms=lone_tpot, goals=goals, malformed=malformed, continuous_server=continuous_server,
       static_server=static_server, compilation_cache_given=cache_given, load_average_before=list(load_before),

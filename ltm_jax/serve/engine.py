@@ -297,7 +297,7 @@ class Engine:
       self._feed_lanes({})
       self._place({})
     self._decode(np.zeros(self.max_batch, bool))
-    jax.block_until_ready(self._slots)
+    jax.block_until_ready((self._slots, self._lanes))
     self.compile_seconds = time.monotonic() - started
     self.metrics.slots.set(self.max_batch)
     self.metrics.programs.set(self.programs)
@@ -360,12 +360,8 @@ class Engine:
             self._cv.wait(max(deadline - time.monotonic(), 0))
         admitted, pieces = self._take_waiting()
       try:
-        self._admit(admitted)
-        if pieces:
-          self._feed_lanes(pieces)
-          fed = self._fed()
-          if fed:
-            self._place(fed)
+        if admitted or pieces:
+          self._prefill(admitted, pieces)
         if self.occupancy:
           self._run_chunk()
       except Exception as error:  # A failed device call: end what was in flight, start over with fresh rows.
@@ -417,6 +413,19 @@ class Engine:
           done[lane], self._lane_rows[lane] = row_index, None
           self._rows[row_index].lane = None
       return done
+
+  def _prefill(self, admitted: list[tuple[int, Request]], pieces: dict[int, tuple[np.ndarray, bool]]) -> None:
+    """Prefills whole prompts into their rows and feeds the prefill lanes their next pieces (placing the prompts fed
+    whole), timed until the slots are ready: the time every decoding row waits for it."""
+    started = time.monotonic()
+    self._admit(admitted)
+    if pieces:
+      self._feed_lanes(pieces)
+      fed = self._fed()
+      if fed:
+        self._place(fed)
+    jax.block_until_ready((self._slots, self._lanes))
+    self.metrics.admission_seconds.observe(time.monotonic() - started)
 
   def _admit(self, admitted: list[tuple[int, Request]]) -> None:
     """Prefills the admitted requests into their rows, in groups of one length bucket and group size."""
@@ -501,6 +510,7 @@ class Engine:
       self._drain_steps()
     now = time.monotonic()
     self.metrics.chunk_seconds.observe(now - started)
+    self.metrics.steps.inc(count)
     stamps = started + (now - started) / max(count, 1) * np.arange(1, count + 1)  # Per-chunk hand-out only.
     with self._cv:
       for i, row in enumerate(self._rows):

@@ -9,8 +9,9 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 
 
 class ServerMetrics:
-  """Requests by HTTP status, prompts by finish reason, prompt and generated tokens, batch occupancy and slots, queue
-  depth, compiled programs, and histograms of time to first token, per-token latency and decode chunk time."""
+  """Requests by HTTP status, prompts by finish reason, prompt and generated tokens, decode steps, batch occupancy and
+  slots, queue depth, compiled programs, and histograms of time to first token, per-token latency, decode chunk time
+  and admission time."""
 
   def __init__(self):
     self.registry = prom.CollectorRegistry()
@@ -20,6 +21,8 @@ class ServerMetrics:
     self.finished = prom.Counter("ltm_finished_requests", "Prompts that finished, by reason (stop, length, "
                                  "cancelled, error)", ["reason"], registry=r)
     self.tokens = prom.Counter("ltm_generated_tokens", "Tokens generated", registry=r)
+    self.steps = prom.Counter("ltm_decode_steps", "Decode steps run (every decoding row draws at most one token a "
+                              "step)", registry=r)
     self.prompt_tokens = prom.Counter("ltm_prompt_tokens", "Prompt tokens of finished requests", registry=r)
     self.occupancy = prom.Gauge("ltm_batch_occupancy", "Decoding rows in use in the latest chunk", registry=r)
     self.slots = prom.Gauge("ltm_batch_slots", "Decoding rows (the decode batch)", registry=r)
@@ -34,6 +37,9 @@ class ServerMetrics:
                                buckets=LATENCY_BUCKETS, registry=r)
     self.chunk_seconds = prom.Histogram("ltm_decode_chunk_seconds", "One on-device loop of decode steps",
                                         buckets=LATENCY_BUCKETS, registry=r)
+    self.admission_seconds = prom.Histogram(
+        "ltm_admission_seconds", "Prefill between decode chunks: one round's admit, feed_lanes and place calls, until "
+        "their results are ready", buckets=LATENCY_BUCKETS, registry=r)
 
   def render(self) -> tuple[bytes, str]:
     """(the Prometheus text exposition, its content type)."""

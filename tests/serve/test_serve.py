@@ -374,7 +374,8 @@ def test_metrics_count_what_the_answers_say(server, client):
   names = ('ltm_requests_total{status="200"}', "ltm_generated_tokens_total", "ltm_prompt_tokens_total",
            'ltm_finished_requests_total{reason="length"}', "ltm_time_per_output_token_seconds_count",
            "ltm_time_per_output_token_seconds_sum", "ltm_decode_chunk_seconds_count", "ltm_decode_chunk_seconds_sum",
-           "ltm_time_to_first_token_seconds_count")
+           "ltm_time_to_first_token_seconds_count", "ltm_decode_steps_total", "ltm_admission_seconds_count",
+           "ltm_admission_seconds_sum")
   before = {name: _metric(client, name) for name in names}
   answer = _complete(client, prompt="Hi", max_tokens=8, temperature=0)  # One chunk of 8 steps.
   delta = {name: _metric(client, name) - before[name] for name in names}
@@ -385,6 +386,8 @@ def test_metrics_count_what_the_answers_say(server, client):
   assert delta['ltm_finished_requests_total{reason="length"}'] == 1
   assert delta["ltm_time_to_first_token_seconds_count"] == 1
   assert delta["ltm_decode_chunk_seconds_count"] == 1 and delta["ltm_time_per_output_token_seconds_count"] == 1
+  assert delta["ltm_decode_steps_total"] == 8
+  assert delta["ltm_admission_seconds_count"] == 1 and delta["ltm_admission_seconds_sum"] > 0
   # Eight tokens streamed from one chunk are timed as each reached the host: their 7 gaps lie within the chunk
   # (0 if the tokens were timed when the chunk handed them out together).
   assert 0 < delta["ltm_time_per_output_token_seconds_sum"] <= delta["ltm_decode_chunk_seconds_sum"] / 7

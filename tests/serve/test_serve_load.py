@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import types
 
 import pytest
@@ -74,6 +75,29 @@ def test_a_phase_accounts_for_every_request_and_checks_the_servers_counts():
   assert not serve_load.agrees(row, records, {**server, "finished": {"stop": 1}})  # A completion it missed.
 
 
+def test_a_phases_time_accounts_come_from_the_servers_counters():
+  before = {"times": {"ltm_decode_chunk_seconds_sum": 1.0, "ltm_decode_chunk_seconds_count": 2.0,
+                      "ltm_decode_steps_total": 32.0, "ltm_admission_seconds_sum": 0.5,
+                      "ltm_admission_seconds_count": 1.0}}
+  after = {"times": {"ltm_decode_chunk_seconds_sum": 4.0, "ltm_decode_chunk_seconds_count": 8.0,
+                     "ltm_decode_steps_total": 92.0, "ltm_admission_seconds_sum": 2.5,
+                     "ltm_admission_seconds_count": 5.0}}
+  time_ = serve_load.where_time_went(10.0, 12.0, 5.0, before, after)
+  assert time_["server_cores"] == 1.2 and time_["client_cores"] == 0.5 and time_["decode_steps"] == 60
+  assert time_["decode_step_ms"] == pytest.approx(50.0) and time_["decode_share"] == pytest.approx(0.3)
+  assert time_["admissions"] == 4 and time_["admission_ms_mean"] == pytest.approx(500.0)
+  assert time_["admission_share"] == pytest.approx(0.2)
+
+
+def test_process_cpu_seconds_agree_with_the_processes_own_clock():
+  """Linux only (/proc): this process's CPU time read from /proc agrees with time.process_time() over a busy loop."""
+  proc, own = serve_load.process_cpu_seconds(os.getpid()), time.process_time()
+  while time.process_time() - own < 0.3:
+    pass
+  busy = time.process_time() - own
+  assert serve_load.process_cpu_seconds(os.getpid()) - proc == pytest.approx(busy, abs=0.05)
+
+
 @pytest.mark.slow
 def test_quick_run_loses_no_request_and_survives_the_malformed_ones(tmp_path):
   env = {**os.environ, "LTM_BENCH_RESULTS": str(tmp_path)}
@@ -89,6 +113,7 @@ def test_quick_run_loses_no_request_and_survives_the_malformed_ones(tmp_path):
     assert counted == row["requests"] and row["lost"] == 0, row
     assert row["completed"] == row["requests"] and row["server_agrees"], row
     assert row["tpot_requests"] >= 1 and row["tokens"] > 0, row
+    assert row["time"]["decode_steps"] > 0 and row["time"]["admissions"] > 0 and row["time"]["server_cores"] > 0, row
   assert rows["continuous"]["requests"] == rows["static"]["requests"] == config["requests"]
   assert rows["sequential"]["requests"] == config["sequential"] and rows["lone"]["requests"] == config["lone"]
   malformed = config["malformed"]
