@@ -2,7 +2,7 @@
 the same requests one at a time and a lone request; then malformed requests, each of which must get a 4xx.
 
   python benchmarks/serve_load.py            # the tiny config (context 256), 64 streams: about 4 minutes on 2 cores
-  python benchmarks/serve_load.py --quick    # a micro model, 8 streams, 100 malformed requests: proves the script
+  python benchmarks/serve_load.py --quick    # micro model, 4 rows, 8 streams, 100 malformed requests: proves the script
 
 Model and servers: the tiny config's architecture at its initialisation (as in benchmarks/serve.py; speed does not
 depend on the weights), served by `ltm serve --max-batch 64 --chunk 16 --prefill-chunk 128` in its own process on
@@ -341,7 +341,7 @@ def malformed_phase(url: str, model: str, count: int) -> dict:
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--quick", action="store_true",
-                 help="a micro model, 8 streams, 48 requests, 100 malformed requests (seconds, not minutes)")
+                 help="a micro model on 4 rows, 8 streams, 48 requests, 100 malformed requests (seconds, not minutes)")
   p.add_argument("--streams", type=int, default=64, help="streams open at once at most (default 64)")
   p.add_argument("--requests", type=int, default=384, help="requests in the continuous and static phases")
   p.add_argument("--rate", type=float, default=100.0,
@@ -368,7 +368,9 @@ def main() -> None:
     overrides = ["model.d_model=32", "model.n_layers=2", "model.max_seq_len=128"]
     max_prompt, max_tokens = 40, (4, 40)
     args.streams, args.requests, args.rate, args.sequential, args.lone, args.malformed = 8, 48, 50.0, 8, 2, 100
-    args.max_batch, args.chunk, args.prefill_chunk = 8, 8, 32
+    # 4 rows under 8 streams (the continuous phase queues), prompts over 16 tokens fed in pieces: 5 programs
+    # to compile (admit for groups of 1 and 4 at one length bucket, decode, feed, place), the same code paths.
+    args.max_batch, args.chunk, args.prefill_chunk = 4, 8, 16
   bodies = _requests(max(args.requests, args.sequential), max_prompt, max_tokens)
   arrivals = np.cumsum(np.random.default_rng(1).exponential(1 / args.rate, args.requests)).tolist()
   lone_body = {**_requests(1, 4, (max_tokens[1], max_tokens[1]))[0], "prompt": LONE_TEXT[:LONE_PROMPT]}
