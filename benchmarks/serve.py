@@ -30,7 +30,6 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
-import functools
 import json
 import os
 import signal
@@ -144,12 +143,18 @@ class Server:
 def running_server(workdir: str, *options: str, env: dict | None = None, cpus: set[int] | None = None):
   """`ltm serve --workdir workdir *options` as its own process on a free port of 127.0.0.1, yielded as a `Server`
   once it answers /health; stopped with SIGTERM on exit (its exit status recorded). Its stderr is read on a thread
-  so the server never blocks on a full pipe. `cpus`: the only CPUs it may run on (Linux), set before it starts, so
-  its threads, XLA's included, inherit them."""
+  so the server never blocks on a full pipe. `cpus`: the only CPUs it may run on (Linux): the calling thread takes
+  them while it starts the process, which inherits them (its threads, XLA's included, too)."""
   port = _free_port()
-  pin = None if cpus is None else functools.partial(os.sched_setaffinity, 0, cpus)
-  process = subprocess.Popen([sys.executable, "-m", "ltm_jax", "serve", "--workdir", workdir, "--port", str(port),
-                              *options], cwd=ROOT, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=pin)
+  own = None if cpus is None else os.sched_getaffinity(0)
+  if cpus is not None:
+    os.sched_setaffinity(0, cpus)
+  try:
+    process = subprocess.Popen([sys.executable, "-m", "ltm_jax", "serve", "--workdir", workdir, "--port", str(port),
+                                *options], cwd=ROOT, stderr=subprocess.PIPE, text=True, env=env)
+  finally:
+    if own is not None:
+      os.sched_setaffinity(0, own)
   server = None
   try:
     ready = next((line for line in process.stderr if "serving" in line), "")
