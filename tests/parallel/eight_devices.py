@@ -77,9 +77,8 @@ def equivalence(mesh_names: str):
   host_state = jax.device_get(host_state)
   batch = _batch(base)
   one = jax.devices()[0]
-  with without_expensive_passes():  # The reference's values only: the sharded steps, whose HLO is read, keep them.
-    ref_loss, ref_grads, ref_params, _, _ = _gradients(base, jax.device_put(host_state, one),
-                                                       jax.device_put(batch, one))
+  ref_loss, ref_grads, ref_params, _, _ = _gradients(base, jax.device_put(host_state, one),
+                                                     jax.device_put(batch, one))
   out["grad_scale"] = max(float(np.max(np.abs(g))) for g in jax.tree.leaves(ref_grads))
   micro = base.train.batch_size // base.train.grad_accum
   for name in mesh_names.split(","):
@@ -211,9 +210,8 @@ def kernels_under_mesh():
     ref = grad(*args)
     placed = [jax.device_put(x, s) for x, s in zip(args, shardings)]
     with layout.activate():
-      compiled = grad.lower(*placed).compile()  # Compiled once: run, and its HLO inspected.
-      got = compiled(*placed)
-      hlo = compiled.as_text()
+      got = grad(*placed)
+      hlo = grad.lower(*placed).compile().as_text()
     out[name] = {"diff": _max_diff(got, ref), "all_gathers": hlo.count("all-gather")}
     if without_hook:  # The mesh without the ops' rules: the hook is off and XLA partitions the kernel alone.
       with jax.set_mesh(layout.mesh):
