@@ -599,9 +599,7 @@ def wkv4(
     w, u: [C] log-decay (negative) and current-token bonus.
     k, v: [B, T, C] keys and values, float32, bfloat16 or float16; any T >= 1 and C (padded inside).
     state: (num, den, max), each [B, C] float32: a = num·e^max, b = den·e^max before the first token.
-    chunk: tokens per checkpoint (a power of two): the forward unrolls a chunk's tokens and loads the next chunk's
-      k, v rows ahead (2·chunk registers a thread each), the backward keeps a [chunk, block_c] tile per state
-      variable.
+    chunk: tokens per checkpoint (a power of two): the backward keeps a [chunk, block_c] tile per state variable.
     block_c: channels per program (a power of two; clipped to C rounded up to one).
     parallel: parallelise over T as well; None decides by B·C (see PARALLEL_BELOW).
     interpret: None lets `ltm_pallas.backend` choose (interpret unless on GPU).
