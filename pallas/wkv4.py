@@ -10,10 +10,7 @@ drift by one rounding per token. Arithmetic is float32 whatever the dtype of k a
 
 Kernels (grid over batch rows and blocks of `block_c` channels; time is split into chunks of `chunk` tokens):
   forward:   one pass over T per program, reads k, v; writes y and the state at every chunk boundary
-             (num, den, anchor, n: four [B, T/chunk + 1, C] arrays, the last row the final state). The tokens of a
-             chunk are unrolled over [block_c] rows loaded straight from the refs, and the next chunk's 2·chunk rows
-             are loaded before the current chunk is computed: each thread (one channel) has a chunk of loads in
-             flight instead of waiting one memory latency per token.
+             (num, den, anchor, n: four [B, T/chunk + 1, C] arrays, the last row the final state).
   forward primal: the same pass writing y and the final state only (four [B, C] arrays). It is the custom_vjp's
              primal: inference, and the forward pass under jax.checkpoint, where the backward's recomputation runs
              the checkpointing forward (`optimize_remat`; jax#21303: otherwise both would write checkpoints).
@@ -34,8 +31,8 @@ and 11 bytes.
 Lowering: through `ltm_pallas.backend.call`, i.e. Triton on GPU (jax 0.10.2 and 0.11.x; the Triton backend is deprecated
 from 0.11 and `pallas/backend.py` is where a Mosaic GPU or jax-triton path replaces it) and `interpret=True` on CPU.
 Triton constraints honoured here: every loaded or stored value is a power-of-two [block_c] row or [chunk, block_c]
-tile, loops are `lax.fori_loop` (the forward's tokens within a chunk are a Python loop, each a fixed row), and the
-backward selects rows of its register tiles by a one-hot mask (Triton cannot index a register tensor dynamically).
+tile, loops are `lax.fori_loop`, and rows of a register tile are selected by a one-hot mask (Triton cannot index a
+register tensor dynamically).
 """
 
 from __future__ import annotations
@@ -96,35 +93,25 @@ def _scale(anchor, n, w):
 # Forward.
 
 
-def _load_chunk(k_ref, v_ref, row0, chunk):
-  """Rows [row0, row0 + chunk) of k and v as float32 [block_c] rows: (k rows, v rows), `chunk` of each.
+def _run_chunk_forward(c, carry, w, u, k_ref, v_ref, y_ref, *, chunk, length, row0):
+  """Runs tokens [c·chunk, (c+1)·chunk) from `carry` = (num, den, anchor, n); rows past `length` leave it as is.
 
-  The 2·chunk loads are independent of the recurrence and issued together, so a thread has them all in flight at once
-  instead of waiting one memory latency per token.
+  The refs hold the chunk from row `row0` on (0 for a chunk-sized block, c·chunk for the whole sequence).
   """
-  k = tuple(k_ref[row0 + i, :].astype(jnp.float32) for i in range(chunk))
-  v = tuple(v_ref[row0 + i, :].astype(jnp.float32) for i in range(chunk))
-  return k, v
 
-
-def _run_chunk_forward(c, carry, w, u, rows, y_ref, *, chunk, length, row0):
-  """Runs tokens [c·chunk, (c+1)·chunk) from `carry` = (num, den, anchor, n); tokens past `length` leave it as is.
-
-  `rows` are the chunk's k, v rows from `_load_chunk`. The tokens are unrolled (each a fixed row of `rows`); y goes to
-  y_ref (when not None) from row `row0` on (0 for a chunk-sized block, c·chunk for the whole sequence).
-  """
-  masked = length % chunk != 0  # Only then can a chunk hold padding tokens.
-  for i, (k, v) in enumerate(zip(*rows)):
+  def token(i, carry):
     num, den, anchor, n = carry
+    t, row = c * chunk + i, row0 + i
+    k = k_ref[row, :].astype(jnp.float32)
+    v = v_ref[row, :].astype(jnp.float32)
     if y_ref is not None:
       y, *_ = _token_output(u, k, v, num, den, _scale(anchor, n, w))
-      y_ref[row0 + i, :] = y.astype(y_ref.dtype)
+      y_ref[row, :] = y.astype(y_ref.dtype)
     new = _token_state(w, k, v, num, den, anchor, n)
-    if masked:
-      valid = c * chunk + i < length
-      new = tuple(jnp.where(valid, a, b) for a, b in zip(new, carry))
-    carry = new
-  return carry
+    valid = t < length
+    return tuple(jnp.where(valid, a, b) for a, b in zip(new, carry))
+
+  return jax.lax.fori_loop(0, chunk, token, carry)
 
 
 def _forward_kernel(w_ref, u_ref, k_ref, v_ref, num0_ref, den0_ref, max0_ref, *refs, chunk, length, n_chunks,
@@ -132,23 +119,18 @@ def _forward_kernel(w_ref, u_ref, k_ref, v_ref, num0_ref, den0_ref, max0_ref, *r
   """Grid (B, C/block_c): the whole sequence of one batch row and channel block.
 
   Writes y and the state (num, den, anchor, n): with `checkpoints`, into [T/chunk + 1, block_c] refs at every chunk
-  boundary, the last row the final state; without, the final state only, into [block_c] refs. The k, v rows of the
-  next chunk are loaded before the current chunk is computed (the last chunk reloads itself), so their memory latency
-  overlaps a chunk of arithmetic.
+  boundary, the last row the final state; without, the final state only, into [block_c] refs.
   """
   y_ref, num_ref, den_ref, anchor_ref, n_ref = refs[-5:]  # Leading refs, if any, are poisoned aliases of these.
   w, u = w_ref[...], u_ref[...]
 
   def chunk_body(c, carry):
-    state, rows = carry
     if checkpoints:
-      num_ref[c, :], den_ref[c, :], anchor_ref[c, :], n_ref[c, :] = state
-    ahead = _load_chunk(k_ref, v_ref, jnp.minimum(c + 1, n_chunks - 1) * chunk, chunk)
-    state = _run_chunk_forward(c, state, w, u, rows, y_ref, chunk=chunk, length=length, row0=c * chunk)
-    return state, ahead
+      num_ref[c, :], den_ref[c, :], anchor_ref[c, :], n_ref[c, :] = carry
+    return _run_chunk_forward(c, carry, w, u, k_ref, v_ref, y_ref, chunk=chunk, length=length, row0=c * chunk)
 
   init = (num0_ref[...], den0_ref[...], max0_ref[...], jnp.zeros(w.shape, jnp.int32))
-  final, _ = jax.lax.fori_loop(0, n_chunks, chunk_body, (init, _load_chunk(k_ref, v_ref, 0, chunk)))
+  final = jax.lax.fori_loop(0, n_chunks, chunk_body, init)
   if checkpoints:
     num_ref[n_chunks, :], den_ref[n_chunks, :], anchor_ref[n_chunks, :], n_ref[n_chunks, :] = final
   else:
@@ -162,8 +144,7 @@ def _chunk_summary_kernel(w_ref, k_ref, v_ref, *refs, chunk, length):
   w = w_ref[...]
   empty = (jnp.zeros(w.shape, jnp.float32), jnp.zeros(w.shape, jnp.float32),
            jnp.full(w.shape, EMPTY_MAX, jnp.float32), jnp.zeros(w.shape, jnp.int32))
-  rows = _load_chunk(k_ref, v_ref, 0, chunk)
-  final = _run_chunk_forward(c, empty, w, None, rows, None, chunk=chunk, length=length, row0=0)
+  final = _run_chunk_forward(c, empty, w, None, k_ref, v_ref, None, chunk=chunk, length=length, row0=0)
   num_ref[...], den_ref[...], anchor_ref[...], n_ref[...] = final
 
 
@@ -172,8 +153,7 @@ def _chunk_output_kernel(w_ref, u_ref, k_ref, v_ref, num_ref, den_ref, anchor_re
   y_ref = refs[-1]
   c = pl.program_id(2)
   carry = (num_ref[...], den_ref[...], anchor_ref[...], n_ref[...])
-  rows = _load_chunk(k_ref, v_ref, 0, chunk)
-  _run_chunk_forward(c, carry, w_ref[...], u_ref[...], rows, y_ref, chunk=chunk, length=length, row0=0)
+  _run_chunk_forward(c, carry, w_ref[...], u_ref[...], k_ref, v_ref, y_ref, chunk=chunk, length=length, row0=0)
 
 
 # ----------------------------------------------------------------------------------------------------------------
