@@ -16,6 +16,8 @@ from ltm_pallas import wkv7_chunked
 from ltm_pallas import wkv7_segmented
 from wkv7_reference import wkv7_reference
 
+import test_wkv7_chunked_pallas as chunked_tests  # Its random inputs, cotangents and loss-and-gradients program.
+
 # Two rows of 120 tokens in 4 segments: padded to 128, segments of 32 tokens (two chunks of 16). Head size 16 in
 # value blocks of 8 for the backward (partial key-side gradients summed), 16 for the forward and the state passes.
 SHAPE = (2, 120, 2, 16)
@@ -33,29 +35,14 @@ _NAMES = ("r", "w", "k", "v", "a", "b", "state")
 
 
 def _inputs(seed, shape=SHAPE):
-  """Random float32 (r, w, k, v, a, b, state) as RWKV-7 passes them: a = -kk, b = kk·a_lr, kk a unit key."""
-  rng = np.random.default_rng(seed)
-  batch, _, heads, size = shape
-  r, k, v, kk = (rng.normal(size=shape) for _ in range(4))
-  kk /= np.linalg.norm(kk, axis=-1, keepdims=True)
-  a, b = -kk, kk * rng.uniform(0.0, 1.0, shape)
-  state = 0.5 * rng.normal(size=(batch, heads, size, size))
-  return tuple(jnp.asarray(x, jnp.float32) for x in (r, np.broadcast_to(DECAYS, shape), k, v, a, b, state))
+  return chunked_tests._inputs(seed, shape, DECAYS)
 
 
 def _cotangents(seed, shape=SHAPE):
-  rng = np.random.default_rng(seed + 1000)
-  batch, _, heads, size = shape
-  return tuple(jnp.asarray(rng.normal(size=s), jnp.float32) for s in (shape, (batch, heads, size, size)))
+  return chunked_tests._cotangents(seed, shape)
 
 
-def _loss_and_grads(fn):
-  def loss(inputs, cot):
-    y, state = fn(*inputs)
-    return jnp.sum(cot[0] * y.astype(cot[0].dtype)) + jnp.sum(cot[1] * state), (y, state)
-
-  return jax.jit(lambda inputs, cot: jax.value_and_grad(loss, has_aux=True)(inputs, cot))
-
+_loss_and_grads = chunked_tests._loss_and_grads
 
 _REFERENCE = _loss_and_grads(wkv7_reference)
 _SEGMENTED = _loss_and_grads(lambda *x: wkv7_segmented.wkv7(*x, **SETTINGS))
