@@ -203,6 +203,10 @@ def main():
   parser.add_argument("--dtypes", nargs="+", default=None, help="default: float32 on cpu, bfloat16 float32 on gpu")
   parser.add_argument("--impls", nargs="+", default=None, choices=AVAILABLE,
                       help="default: all; on the cpu shapes all but pallas, which a CPU only interprets")
+  parser.add_argument("--shape", action="append", default=None, metavar="B,T,C",
+                      help="time this shape instead of the --shapes set (repeatable)")
+  parser.add_argument("--name", default=None,
+                      help="results file benchmarks/results/<name>-<device>.json (default wkv4, wkv4-quick)")
   args = parser.parse_args()
   if args.quick:
     args.shapes = "quick"
@@ -225,7 +229,8 @@ def main():
   print(f"peers found: {', '.join(peers) or 'none'} (looked for {', '.join(PEERS)})")
 
   rows = []
-  for shape in SHAPES[args.shapes]:
+  shapes = [tuple(int(x) for x in s.split(",")) for s in args.shape] if args.shape else SHAPES[args.shapes]
+  for shape in shapes:
     # The error baseline: the sequential reference in float32, whatever dtype is being timed.
     w, u, k, v, _ = _inputs(shape, jnp.float32)
     reference = jax.jit(_fns("scan")[0])(w, u, k, v)
@@ -244,7 +249,7 @@ def main():
   common.print_table(rows, COLUMNS)
   # The quick run proves the script end to end; it must not overwrite a measured table.
   path = common.write_results(
-      "wkv4-quick" if args.shapes == "quick" else "wkv4", rows, shapes=args.shapes, copy_gbps=copy_gbps,
+      args.name or ("wkv4-quick" if args.shapes == "quick" else "wkv4"), rows, shapes=args.shape or args.shapes, copy_gbps=copy_gbps,
       peers_found=sorted(peers), peer_versions=peers_lib.versions(("rwkv", "fla-core", "torch")),
       pallas_chunk=pallas_wkv4.CHUNK, pallas_block_c=pallas_wkv4.BLOCK_C,
       pallas_bytes_per_element={d: kernel_bytes_per_element((1, 1, 1), d) for d in dtypes},

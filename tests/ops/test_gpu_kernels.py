@@ -21,6 +21,7 @@ from wkv7_reference import wkv7_reference
 from ltm_jax import ops
 from ltm_jax.ops.attention import cudnn
 from ltm_jax.ops.quant_matmul import quant_matmul
+from ltm_pallas import wkv7_segmented
 
 pytestmark = [
     pytest.mark.gpu,
@@ -160,9 +161,14 @@ def _wkv7_inputs(seed, shape, dtype, low):
 @pytest.mark.parametrize("impl", ["pallas", "pallas_chunked"])
 def test_wkv7_pallas_compiled_matches_float64(impl, dtype):
   # pallas_chunked runs its chunked kernels at head size 32 in float32 and 64 in bfloat16, in their decay range.
+  _check_wkv7(lambda *args: ops.wkv7(*args, impl=impl), 3, 40, dtype)
+
+
+def _check_wkv7(fn, seed, length, dtype):
+  """fn's y, final state and seven gradients at (2, length, 2, N) against the float64 recurrence; N is 32 in float32
+  and 64 in bfloat16, inside the chunked kernels' decay range."""
   size = 32 if dtype == jnp.float32 else 64
-  inputs, cot = _wkv7_inputs(3, (2, 40, 2, size), dtype, low=-4.0)
-  fn = lambda *args: ops.wkv7(*args, impl=impl)
+  inputs, cot = _wkv7_inputs(seed, (2, length, 2, size), dtype, low=-4.0)
   assert TRITON_CALL in _lowered(fn, *inputs)
   out, grads = _vjp(fn, inputs, cot)
   with jax.enable_x64(True):
@@ -171,6 +177,13 @@ def test_wkv7_pallas_compiled_matches_float64(impl, dtype):
     _close(got, want, _rtol(dtype), what)
   for what, got, want in zip(("dr", "dw", "dk", "dv", "da", "db", "dstate"), grads, ref_grads):
     _close(got, want, _rtol(dtype), what)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+def test_wkv7_segmented_compiled_matches_float64(dtype):
+  # Four segments of 64 tokens (T = 250 padded to 256): the state-only kernels, the scan over segments, the chunked
+  # kernels on the folded batch and the hand-written backward, compiled.
+  _check_wkv7(lambda *args: wkv7_segmented.wkv7(*args, segments=4), 4, 250, dtype)
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["int8", "int4"])
