@@ -75,18 +75,23 @@ def call(
     num_stages: int = 1,
     interpret: bool | None = None,
     name: str | None = None,
+    compiled_kernel: Callable[..., None] | None = None,
     **kwargs: Any,
 ) -> Callable[..., Any]:
   """`pl.pallas_call` lowered through Triton on GPU and interpreted on CPU (`interpret=None`), or as `interpret` says.
 
-  `num_warps`/`num_stages` are the Triton launch parameters; they are ignored by the interpreter.
+  `num_warps`/`num_stages` are the Triton launch parameters; they are ignored by the interpreter. `compiled_kernel`,
+  when given, replaces `kernel` where the kernel is compiled: a form of the same computation written for the
+  compiler (loops unrolled, loads issued ahead of their use) whose interpreted trace would only be larger and slower.
   """
   def build(interpreted: bool) -> Callable[..., Any]:
     params = None
+    body = kernel
     if not interpreted:
       from jax.experimental.pallas import triton as pl_triton  # pylint: disable=g-import-not-at-top
       params = pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-    return pl.pallas_call(kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs,
+      body = compiled_kernel or kernel
+    return pl.pallas_call(body, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs,
                           interpret=interpreted, compiler_params=params, name=name, **kwargs)
 
   if interpret is not None:

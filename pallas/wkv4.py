@@ -10,7 +10,11 @@ drift by one rounding per token. Arithmetic is float32 whatever the dtype of k a
 
 Kernels (grid over batch rows and blocks of `block_c` channels; time is split into chunks of `chunk` tokens):
   forward:   one pass over T per program, reads k, v; writes y and the state at every chunk boundary
-             (num, den, anchor, n: four [B, T/chunk + 1, C] arrays, the last row the final state).
+             (num, den, anchor, n: four [B, T/chunk + 1, C] arrays, the last row the final state). Compiled, the
+             tokens of a chunk are unrolled over [block_c] rows loaded before the chunk runs, and the next chunk's
+             2·chunk rows are loaded before the current chunk is computed: each thread (one channel) has a chunk of
+             loads in flight instead of waiting one memory latency per token (2.6x faster on an H100). Interpreted,
+             a fori_loop loads each token's rows (`unroll`).
   forward primal: the same pass writing y and the final state only (four [B, C] arrays). It is the custom_vjp's
              primal: inference, and the forward pass under jax.checkpoint, where the backward's recomputation runs
              the checkpointing forward (`optimize_remat`; jax#21303: otherwise both would write checkpoints).
@@ -31,8 +35,8 @@ and 11 bytes.
 Lowering: through `ltm_pallas.backend.call`, i.e. Triton on GPU (jax 0.10.2 and 0.11.x; the Triton backend is deprecated
 from 0.11 and `pallas/backend.py` is where a Mosaic GPU or jax-triton path replaces it) and `interpret=True` on CPU.
 Triton constraints honoured here: every loaded or stored value is a power-of-two [block_c] row or [chunk, block_c]
-tile, loops are `lax.fori_loop`, and rows of a register tile are selected by a one-hot mask (Triton cannot index a
-register tensor dynamically).
+tile, loops are `lax.fori_loop` (or Python loops over fixed rows in the unrolled forward), and the backward selects
+rows of its register tiles by a one-hot mask (Triton cannot index a register tensor dynamically).
 """
 
 from __future__ import annotations
@@ -93,67 +97,98 @@ def _scale(anchor, n, w):
 # Forward.
 
 
-def _run_chunk_forward(c, carry, w, u, k_ref, v_ref, y_ref, *, chunk, length, row0):
-  """Runs tokens [c·chunk, (c+1)·chunk) from `carry` = (num, den, anchor, n); rows past `length` leave it as is.
+def _load_chunk(k_ref, v_ref, row0, chunk):
+  """Rows [row0, row0 + chunk) of k and v as float32 [block_c] rows: (k rows, v rows), `chunk` of each.
 
-  The refs hold the chunk from row `row0` on (0 for a chunk-sized block, c·chunk for the whole sequence).
+  The 2·chunk loads are independent of the recurrence and issued together, so a thread has them all in flight at once
+  instead of waiting one memory latency per token.
+  """
+  k = tuple(k_ref[row0 + i, :].astype(jnp.float32) for i in range(chunk))
+  v = tuple(v_ref[row0 + i, :].astype(jnp.float32) for i in range(chunk))
+  return k, v
+
+
+def _run_chunk_forward(c, carry, w, u, k_ref, v_ref, y_ref, *, chunk, length, row0, rows=None):
+  """Runs tokens [c·chunk, (c+1)·chunk) from `carry` = (num, den, anchor, n); tokens past `length` leave it as is.
+
+  The refs hold the chunk from row `row0` on (0 for a chunk-sized block, c·chunk for the whole sequence); y goes to
+  y_ref when it is not None. With `rows`, the chunk's k, v rows from `_load_chunk`, the tokens are unrolled (the
+  compiled form); without, a fori_loop loads each token's rows as it runs (the interpreted form: a trace `chunk`
+  times smaller).
   """
 
   def token(i, carry):
     num, den, anchor, n = carry
-    t, row = c * chunk + i, row0 + i
-    k = k_ref[row, :].astype(jnp.float32)
-    v = v_ref[row, :].astype(jnp.float32)
+    if rows is None:
+      k, v = (ref[row0 + i, :].astype(jnp.float32) for ref in (k_ref, v_ref))
+    else:
+      k, v = rows[0][i], rows[1][i]
     if y_ref is not None:
       y, *_ = _token_output(u, k, v, num, den, _scale(anchor, n, w))
-      y_ref[row, :] = y.astype(y_ref.dtype)
+      y_ref[row0 + i, :] = y.astype(y_ref.dtype)
     new = _token_state(w, k, v, num, den, anchor, n)
-    valid = t < length
-    return tuple(jnp.where(valid, a, b) for a, b in zip(new, carry))
+    if length % chunk == 0:  # No chunk holds a padding token.
+      return new
+    return tuple(jnp.where(c * chunk + i < length, a, b) for a, b in zip(new, carry))
 
-  return jax.lax.fori_loop(0, chunk, token, carry)
+  if rows is None:
+    return jax.lax.fori_loop(0, chunk, token, carry)
+  for i in range(chunk):
+    carry = token(i, carry)
+  return carry
 
 
 def _forward_kernel(w_ref, u_ref, k_ref, v_ref, num0_ref, den0_ref, max0_ref, *refs, chunk, length, n_chunks,
-                    checkpoints):
+                    checkpoints, unroll):
   """Grid (B, C/block_c): the whole sequence of one batch row and channel block.
 
   Writes y and the state (num, den, anchor, n): with `checkpoints`, into [T/chunk + 1, block_c] refs at every chunk
-  boundary, the last row the final state; without, the final state only, into [block_c] refs.
+  boundary, the last row the final state; without, the final state only, into [block_c] refs. With `unroll`, the
+  k, v rows of the next chunk are loaded before the current chunk is computed (the last chunk reloads itself), so
+  their memory latency overlaps a chunk of arithmetic.
   """
   y_ref, num_ref, den_ref, anchor_ref, n_ref = refs[-5:]  # Leading refs, if any, are poisoned aliases of these.
   w, u = w_ref[...], u_ref[...]
 
   def chunk_body(c, carry):
+    state, rows = carry
     if checkpoints:
-      num_ref[c, :], den_ref[c, :], anchor_ref[c, :], n_ref[c, :] = carry
-    return _run_chunk_forward(c, carry, w, u, k_ref, v_ref, y_ref, chunk=chunk, length=length, row0=c * chunk)
+      num_ref[c, :], den_ref[c, :], anchor_ref[c, :], n_ref[c, :] = state
+    ahead = _load_chunk(k_ref, v_ref, jnp.minimum(c + 1, n_chunks - 1) * chunk, chunk) if unroll else None
+    state = _run_chunk_forward(c, state, w, u, k_ref, v_ref, y_ref, chunk=chunk, length=length, row0=c * chunk,
+                               rows=rows)
+    return state, ahead
 
   init = (num0_ref[...], den0_ref[...], max0_ref[...], jnp.zeros(w.shape, jnp.int32))
-  final = jax.lax.fori_loop(0, n_chunks, chunk_body, init)
+  first = _load_chunk(k_ref, v_ref, 0, chunk) if unroll else None
+  final, _ = jax.lax.fori_loop(0, n_chunks, chunk_body, (init, first))
   if checkpoints:
     num_ref[n_chunks, :], den_ref[n_chunks, :], anchor_ref[n_chunks, :], n_ref[n_chunks, :] = final
   else:
     num_ref[...], den_ref[...], anchor_ref[...], n_ref[...] = final
 
 
-def _chunk_summary_kernel(w_ref, k_ref, v_ref, *refs, chunk, length):
+def _chunk_summary_kernel(w_ref, k_ref, v_ref, *refs, chunk, length, unroll):
   """Grid (B, C/block_c, n_chunks): one chunk from an empty state, its state at the chunk's end."""
   num_ref, den_ref, anchor_ref, n_ref = refs[-4:]
   c = pl.program_id(2)
   w = w_ref[...]
   empty = (jnp.zeros(w.shape, jnp.float32), jnp.zeros(w.shape, jnp.float32),
            jnp.full(w.shape, EMPTY_MAX, jnp.float32), jnp.zeros(w.shape, jnp.int32))
-  final = _run_chunk_forward(c, empty, w, None, k_ref, v_ref, None, chunk=chunk, length=length, row0=0)
+  rows = _load_chunk(k_ref, v_ref, 0, chunk) if unroll else None
+  final = _run_chunk_forward(c, empty, w, None, k_ref, v_ref, None, chunk=chunk, length=length, row0=0, rows=rows)
   num_ref[...], den_ref[...], anchor_ref[...], n_ref[...] = final
 
 
-def _chunk_output_kernel(w_ref, u_ref, k_ref, v_ref, num_ref, den_ref, anchor_ref, n_ref, *refs, chunk, length):
+def _chunk_output_kernel(w_ref, u_ref, k_ref, v_ref, num_ref, den_ref, anchor_ref, n_ref, *refs, chunk, length,
+                         unroll):
   """Grid (B, C/block_c, n_chunks): y of one chunk from its incoming state."""
   y_ref = refs[-1]
   c = pl.program_id(2)
   carry = (num_ref[...], den_ref[...], anchor_ref[...], n_ref[...])
-  _run_chunk_forward(c, carry, w_ref[...], u_ref[...], k_ref, v_ref, y_ref, chunk=chunk, length=length, row0=0)
+  rows = _load_chunk(k_ref, v_ref, 0, chunk) if unroll else None
+  _run_chunk_forward(c, carry, w_ref[...], u_ref[...], k_ref, v_ref, y_ref, chunk=chunk, length=length, row0=0,
+                     rows=rows)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -295,7 +330,15 @@ def _poisoned(out_shape):
   return [fill(s) for s in out_shape]
 
 
-def _call(kernel, args, in_specs, out_shape, out_specs, grid, *, poison, interpret, name):
+def _forms(kernel, unroll):
+  """(kernel, compiled_kernel) for `_call` of a forward kernel: the rolled form where it is interpreted and the unrolled
+  one where it is compiled, unless `unroll` fixes one form for both."""
+  if unroll is None:
+    return functools.partial(kernel, unroll=False), functools.partial(kernel, unroll=True)
+  return functools.partial(kernel, unroll=unroll), None
+
+
+def _call(kernel, args, in_specs, out_shape, out_specs, grid, *, poison, interpret, name, compiled_kernel=None):
   """backend.call, optionally with every output aliased to a poisoned input (the kernel sees those refs first)."""
   kwargs = {}
   if poison:
@@ -304,7 +347,8 @@ def _call(kernel, args, in_specs, out_shape, out_specs, grid, *, poison, interpr
     args = [*args, *extra]
     in_specs = [*in_specs, *out_specs]
   return backend.call(kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs,
-                      num_warps=NUM_WARPS, num_stages=2, interpret=interpret, name=name, **kwargs)(*args)
+                      num_warps=NUM_WARPS, num_stages=2, interpret=interpret, name=name,
+                      compiled_kernel=compiled_kernel, **kwargs)(*args)
 
 
 class _Specs:
@@ -325,7 +369,7 @@ class _Specs:
 
 
 def _forward_sequential(w, u, k, v, state, *, length, chunk, block_c, checkpoints=True, poison=False,
-                        interpret=None):
+                        interpret=None, unroll=None):
   """y [B, T, C] and the state (num, den, anchor, n): with `checkpoints`, the checkpoints, each [B, T/chunk + 1, C],
   the last row the final state; without, the final state only, each [B, C]."""
   batch, t, channels = k.shape
@@ -335,10 +379,12 @@ def _forward_sequential(w, u, k, v, state, *, length, chunk, block_c, checkpoint
       (batch, channels), specs.row)
   state_out = jax.ShapeDtypeStruct(rows, jnp.float32)
   out_shape = [jax.ShapeDtypeStruct(k.shape, v.dtype)] + [state_out] * 3 + [state_out.update(dtype=jnp.int32)]
-  kernel = functools.partial(_forward_kernel, chunk=chunk, length=length, n_chunks=n_chunks, checkpoints=checkpoints)
+  kernel, compiled = _forms(functools.partial(_forward_kernel, chunk=chunk, length=length, n_chunks=n_chunks,
+                                              checkpoints=checkpoints), unroll)
   y, *states = _call(kernel, [w, u, k, v, *state], [specs.vec, specs.vec, specs.seq, specs.seq] + [specs.row] * 3,
                      out_shape, [specs.seq] + [spec] * 4, (batch, channels // block_c), poison=poison,
-                     interpret=interpret, name="wkv4_forward" if checkpoints else "wkv4_forward_primal")
+                     interpret=interpret, name="wkv4_forward" if checkpoints else "wkv4_forward_primal",
+                     compiled_kernel=compiled)
   return y, tuple(states)
 
 
@@ -372,23 +418,24 @@ def _chunk_counts(t, length, chunk):
   return jnp.clip(length - chunk * jnp.arange(t // chunk, dtype=jnp.int32), 0, chunk)
 
 
-def _forward_parallel(w, u, k, v, state, *, length, chunk, block_c, poison=False, interpret=None):
+def _forward_parallel(w, u, k, v, state, *, length, chunk, block_c, poison=False, interpret=None, unroll=None):
   """As `_forward_sequential`, parallel over chunks too: summaries, a scan over chunks, then y per chunk."""
   batch, t, channels = k.shape
   n_chunks = t // chunk
   grid = (batch, channels // block_c, n_chunks)
   specs = _Specs(t, block_c, chunk, per_chunk=True)
   summary = jax.ShapeDtypeStruct((batch, n_chunks, channels), jnp.float32)
+  kernel, compiled = _forms(functools.partial(_chunk_summary_kernel, chunk=chunk, length=length), unroll)
   summaries = _call(
-      functools.partial(_chunk_summary_kernel, chunk=chunk, length=length), [w, k, v],
-      [specs.vec, specs.seq, specs.seq], [summary] * 3 + [summary.update(dtype=jnp.int32)], [specs.chunk_row] * 4,
-      grid, poison=poison, interpret=interpret, name="wkv4_chunk_summary")
+      kernel, [w, k, v], [specs.vec, specs.seq, specs.seq], [summary] * 3 + [summary.update(dtype=jnp.int32)],
+      [specs.chunk_row] * 4, grid, poison=poison, interpret=interpret, name="wkv4_chunk_summary",
+      compiled_kernel=compiled)
   ckpts = _combine_chunks(w, summaries, state, _chunk_counts(t, length, chunk))
+  kernel, compiled = _forms(functools.partial(_chunk_output_kernel, chunk=chunk, length=length), unroll)
   y = _call(
-      functools.partial(_chunk_output_kernel, chunk=chunk, length=length), [w, u, k, v, *ckpts],
-      [specs.vec, specs.vec, specs.seq, specs.seq] + [specs.chunk_row] * 4,
+      kernel, [w, u, k, v, *ckpts], [specs.vec, specs.vec, specs.seq, specs.seq] + [specs.chunk_row] * 4,
       [jax.ShapeDtypeStruct(k.shape, v.dtype)], [specs.seq], grid, poison=poison, interpret=interpret,
-      name="wkv4_chunk_output")[0]
+      name="wkv4_chunk_output", compiled_kernel=compiled)[0]
   return y, ckpts
 
 
@@ -465,16 +512,17 @@ class _Layout:
   t: int
   c: int
   parallel: bool
+  unroll: bool | None
 
   @classmethod
-  def make(cls, batch, length, channels, chunk, block_c, parallel):
+  def make(cls, batch, length, channels, chunk, block_c, parallel, unroll=None):
     if chunk < 1 or chunk & (chunk - 1) or block_c < 1 or block_c & (block_c - 1):
       raise ValueError(f"wkv4: chunk and block_c must be powers of two; got {chunk}, {block_c}")
     block_c = min(block_c, _next_pow2(channels))
     t = _round_up(length, chunk)
     if parallel is None:
       parallel = batch * channels < PARALLEL_BELOW and t // chunk >= 4
-    return cls(length, channels, chunk, block_c, t, _round_up(channels, block_c), bool(parallel))
+    return cls(length, channels, chunk, block_c, t, _round_up(channels, block_c), bool(parallel), unroll)
 
   def kwargs(self):
     return {"length": self.length, "chunk": self.chunk, "block_c": self.block_c}
@@ -503,14 +551,16 @@ def _forward(w, u, k, v, state, layout, interpret, checkpoints=True):
   w_p, u_p, state_p = layout.pad_params(w, u, state)
   k_p, v_p = layout.pad_seq(k), layout.pad_seq(v)
   if layout.parallel:
-    y, ckpts = _forward_parallel(w_p, u_p, k_p, v_p, state_p, interpret=interpret, **layout.kwargs())
+    y, ckpts = _forward_parallel(w_p, u_p, k_p, v_p, state_p, interpret=interpret, unroll=layout.unroll,
+                                 **layout.kwargs())
     last = tuple(x[:, -1] for x in ckpts)
   elif checkpoints:
-    y, ckpts = _forward_sequential(w_p, u_p, k_p, v_p, state_p, interpret=interpret, **layout.kwargs())
+    y, ckpts = _forward_sequential(w_p, u_p, k_p, v_p, state_p, interpret=interpret, unroll=layout.unroll,
+                                   **layout.kwargs())
     last = tuple(x[:, -1] for x in ckpts)
   else:
     y, last = _forward_sequential(w_p, u_p, k_p, v_p, state_p, checkpoints=False, interpret=interpret,
-                                  **layout.kwargs())
+                                  unroll=layout.unroll, **layout.kwargs())
   c = layout.channels
   num, den, anchor, n = last
   final = (num[:, :c], den[:, :c], _scale(anchor, n, w_p)[:, :c])
@@ -571,6 +621,7 @@ def wkv4(
     block_c: int = BLOCK_C,
     parallel: bool | None = None,
     interpret: bool | None = None,
+    unroll: bool | None = None,
     optimize_remat: bool = True,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
   """WKV-4 by the Pallas kernels, differentiable by the fused backward kernel.
@@ -579,10 +630,15 @@ def wkv4(
     w, u: [C] log-decay (negative) and current-token bonus.
     k, v: [B, T, C] keys and values, float32, bfloat16 or float16; any T >= 1 and C (padded inside).
     state: (num, den, max), each [B, C] float32: a = num·e^max, b = den·e^max before the first token.
-    chunk: tokens per checkpoint (a power of two): the backward keeps a [chunk, block_c] tile per state variable.
+    chunk: tokens per checkpoint (a power of two): the compiled forward unrolls a chunk's tokens and loads the next
+      chunk's k, v rows ahead (2·chunk registers a thread), the backward keeps a [chunk, block_c] tile per state
+      variable.
     block_c: channels per program (a power of two; clipped to C rounded up to one).
     parallel: parallelise over T as well; None decides by B·C (see PARALLEL_BELOW).
     interpret: None lets `ltm_pallas.backend` choose (interpret unless on GPU).
+    unroll: the forward's form. None: unrolled with loads ahead where compiled, a fori_loop over tokens where
+      interpreted (the same arithmetic; the unrolled trace is `chunk` times larger, which only slows the
+      interpreter). True or False fixes one form for both (True lets the interpreter check the compiled form).
     optimize_remat: under jax.checkpoint, run the checkpoint-free primal forward and write checkpoints only in the
       backward pass's recomputation. False writes them in both passes (jax#21303), which jax needs inside a
       shard_map under remat and nested scans, where its dead-code elimination of the optimised form fails.
@@ -591,5 +647,5 @@ def wkv4(
     y [B, T, C] in v's dtype and the state after the last token, (num, den, max) each [B, C] float32.
   """
   batch, length, channels = k.shape
-  layout = _Layout.make(batch, length, channels, chunk, block_c, parallel)
+  layout = _Layout.make(batch, length, channels, chunk, block_c, parallel, unroll)
   return _differentiable(layout, interpret, optimize_remat)(w, u, k, v, tuple(state))

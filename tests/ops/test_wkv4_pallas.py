@@ -27,6 +27,11 @@ BF16_Y_RTOL, BF16_GRAD_RTOL = 2.0**-8, 2.0**-6
 CHUNK, BLOCK_C = 4, 4
 B, T, C = 2, 13, 5  # 4 chunks, the last holding one token; 2 channel blocks, the last holding one channel.
 PATHS = {"sequential": False, "parallel": True}
+# The compiled forward's form (a chunk's tokens unrolled, the next chunk's rows loaded ahead), interpreted on the cases
+# that reach its masking and reloading; elsewhere the interpreter's default, a fori_loop over tokens, does the same
+# arithmetic.
+UNROLLED = {"sequential_unrolled": False, "parallel_unrolled": True}
+FORMS = {**PATHS, **UNROLLED}
 NAMES = ("w", "u", "k", "v", "state.num", "state.den", "state.max")
 
 
@@ -93,9 +98,13 @@ def _run_reference(inputs, cot):
     return jax.tree.map(np.asarray, _reference_and_grads(jax.tree.map(to64, inputs), jax.tree.map(to64, cot)))
 
 
-def _kernel_fn(parallel, transform=lambda f: f):
+def _unroll(path):
+  return True if path in UNROLLED else None
+
+
+def _kernel_fn(parallel, transform=lambda f: f, unroll=None):
   """(inputs, cot) -> ((y, state), grads of `_loss`), through the Pallas kernels."""
-  forward = functools.partial(kernel.wkv4, chunk=CHUNK, block_c=BLOCK_C, parallel=parallel)
+  forward = functools.partial(kernel.wkv4, chunk=CHUNK, block_c=BLOCK_C, parallel=parallel, unroll=unroll)
 
   def loss(inputs, cot):
     y, state = transform(forward)(*inputs)
@@ -105,7 +114,8 @@ def _kernel_fn(parallel, transform=lambda f: f):
 
 
 # One jitted function per path, shared by the tests so that equal shapes compile once.
-_JITTED = {name: jax.jit(lambda i, c, p=parallel: _kernel_fn(p)(i, c)[::-1]) for name, parallel in PATHS.items()}
+_JITTED = {name: jax.jit(lambda i, c, p=parallel, u=_unroll(name): _kernel_fn(p, unroll=u)(i, c)[::-1])
+           for name, parallel in FORMS.items()}
 
 
 def _assert_close(actual, expected, rtol, what):
@@ -125,9 +135,17 @@ def _assert_matches_reference(path, inputs, cot, rtol=F32_RTOL, y_rtol=None, gra
   return y, state, grads
 
 
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path", FORMS)
 def test_matches_reference_odd_shapes_several_chunks(path):
   _assert_matches_reference(path, _inputs(0), _cotangents(0))
+
+
+@pytest.mark.parametrize("path", FORMS)
+def test_matches_reference_whole_chunks(path):
+  # T a multiple of the chunk: no token is masked, and the unrolled sequential forward's last chunk reloads itself as
+  # the chunk ahead.
+  t = 3 * CHUNK
+  _assert_matches_reference(path, _inputs(9, t=t), _cotangents(9, t=t))
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -139,7 +157,7 @@ def test_extreme_decays_and_large_keys(path):
   _assert_matches_reference(path, _inputs(1, w=w, k_scale=30.0), _cotangents(1))
 
 
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path", FORMS)
 def test_bfloat16_inputs(path):
   w, u, k, v, state = _inputs(2)
   inputs = (w, u, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), state)
@@ -220,16 +238,18 @@ def test_pallas_under_remat_writes_checkpoints_once(path):
   jax.tree.map(np.testing.assert_array_equal, plain, rematted)
 
 
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path", FORMS)
 def test_every_output_element_is_written(path):
   # Every pallas_call runs with its outputs aliased to NaN-filled buffers (int outputs: INT_MIN), on the padded
   # shapes, so an element no program writes keeps the poison. Padded rows and channels included.
   w, u, k, v, state = _inputs(7)
-  layout = kernel._Layout.make(B, T, C, CHUNK, BLOCK_C, PATHS[path])
+  parallel = FORMS[path]
+  layout = kernel._Layout.make(B, T, C, CHUNK, BLOCK_C, parallel)
   w_p, u_p, state_p = layout.pad_params(w, u, state)
   k_p, v_p = layout.pad_seq(k), layout.pad_seq(v)
-  forward = kernel._forward_parallel if PATHS[path] else kernel._forward_sequential
-  backward = kernel._backward_parallel if PATHS[path] else kernel._backward_sequential
+  forward = functools.partial(kernel._forward_parallel if parallel else kernel._forward_sequential,
+                              unroll=_unroll(path))
+  backward = kernel._backward_parallel if parallel else kernel._backward_sequential
   y, ckpts = jax.jit(functools.partial(forward, poison=True, **layout.kwargs()))(w_p, u_p, k_p, v_p, state_p)
   g_final = tuple(layout.pad_channels(g, 0.0) for g in _cotangents(7)[1:4])
   grads = jax.jit(functools.partial(backward, poison=True, **layout.kwargs()))(
@@ -239,7 +259,7 @@ def test_every_output_element_is_written(path):
     for leaf in jax.tree.leaves(x):
       assert np.all(np.isfinite(np.asarray(leaf))), name
   assert np.all(np.asarray(ckpts[3]) >= 0), "n"
-  if not PATHS[path]:  # The primal kernel: y and the final state, equal to the last checkpoint (finite, checked).
+  if not parallel:  # The primal kernel: y and the final state, equal to the last checkpoint (finite, checked).
     y_primal, final = jax.jit(functools.partial(forward, checkpoints=False, poison=True, **layout.kwargs()))(
         w_p, u_p, k_p, v_p, state_p)
     np.testing.assert_array_equal(y_primal, y)

@@ -32,15 +32,19 @@ _BACKENDS = {"scan": scan.wkv4, "associative": associative.wkv4, "pallas": palla
 # B=8..32, T=256, C=128..512 on 2 cores (a CPU runs the sequential loop well, and the log-depth scan only adds
 # work); pallas runs interpreted on a CPU and is only there to be checked. gpu: pallas, the fused kernels (reading
 # k, v once forward and k, v, dy once backward, versus the associative scan's O(log T) passes): on one H100 at
-# (8, 4096, 4096) they took 2.6 / 5.6 ms forward / forward+backward in float32 where associative took 5.7 / 20.9,
-# and 2.6 / 5.3 ms in bfloat16 against 4.9 / 30.3 (benchmarks/results/logs-h100-2026-11-25/wkv4.log).
+# (8, 4096, 4096) they take 0.99 / 4.09 ms forward / forward+backward in float32 where associative took 5.7 / 20.9,
+# and 0.64 / 3.52 ms in bfloat16 against 4.9 / 30.3 (benchmarks/results/wkv4-unrolled-nvidia-h100-80gb-hbm3.json,
+# benchmarks/results/logs-h100-2026-11-25/wkv4.log).
 AUTO = {"cpu": "scan", "gpu": "pallas"}
 
 # On a GPU with few rows x channels, "auto" is associative instead. The kernels run one thread per (row, channel)
-# through the T tokens in order, so their time is about T x 1.3-1.4 us forward+backward on the H100 whatever B·C is
-# (5.3 ms at (8, 4096, 4096), 93.3 ms at (1, 65536, 2048), bfloat16), while the associative scan's follows the
-# element count (30.3 and 33.9 ms at those shapes, 134 M elements each). Equal at B·C ~ 1.4 us / (33.9 ms / 134 M)
-# ~ 5.5 k: interpolated between the two measured shapes, not measured near it.
+# through the T tokens in order, so their time follows T whatever B·C is, while the associative scan's follows the
+# element count (30.3 and 33.9 ms at (8, 4096, 4096) and (1, 65536, 2048), 134 M elements each). With the forward
+# before its unrolling (1.3-1.4 us a token forward+backward: 5.3 ms at (8, 4096, 4096), 93.3 ms at (1, 65536, 2048),
+# bfloat16) the two were equal at B·C ~ 1.4 us / (33.9 ms / 134 M) ~ 5.5 k, interpolated, not measured near it.
+# The unrolled forward takes 0.86 us a token forward+backward at (8, 4096, 4096); the time-parallel path that serves
+# few channels has not been timed with it, so the threshold stays where it was measured: on the associative side
+# of the crossing, if anything.
 GPU_PALLAS_MIN_CHANNELS = 6144
 
 
