@@ -1,9 +1,10 @@
-"""`ltm serve` over real HTTP on 127.0.0.1: completions equal `LanguageModel.generate`, alone and in a crowd, and
-for a long prompt prefilled in pieces while another request decodes; streaming; stop strings and the tokens counted
-after them; a disconnect frees its row; 429 on a full queue that cancelled requests leave at once, 400 for more
-prompts than the queue; failures and the request timeout as HTTP errors or error events; chat completions and their
-template; OpenAI-style 4xx for bad requests; the official `openai` client; the metrics' values; a latent model's z
-fitted per request; the CLI's refusal of an address it cannot use.
+"""`ltm serve` over real HTTP on 127.0.0.1: completions equal `LanguageModel.generate`, alone and in a crowd, for a
+long prompt prefilled in pieces while another request decodes, and for requests that join mid-decode one prefill
+budget per round; streaming; stop strings and the tokens counted after them; a disconnect frees its row; 429 on a
+full queue that cancelled requests leave at once, 400 for more prompts than the queue; failures and the request
+timeout as HTTP errors or error events; chat completions and their template; OpenAI-style 4xx for bad requests; the
+official `openai` client; the metrics' values; a latent model's z fitted per request; the CLI's refusal of an address
+it cannot use.
 
 The model is a micro hybrid (RWKV-4 + attention, context 64) saved to a workdir from its initialisation with the head
 scaled up, as tests/test_generate.py does: random init gives near-uniform logits, and spread logits make greedy
