@@ -3,13 +3,16 @@ the same requests one at a time and a lone request; then malformed requests, eac
 
   python benchmarks/serve_load.py            # the tiny config (context 256), 64 streams: about 4 minutes on 2 cores
   python benchmarks/serve_load.py --quick    # micro model, 4 rows, 8 streams, 100 malformed requests: proves the script
+  python benchmarks/serve_load.py --pin --prefill-budget 256 --name serve-load-budget256   # a bounded admission
 
 Model and servers: the tiny config's architecture at its initialisation (as in benchmarks/serve.py; speed does not
 depend on the weights), served by `ltm serve --max-batch 64 --chunk 16 --prefill-chunk 128` in its own process on
 127.0.0.1, then by a second process with `--static-batches`: requests are admitted only while every row is free, so
 the requests taken together run to completion before the next batch starts (same programs, same sampling). Both
 processes share one persistent compilation cache (a temporary folder, or JAX_COMPILATION_CACHE_DIR when set), so the
-second loads the programs the first compiled.
+second loads the programs the first compiled. --prefill-budget and --waiting-chunk go to the continuous server only
+(`ltm serve --prefill-budget`: each admission round prefills at most that many prompt tokens, and decode chunks are
+shorter while requests wait); the static baseline is the same in every run.
 
 Requests (drawn once from a fixed seed by serve.py's `_requests`): prompts of 4 to 120 bytes (one token per byte),
 max_tokens 8 to 128, temperature 1 with a seed each (random weights stop at the end-of-text token now and then: the
@@ -355,6 +358,12 @@ def main() -> None:
   p.add_argument("--max-batch", type=int, default=64)
   p.add_argument("--chunk", type=int, default=16)
   p.add_argument("--prefill-chunk", type=int, default=128)
+  p.add_argument("--prefill-budget", type=int, default=0,
+                 help="ltm serve --prefill-budget for the continuous server (its lone and sequential phases too; the "
+                      "static baseline runs without): prompt tokens one admission round may prefill (0: off)")
+  p.add_argument("--waiting-chunk", type=int, default=0,
+                 help="ltm serve --waiting-chunk for the continuous server: decode steps per chunk while requests "
+                      "wait (0: the server's default)")
   p.add_argument("--stream-per-chunk", action="store_true",
                  help="the servers hand text out per decode chunk, not per step (ltm serve --stream-per-chunk)")
   p.add_argument("--pin", action="store_true",
@@ -377,6 +386,7 @@ def main() -> None:
   lone = [{**lone_body, "seed": i} for i in range(args.lone)]
   options = ["--max-batch", str(args.max_batch), "--chunk", str(args.chunk), "--prefill-chunk", str(args.prefill_chunk)]
   options += ["--stream-per-chunk"] if args.stream_per_chunk else []
+  admission = ["--prefill-budget", str(args.prefill_budget), "--waiting-chunk", str(args.waiting_chunk)]
   server_cpus = None
   if args.pin:
     cpus = sorted(os.sched_getaffinity(0))
@@ -390,7 +400,7 @@ def main() -> None:
     cache_given = "JAX_COMPILATION_CACHE_DIR" in os.environ  # Then the first server may load programs too.
     env = {**os.environ, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
     env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tmp, "compilation-cache"))
-    with running_server(workdir, *options, env=env, cpus=server_cpus) as server:
+    with running_server(workdir, *options, *admission, env=env, cpus=server_cpus) as server:
       print(server.ready, flush=True)
       model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
       _run_phase("warm-up", server, model, bodies[:2], [0.0, 0.0], 2, 0.0, args.drain)
@@ -433,7 +443,7 @@ def main() -> None:
       "micro (init weights)" if args.quick else "tiny (init weights)"), overrides=overrides, streams=args.streams,
       requests=args.requests, rate=args.rate, seconds=args.seconds, drain=args.drain, sequential=args.sequential,
       lone=args.lone, max_batch=args.max_batch, chunk=args.chunk, prefill_chunk=args.prefill_chunk,
-      stream_per_chunk=args.stream_per_chunk,
+      stream_per_chunk=args.stream_per_chunk, prefill_budget=args.prefill_budget, waiting_chunk=args.waiting_chunk,
       pinned={"server": sorted(server_cpus), "client": sorted(os.sched_getaffinity(0))} if args.pin else None,
       prompt_bytes=[4, max_prompt], max_tokens=list(max_tokens), lone_prompt_bytes=LONE_PROMPT,
       lone_tpot_ms=lone_tpot, goals=goals, malformed=malformed, continuous_server=continuous_server,

@@ -154,7 +154,8 @@ def _serve(args) -> int:
     raise ValueError(f"ltm serve needs the serve extra (pip install 'ltm-jax[serve]'): {e}") from None
   lm = _quantized(load(args.workdir, args.step, args.overrides), args)
   engine = Engine(lm, max_batch=args.max_batch, chunk=args.chunk, max_wait_ms=args.max_wait_ms, queue=args.queue,
-                  prefill_chunk=args.prefill_chunk or None, static_batches=args.static_batches,
+                  prefill_chunk=args.prefill_chunk or None, prefill_budget=args.prefill_budget or None,
+                  waiting_chunk=args.waiting_chunk or None, static_batches=args.static_batches,
                   stream_steps=not args.stream_per_chunk)
   engine.start()
   name = lm.config.name
@@ -412,6 +413,14 @@ def parser() -> argparse.ArgumentParser:
                    help="prompts longer than this many tokens are prefilled in pieces of it, one piece between two "
                         "decode chunks, so a long prompt does not stall the running requests for its whole length "
                         "(0: whole prompts at once)")
+  srv.add_argument("--prefill-budget", type=_non_negative_int, default=0,
+                   help="prompt tokens (each prompt at its padded length bucket) one admission round between decode "
+                        "chunks may prefill; the other waiting requests wait for the next round, and decode chunks run "
+                        "--waiting-chunk steps while any wait, so each admission stalls the running requests for less "
+                        "(0: off, every waiting request that finds a free row is admitted at once)")
+  srv.add_argument("--waiting-chunk", type=_non_negative_int, default=0,
+                   help="decode steps per on-device loop while requests wait (0: --chunk / 4 with --prefill-budget, "
+                        "else --chunk)")
   srv.add_argument("--request-timeout", type=_non_negative, default=0.0,
                    help="seconds a request may take from arrival to its last token; a later one is cancelled and "
                         "answered 504, or streamed an error event (0: no limit)")

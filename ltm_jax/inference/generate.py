@@ -136,13 +136,17 @@ Carry = TypeVar("Carry")
 
 
 def token_loop(draw: Callable[[Carry], tuple[Carry, jax.Array]], carry: Carry, steps: int,
-               decoding_of: Callable[[Carry], Decoding]) -> tuple[jax.Array, jax.Array, Carry]:
+               decoding_of: Callable[[Carry], Decoding], limit: jax.Array | None = None
+               ) -> tuple[jax.Array, jax.Array, Carry]:
   """Calls `draw(carry) -> (carry, token [B] int32)` up to `steps` times in one lax.while_loop, stopping once every
   row of `decoding_of(carry)` is done -> (tokens [B, steps] int32, calls made [] int32, carry). The columns past the
-  calls made hold each row's last token."""
+  calls made hold each row's last token. `limit` (a traced int32 scalar; None: `steps`) stops the loop sooner, after
+  min(limit, steps) calls, without a program of its own."""
+  bound = steps if limit is None else jnp.minimum(limit, steps)
+
   def unfinished(loop):
     i, c, _ = loop
-    return (i < steps) & ~jnp.all(decoding_of(c).done)
+    return (i < bound) & ~jnp.all(decoding_of(c).done)
 
   def step(loop):
     i, c, tokens = loop

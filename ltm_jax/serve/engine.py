@@ -10,9 +10,10 @@ piece of every long prompt in a prefill lane (with `prefill_chunk`), run one on-
 over the decoding rows, handing each row's new text to its request as every step's tokens reach the host, and free
 the rows that finished or were cancelled. A request therefore waits at most one chunk to join a running batch (plus
 one chunk per piece of a long prompt), no request waits for a slower neighbour, and a long prompt delays the others
-by one piece per chunk, not by its whole prefill. When the engine is idle, the first arrival waits up to
-`max_wait_ms` for company, so a burst of requests is prefilled together. A cancelled request that is still waiting
-leaves the queue at once.
+by one piece per chunk, not by its whole prefill. With a `prefill_budget`, a round prefills at most that many prompt
+tokens and chunks run fewer steps while requests wait, so admissions are smaller and more frequent. When the engine
+is idle, the first arrival waits up to `max_wait_ms` for company, so a burst of requests is prefilled together. A
+cancelled request that is still waiting leaves the queue at once.
 
 Shapes are bucketed so that steady traffic compiles nothing: prompts are left-padded to a power-of-two length bucket
 (16, 32, ..., the context) and admitted in groups of 1, 4, 16, ... up to max_batch rows (padding rows are dropped on
@@ -200,6 +201,17 @@ class Engine:
   one piece are prefilled whole, as without it (their length buckets then end at prefill_chunk). Latent models fit
   z to the whole prompt and so always prefill it whole.
 
+  prefill_budget (None: off): the prompt tokens one admission round may prefill whole, each prompt counted at its
+  length bucket (the padded length it is prefilled at). Waiting requests are admitted in arrival order while they fit
+  the budget (the first of a round always is); the rest wait for the next round. A round's prompts of one bucket are
+  cut into the largest groups that need no padding rows where the group sizes allow (5 -> 4 + 1, not one group of
+  16), so the tokens prefilled are mostly those counted. Pieces of long prompts (prefill_chunk) are bounded by their
+  own size and not counted.
+
+  waiting_chunk: decode steps per chunk while requests wait at the chunk's start (default: chunk // 4 with a
+  prefill_budget, else chunk), so that the rounds that admit them come sooner, each stalling the decoding rows for
+  less. Shorter chunks run the same compiled program (its step count is an argument): nothing more is compiled.
+
   static_batches: the baseline continuous batching is measured against (benchmarks/serve_load.py). Waiting requests
   are admitted only while every row is free, so the requests taken together (up to max_batch, gathered for up to
   max_wait_ms) run as one batch to completion before the next batch starts; programs, sampling and answers are
@@ -212,9 +224,11 @@ class Engine:
   def __init__(self, lm, *, max_batch: int = 32, chunk: int = 16, max_wait_ms: float = 10.0, queue: int = 256,
                metrics: ServerMetrics | None = None, length_buckets: Sequence[int] | None = None,
                group_sizes: Sequence[int] | None = None, prefill_chunk: int | None = None, prefill_lanes: int = 4,
-               static_batches: bool = False, stream_steps: bool = True):
+               prefill_budget: int | None = None, waiting_chunk: int | None = None, static_batches: bool = False,
+               stream_steps: bool = True):
     for name, value in (("max_batch", max_batch), ("chunk", chunk), ("queue", queue),
-                        ("prefill_lanes", prefill_lanes), ("prefill_chunk", prefill_chunk or 1)):
+                        ("prefill_lanes", prefill_lanes), ("prefill_chunk", prefill_chunk or 1),
+                        ("prefill_budget", prefill_budget or 1), ("waiting_chunk", waiting_chunk or 1)):
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     if not max_wait_ms >= 0:
@@ -224,6 +238,9 @@ class Engine:
     self.lm, self.max_batch, self.chunk, self.queue_size = lm, max_batch, chunk, queue
     self.max_wait = max_wait_ms / 1000
     self.static_batches, self.stream_steps = static_batches, stream_steps
+    self.prefill_budget = prefill_budget
+    default_waiting_chunk = max(chunk // 4, 1) if prefill_budget else chunk
+    self.waiting_chunk = min(waiting_chunk or default_waiting_chunk, chunk)
     self.metrics = metrics or ServerMetrics()
     m = lm.config.model
     self.context = m.max_seq_len
@@ -296,7 +313,7 @@ class Engine:
       self._lanes = slots_lib.empty_lanes(self.model, self.prefill_lanes)
       self._feed_lanes({})
       self._place({})
-    self._decode(np.zeros(self.max_batch, bool))
+    self._decode(np.zeros(self.max_batch, bool), self.chunk)
     jax.block_until_ready((self._slots, self._lanes))
     self.compile_seconds = time.monotonic() - started
     self.metrics.slots.set(self.max_batch)
@@ -371,19 +388,24 @@ class Engine:
     """Under the lock: frees the rows of cancelled requests still being fed, pops waiting requests into free rows
     (and long prompts into free prefill lanes, in arrival order), and picks the next piece of every lane ->
     (requests to prefill whole as (row, request), {lane: (its next piece of tokens, whether it starts the prompt)}).
-    With static_batches nothing is taken while any row is held: the running batch finishes first."""
+    With static_batches nothing is taken while any row is held: the running batch finishes first. With a
+    prefill_budget, whole prompts are taken while their length buckets fit it (the first always is)."""
     for lane, row_index in enumerate(self._lane_rows):
       row = None if row_index is None else self._rows[row_index]
       if row is not None and row.request.cancelled:
         self._rows[row_index], self._lane_rows[lane] = None, None
         self._finish(row.request, "cancelled", 0)
     free = [] if self.static_batches and self.occupancy else [i for i, row in enumerate(self._rows) if row is None]
-    admitted = []
+    admitted, spent = [], 0
     while self._waiting and free:
       request = self._waiting[0]
       long = self.prefill_chunk is not None and len(request.ids) > self.prefill_chunk
       if long and None not in self._lane_rows:
         break  # Every lane is busy: it waits, and so do the requests behind it.
+      if not long and self.prefill_budget is not None:
+        spent += self._bucket(len(request.ids))
+        if admitted and spent > self.prefill_budget:
+          break  # The round's budget is spent: it waits for the next round, and so do the requests behind it.
       self._waiting.popleft()
       row = free.pop(0)
       self._rows[row] = _Row(request, self.lm.tokenizer)
@@ -431,12 +453,24 @@ class Engine:
     """Prefills the admitted requests into their rows, in groups of one length bucket and group size."""
     by_bucket: dict[int, list[tuple[int, Request]]] = collections.defaultdict(list)
     for row, request in admitted:
-      by_bucket[next(b for b in self.length_buckets if b >= len(request.ids))].append((row, request))
+      by_bucket[self._bucket(len(request.ids))].append((row, request))
     for length, group in by_bucket.items():
       while group:
-        size = next((s for s in self.group_sizes if s >= len(group)), self.group_sizes[-1])
+        size = self._group_size(len(group))
         self._admit_group(group[:size] + [None] * (size - len(group[:size])), length)
         group = group[size:]
+
+  def _bucket(self, prompt_tokens: int) -> int:
+    """The length bucket a prompt prefilled whole is padded to."""
+    return next(b for b in self.length_buckets if b >= prompt_tokens)
+
+  def _group_size(self, count: int) -> int:
+    """The group size for the next `admit` call of `count` prompts of one bucket: the smallest that takes them all
+    (the largest when none does); with a prefill_budget, the largest that pads nothing (the smallest when every
+    size pads), so that the round's prefill stays within the budget."""
+    if self.prefill_budget is not None:
+      return max((s for s in self.group_sizes if s <= count), default=self.group_sizes[0])
+    return next((s for s in self.group_sizes if s >= count), self.group_sizes[-1])
 
   def _settings(self, entries: list[Request | None]):
     """The per-request arrays `admit` and `place` take: key data, budget, temperature, top_k, top_p (None: a
@@ -483,10 +517,11 @@ class Engine:
       rows[lane], entries[lane] = row, self._rows[row].request
     self._slots = slots_lib.place(self._slots, self._lanes, rows, *self._settings(entries), axes=self.axes)
 
-  def _decode(self, active: np.ndarray):
+  def _decode(self, active: np.ndarray, steps: int):
+    """One decode chunk of `steps` (<= chunk) steps over the `active` rows."""
     tokens, count, self._slots = slots_lib.decode_chunk(
-        self.model, self.lm.params, self._slots, active, steps=self.chunk, stop_tokens=self.stop_tokens,
-        on_step=self._on_step if self.stream_steps else None)
+        self.model, self.lm.params, self._slots, active, np.int32(steps), steps=self.chunk,
+        stop_tokens=self.stop_tokens, on_step=self._on_step if self.stream_steps else None)
     return tokens, count
 
   def _run_chunk(self) -> None:
@@ -498,13 +533,14 @@ class Engine:
           self._rows[i] = None
           self._finish(row.request, "cancelled", row.returned, row)
       active = np.array([row is not None and row.lane is None for row in self._rows])
+      steps = self.waiting_chunk if self._waiting else self.chunk
     self.metrics.occupancy.set(self.occupancy)
     if not active.any():
       return
     started = time.monotonic()
     self._active = active
     try:
-      tokens, count = self._decode(active)
+      tokens, count = self._decode(active, steps)
       tokens, count = np.asarray(tokens), int(count)
     finally:  # Every step of the chunk handed out (even of a failed one) before its rows are freed or reused.
       self._drain_steps()

@@ -3,6 +3,7 @@
   slots = empty_slots(model, S)                                     # every row free
   slots = admit(model, params, slots, tokens, lengths, rows, ...)   # prefill Bp prompts [Bp, T] into rows [Bp]
   tokens, count, slots = decode_chunk(model, params, slots, active, steps=N, stop_tokens=...)   # [S, N]
+  ... decode_chunk(model, params, slots, active, limit, ...)   # at most `limit` <= N of the steps, same program
   ... decode_chunk(..., on_step=f)       # also calls f(token [S], drawing [S]) on the host after every step
 
 Chunked prefill feeds long prompts in pieces to L prefill lanes, a Decoding of L rows apart from the slots (so decode
@@ -213,10 +214,13 @@ def place(slots: Slots, lanes: generation.Decoding, rows: jax.Array, key_data: j
 
 
 @functools.partial(jax.jit, static_argnames=("model", "steps", "stop_tokens", "on_step"), donate_argnames=("slots",))
-def decode_chunk(model: model_lib.LM, params, slots: Slots, active: jax.Array, *, steps: int,
-                 stop_tokens: tuple[int, ...], on_step: Callable[[np.ndarray, np.ndarray], None] | None = None
+def decode_chunk(model: model_lib.LM, params, slots: Slots, active: jax.Array, limit: jax.Array | None = None, *,
+                 steps: int, stop_tokens: tuple[int, ...],
+                 on_step: Callable[[np.ndarray, np.ndarray], None] | None = None
                  ) -> tuple[jax.Array, jax.Array, Slots]:
   """Draws up to `steps` tokens in every row -> (tokens [S, steps] int32, steps run [] int32, slots after them).
+  `limit` (an int32 scalar, traced; None: `steps`) runs at most that many of the steps, so shorter chunks need no
+  program of their own.
 
   Rows not `active` [S] are marked done first. A row is done once it draws a stop token or its budget runs out;
   a done row repeats its last token. The loop ends early once every row is done (then the columns past `count` are
@@ -239,7 +243,7 @@ def decode_chunk(model: model_lib.LM, params, slots: Slots, active: jax.Array, *
       io_callback(on_step, None, token, drawing, ordered=True)
     return s._replace(decoding=generation.feed(model, params, d, token, done, s.latents, drawing), budget=budget), token
 
-  return generation.token_loop(draw, slots, steps, lambda s: s.decoding)
+  return generation.token_loop(draw, slots, steps, lambda s: s.decoding, limit)
 
 
 def host_key_data(seed: int) -> np.ndarray:

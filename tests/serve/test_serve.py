@@ -1,9 +1,10 @@
-"""`ltm serve` over real HTTP on 127.0.0.1: completions equal `LanguageModel.generate`, alone and in a crowd, and
-for a long prompt prefilled in pieces while another request decodes; streaming; stop strings and the tokens counted
-after them; a disconnect frees its row; 429 on a full queue that cancelled requests leave at once, 400 for more
-prompts than the queue; failures and the request timeout as HTTP errors or error events; chat completions and their
-template; OpenAI-style 4xx for bad requests; the official `openai` client; the metrics' values; a latent model's z
-fitted per request; the CLI's refusal of an address it cannot use.
+"""`ltm serve` over real HTTP on 127.0.0.1: completions equal `LanguageModel.generate`, alone and in a crowd, for a
+long prompt prefilled in pieces while another request decodes, and for requests that join mid-decode one prefill
+budget per round; streaming; stop strings and the tokens counted after them; a disconnect frees its row; 429 on a
+full queue that cancelled requests leave at once, 400 for more prompts than the queue; failures and the request
+timeout as HTTP errors or error events; chat completions and their template; OpenAI-style 4xx for bad requests; the
+official `openai` client; the metrics' values; a latent model's z fitted per request; the CLI's refusal of an address
+it cannot use.
 
 The model is a micro hybrid (RWKV-4 + attention, context 64) saved to a workdir from its initialisation with the head
 scaled up, as tests/test_generate.py does: random init gives near-uniform logits, and spread logits make greedy
@@ -462,6 +463,51 @@ def test_static_batches_run_each_batch_to_completion_before_the_next(lm, expecte
   assert texts[1] == expected[prompts[1]]
 
 
+def test_requests_join_mid_decode_one_budget_of_prompt_tokens_per_round(lm, expected):
+  """With a prefill budget of one 16-token bucket, six greedy requests that arrive while another decodes are
+  admitted one per round, with a short decode chunk between rounds while any wait; every text is still
+  `lm.generate`'s, groups are never padded, and nothing compiles after start-up."""
+  engine = Engine(lm, max_batch=8, chunk=8, max_wait_ms=0, length_buckets=(16,), group_sizes=(1, 4),
+                  prefill_chunk=16, prefill_lanes=1, prefill_budget=16)
+  assert engine.waiting_chunk == 2
+  engine.start()
+  compiled = _compiled()
+  groups, chunks = [], []
+  admit_group, decode = engine._admit_group, engine._decode
+
+  def recorded_admit_group(group, length):
+    groups.append((len(group), group.count(None)))  # (group size, padding entries)
+    return admit_group(group, length)
+
+  def recorded_decode(active, steps):
+    chunks.append(steps)
+    return decode(active, steps)
+
+  engine._admit_group, engine._decode = recorded_admit_group, recorded_decode
+  texts, finished = collections.defaultdict(str), threading.Semaphore(0)
+
+  def emit(prompt):
+    def receive(event):
+      texts[prompt] += getattr(event, "text", "")
+      if isinstance(event, engine_lib.Finished):
+        finished.release()
+    return receive
+
+  first, joining = PROMPTS[7], PROMPTS[1:7]  # 14 tokens, then 1 to 12 tokens: one bucket of 16 each.
+  try:
+    engine.submit([engine_lib.Request(lm.encode(first), NEW, emit(first), temperature=0.0)])
+    _wait_for(lambda: texts[first], "the first request to decode")
+    engine.submit([engine_lib.Request(lm.encode(p), NEW, emit(p), temperature=0.0) for p in joining])
+    for _ in range(1 + len(joining)):
+      assert finished.acquire(timeout=DEADLINE)
+  finally:
+    engine.stop(DEADLINE)
+  assert {p: texts[p] for p in [first, *joining]} == {p: expected[p] for p in [first, *joining]}
+  assert groups == [(1, 0)] * (1 + len(joining))  # One request a round, in a group of its own.
+  assert set(chunks) <= {2, 8} and chunks.count(2) >= len(joining) - 1, chunks
+  assert _compiled() == compiled
+
+
 def test_a_long_prompt_is_prefilled_in_pieces_while_another_request_decodes(server, expected, client, monkeypatch):
   _, engine = server
   calls = _recording(engine, monkeypatch, "_feed_lanes", "_place", "_decode")
@@ -480,7 +526,7 @@ def test_a_long_prompt_is_prefilled_in_pieces_while_another_request_decodes(serv
 def test_a_failure_is_an_http_error_or_an_error_event_never_a_finish_reason(server, client, monkeypatch):
   _, engine = server
 
-  def broken(active):
+  def broken(active, steps):
     raise RuntimeError("the device went away")
 
   monkeypatch.setattr(engine, "_decode", broken)
