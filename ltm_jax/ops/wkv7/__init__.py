@@ -38,13 +38,14 @@ _BACKENDS = {"scan": scan.wkv7, "chunked": chunked.wkv7, "pallas": pallas.wkv7, 
 # Fastest backend per platform for training-like shapes, forward+backward under jit, as measured by
 # `python benchmarks/wkv7.py` (benchmarks/results/wkv7-<device>.json). cpu: scan, 1.2-2.6x faster than chunked
 # forward+backward at (B, T, C, N) = (8, 256, 128, 32) and (4, 512, 256, 64) on 2 shared cores, and ~10x faster
-# forward (the chunked form's pairwise decays cost L·N exponentials per token). gpu: pallas_chunked, the fastest of
-# ours at every measured shape on one H100 (bfloat16, forward+backward): 12.3 ms against the sequential kernels'
-# 75.6 at (8, 4096, 4096, 64), 92.4 against 159 at N=128, 25.2 against 223 at (1, 32768, 4096, 64).
-# "pallas_segmented" differs from it only where few rows and heads walk a long sequence (B·H·N/BV programs below the
-# SM count, `pallas_segmented.segments`); it is not in the table until an H100 has timed it at (1, 32768, 4096, 64)
-# (`python benchmarks/wkv7.py --impls pallas_chunked pallas_segmented`): its estimate is in docs/kernels.md.
-AUTO = {"cpu": "scan", "gpu": "pallas_chunked"}
+# forward (the chunked form's pairwise decays cost L·N exponentials per token). gpu: pallas_segmented, which is
+# pallas_chunked (the fastest of ours at every measured shape on one H100, bfloat16, forward+backward: 12.3 ms against
+# the sequential kernels' 75.6 at (8, 4096, 4096, 64), 92.4 against 159 at N=128, 25.2 against 223 at
+# (1, 32768, 4096, 64)) except where few rows and heads walk a long sequence (B·H·N/BV programs below the SM count,
+# `pallas_segmented.segments`): there it took 17.3 ms against pallas_chunked's 24.6 at (1, 32768, 4096, 64), and
+# within 2% of it at the other two shapes, where it runs the same kernels
+# (benchmarks/results/wkv7-segmented-nvidia-h100-80gb-hbm3.json).
+AUTO = {"cpu": "scan", "gpu": "pallas_segmented"}
 
 _NAMES = ("r", "w", "k", "v", "a", "b")
 
