@@ -614,6 +614,13 @@ def launch_settings(size: int, operands, **given) -> dict:
   return chosen
 
 
+def pad_tokens(multiple: int, *xs: jax.Array) -> tuple[jax.Array, ...]:
+  """xs [B, T, H, N] padded along T with zero tokens to a multiple of `multiple`: identity steps (e^0 = 1, no rank-1
+  terms) that read out y = 0, for the caller to slice off."""
+  pad = -xs[0].shape[1] % multiple
+  return tuple(jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in xs) if pad else xs
+
+
 def wkv7(
     r: jax.Array,
     w: jax.Array,
@@ -660,11 +667,7 @@ def wkv7(
   operands = operand_dtype(r.dtype) if operands is None else jnp.dtype(operands)
   chosen = launch_settings(size, operands, chunk=chunk, forward_block=forward_block, backward_block=backward_block,
                            backward_loop=backward_loop, forward_warps=forward_warps, backward_warps=backward_warps)
-  chunk = chosen["chunk"]
-  pad = -length % chunk
-  if pad:  # Zero tokens are identity steps (e^0 = 1, no rank-1 terms) and read out y = 0; sliced off below.
-    widen = lambda x: jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
-    r, w, k, v, a, b = (widen(x) for x in (r, w, k, v, a, b))
+  r, w, k, v, a, b = pad_tokens(chosen["chunk"], r, w, k, v, a, b)
   run = _fused(chosen["chunk"], chosen["forward_block"], chosen["backward_block"], bool(chosen["backward_loop"]),
                chosen["forward_warps"], chosen["backward_warps"], operands.name, interpret, optimize_remat)
   y, final = run(r, w, k, v, a, b, state.astype(jnp.float32))

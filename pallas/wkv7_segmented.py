@@ -196,10 +196,7 @@ def wkv7(
   chosen = chunked.launch_settings(size, operands, chunk=chunk, forward_block=forward_block,
                                    backward_block=backward_block, backward_loop=backward_loop,
                                    forward_warps=forward_warps, backward_warps=backward_warps)
-  pad = -length % (segments * chosen["chunk"])
-  if pad:  # Zero tokens are identity steps (e^0 = 1, no rank-1 terms) and read out y = 0; sliced off below.
-    widen = lambda x: jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
-    r, w, k, v, a, b = (widen(x) for x in (r, w, k, v, a, b))
+  r, w, k, v, a, b = chunked.pad_tokens(segments * chosen["chunk"], r, w, k, v, a, b)
   run = _fused(segments, chosen["chunk"], chosen["forward_block"], chosen["backward_block"],
                bool(chosen["backward_loop"]), chosen["forward_warps"], chosen["backward_warps"], operands.name,
                interpret, optimize_remat)

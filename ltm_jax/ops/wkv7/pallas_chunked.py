@@ -34,11 +34,16 @@ def wkv7(
 
   Arguments and results as `ltm_jax.ops.wkv7.wkv7`. The kernels' settings are their defaults for the head size.
   """
-  size, operands = r.shape[-1], chunked.operand_dtype(r.dtype)
+  if not chunked.fits(r.shape[-1], chunked.operand_dtype(r.dtype)):
+    return sequential.wkv7(r, w, k, v, a, b, state, optimize_remat=not sharding.inside_shard_map())
+  return in_range_or_sequential(chunked.wkv7, r, w, k, v, a, b, state)
+
+
+def in_range_or_sequential(kernels, r, w, k, v, a, b, state):
+  """`kernels(r, w, k, v, a, b, state, optimize_remat=...)`, a chunked form, where every log-decay is in the chunked
+  kernels' range, the sequential kernels otherwise (a run-time `lax.cond` on one read of w)."""
   optimize = not sharding.inside_shard_map()
+  chunk = chunked.settings(r.shape[-1], chunked.operand_dtype(r.dtype))["chunk"]
+  run_chunked = functools.partial(kernels, optimize_remat=optimize)
   run_sequential = functools.partial(sequential.wkv7, optimize_remat=optimize)
-  if not chunked.fits(size, operands):
-    return run_sequential(r, w, k, v, a, b, state)
-  chunk = chunked.settings(size, operands)["chunk"]
-  run_chunked = functools.partial(chunked.wkv7, optimize_remat=optimize)
   return lax.cond(chunked.in_range(w, chunk), run_chunked, run_sequential, r, w, k, v, a, b, state)
