@@ -63,15 +63,19 @@ class LanguageModel:
     """Bytes the parameters occupy (int8 weights count one byte per value, plus their float32 scales)."""
     return quantize_lib.param_bytes(self.params)
 
-  def quantize(self, kind: str = "int8", group_size: int = quantize_lib.DEFAULT_GROUP_SIZE,
+  def quantize(self, kind: str = "int8", group_size: int | None = None,
                keep_int8: Sequence[str] = ()) -> LanguageModel:
     """This model with every matmul weight stored as int8 with a float32 scale per output channel, or as int4 with
-    a float32 scale per `group_size` inputs and output channel (symmetric); norms, per-channel vectors and the input
-    embedding stay float32. With int4, `keep_int8` names weights stored as int8 instead (("head",): the LM head;
-    see `quantize_params`)."""
+    a float32 scale per `group_size` inputs (default 128) and output channel (symmetric); norms, per-channel vectors
+    and the input embedding stay float32. With int4, `keep_int8` names weights stored as int8 instead (("head",):
+    the LM head; see `quantize_params`). `group_size` and `keep_int8` apply to int4 only: given with int8, they are
+    refused (a ValueError), as is an int4 group that does not divide some weight's fan-in."""
     if self.quantized:
       raise LtmError("this model is already quantized")
+    if group_size is not None and kind != "int4":
+      raise ValueError(f"group_size sets int4's inputs per scale; it does not apply to {kind}")
     axes = model_lib.param_axes(self.config.model, self.config.latent)
+    group_size = quantize_lib.DEFAULT_GROUP_SIZE if group_size is None else group_size
     params = quantize_lib.quantize_params(self.params, axes, kind, group_size, keep_int8)
     quantized = LanguageModel(self.config, params, self.trained_steps, self.workdir)
     quantized._prior = self._prior

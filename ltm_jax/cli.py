@@ -268,8 +268,9 @@ def _add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
                       help="int8: matmul weights stored as int8 with per-output-channel scales; int4: as int4 with a "
                            "scale per --quantize-group inputs and output channel; read as stored by the GPU's "
                            "quantised matmul, dequantised ahead of the decode loop on CPU")
-  parser.add_argument("--quantize-group", type=_positive_int, default=128,
-                      help="with --quantize int4: inputs per scale (even, dividing every weight's fan-in, or longer)")
+  parser.add_argument("--quantize-group", type=_positive_int, default=None, metavar="G",
+                      help="with --quantize int4: inputs per scale (even, dividing every weight's fan-in, or longer; "
+                           "default 128); refused without --quantize int4")
   parser.add_argument("--quantize-keep-int8", type=_names, default=(), metavar="NAMES",
                       help="with --quantize int4: comma-separated weight names stored as int8 instead, each matching "
                            "every weight with a path component of that name (head: the LM head; v,out: attention's "
@@ -277,8 +278,11 @@ def _add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _check_quantize(args) -> None:
+  """Refuses the int4-only flags without --quantize int4 (one rule for both), before anything is loaded."""
   if args.quantize != "int4" and args.quantize_keep_int8:
     raise ValueError("--quantize-keep-int8 keeps some int4 weights at int8; add --quantize int4")
+  if args.quantize != "int4" and args.quantize_group is not None:
+    raise ValueError("--quantize-group sets int4's inputs per scale; add --quantize int4")
 
 
 def _quantized(lm, args):

@@ -68,3 +68,21 @@ def test_generate_passes_the_group_and_the_int8_names_to_the_quantiser(tmp_path,
   assert isinstance(params["head"]["kernel"], Int8Weight)
   up = params["block_1"]["ffn"]["up"]["kernel"]
   assert isinstance(up, Int4Weight) and up.group_size == 8
+
+
+@pytest.mark.parametrize("flags", [["--quantize", "int8", "--quantize-group", "48"], ["--quantize-group", "64"]])
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_a_group_without_int4_is_refused_as_a_wrong_int4_group_is(tmp_path, capsys, monkeypatch, command, flags):
+  """--quantize-group applies to int4 only: with int8 or without --quantize it is refused in one line, before the
+  workdir is read, as --quantize-keep-int8 is."""
+  monkeypatch.setattr(api, "load", lambda *args, **kwargs: pytest.fail("loaded a model"))
+  code = cli.main([command, "--workdir", str(tmp_path), *flags])
+  out = capsys.readouterr()
+  assert code == 2 and out.out == ""
+  assert out.err == "error: --quantize-group sets int4's inputs per scale; add --quantize int4\n"
+
+
+def test_the_api_refuses_a_group_size_with_int8():
+  with pytest.raises(ValueError, match="group_size sets int4's inputs per scale; it does not apply to int8"):
+    _sharpened().quantize("int8", group_size=64)
+  assert _sharpened().quantize("int4").params["block_1"]["ffn"]["up"]["kernel"].group_size == 128
