@@ -4,6 +4,7 @@ input prints one line `error: ...` and exits with status 2 (set LTM_DEBUG=1 for 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -290,9 +291,41 @@ def _quantized(lm, args):
   return lm.quantize(args.quantize, args.quantize_group, args.quantize_keep_int8) if args.quantize else lm
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+  """Help that ends each option's text with its default (an option without text gets the default alone), unless
+  the text already names one or there is none to show (None, False, an empty list)."""
+
+  @staticmethod
+  def _default(action) -> str | None:
+    default = action.default
+    if not action.option_strings or default in (None, False, argparse.SUPPRESS) or default in ([], ()):
+      return None
+    shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
+    return shown.replace("%", "%%")  # Help text is %-formatted.
+
+  def _format_action(self, action):
+    if not action.help and self._default(action) is not None:
+      action = copy.copy(action)
+      action.help = f"default: {self._default(action)}"
+    return super()._format_action(action)
+
+  def _get_help_string(self, action):
+    text, default = action.help or "", self._default(action)
+    return text if default is None or "default" in text else f"{text} (default: {default})"
+
+
+class _Parser(argparse.ArgumentParser):
+  """The subcommands' parsers: `_HelpFormatter` help."""
+
+  def __init__(self, **kwargs):
+    super().__init__(**{"formatter_class": _HelpFormatter, **kwargs})
+
+
 def parser() -> argparse.ArgumentParser:
+  from ltm_jax import __version__
   p = argparse.ArgumentParser(prog="ltm", description="Train, evaluate and sample Latent Thought language models.")
-  sub = p.add_subparsers(dest="command", required=True)
+  p.add_argument("--version", action="version", version=f"ltm {__version__}")
+  sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
   train = sub.add_parser("train", help="train (or resume) a model in a workdir")
   train.add_argument("--config", required=True, help="Python config file, e.g. configs/tiny.py")
