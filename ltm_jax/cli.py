@@ -26,10 +26,14 @@ def _train(args) -> int:
     return 128 + result.interrupted_by
   if not parallel.is_main_process():
     return 0
-  val = {k: v for k, v in result.metrics.items() if k.startswith(("val_", "test_"))}
-  print(f"done: step {result.step} in {result.seconds:.0f}s; " + " ".join(f"{k} {v:.4f}" for k, v in val.items()
-                                                                        if isinstance(v, float)))
+  val = {k: v for k, v in result.metrics.items() if k.startswith(("val_", "test_")) and isinstance(v, float)}
+  print(_done(f"done: step {result.step} in {result.seconds:.0f}s", val))
   return 0
+
+
+def _done(line: str, metrics: dict[str, float]) -> str:
+  """`line`, then `; name value ...` for the metrics (nothing when there are none)."""
+  return line + ("; " + " ".join(f"{k} {v:.4f}" for k, v in metrics.items()) if metrics else "")
 
 
 def _eval(args) -> int:
@@ -129,8 +133,8 @@ def _train_prior(args) -> int:
   result = train_prior(args.workdir, args.overrides)
   if result.interrupted_by is not None:
     return 128 + result.interrupted_by
-  print(f"done: prior step {result.step} in {result.seconds:.0f}s; " +
-        " ".join(f"{k} {v:.4f}" for k, v in result.metrics.items() if isinstance(v, float)))
+  print(_done(f"done: prior step {result.step} in {result.seconds:.0f}s",
+              {k: v for k, v in result.metrics.items() if isinstance(v, float)}))
   return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 
 import numpy as np
 import pytest
@@ -40,6 +41,11 @@ def test_train_resumes_where_it_stopped(workdir, capsys):
   assert code == 0 and "resuming from step 10" in out
   steps = [json.loads(line)["step"] for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   assert steps == [5, 10, 15]
+  assert out.splitlines()[-1].startswith("done: step 15 in ") and "; val_loss " in out.splitlines()[-1]
+  # Run again: nothing to train, no metrics to list after the time.
+  code, out, _ = _run(capsys, "train", "--config", TINY, "--workdir", workdir, *SMALL, "train.steps=15",
+                      "train.eval_every=5", "train.checkpoint_every=5")
+  assert code == 0 and re.fullmatch(r"done: step 15 in \d+s", out.splitlines()[-1]), out
 
 
 def test_eval_writes_eval_json(workdir, capsys):

@@ -20,7 +20,7 @@ from ltm_jax import model as model_lib
 from ltm_jax import parallel
 from ltm_jax import quantize as quantize_lib
 from ltm_jax.config import Config
-from ltm_jax.errors import CheckpointError, ConfigError, TrainingError
+from ltm_jax.errors import CheckpointError, ConfigError, TrainingError, WorkdirError
 from ltm_jax.layers import pipeline
 from ltm_jax.train import checkpoint as ckpt_lib
 from ltm_jax.train import task as task_lib
@@ -95,10 +95,12 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = N
   Everything that can refuse the run (bad data, a mesh that does not fit the devices or the model, another run
   holding the workdir's lock, a checkpoints folder that cannot be written, a checkpoint of another model, train.steps
   below the checkpoint resumed from, a `from_step` that is not kept, a data-iterator state that does not fit, an
-  unreadable metrics.jsonl) is checked before anything in the workdir is written: a refused run leaves every file and
-  folder of the workdir as it was (the lock is a flock on the directory itself, which writes nothing). A checkpoint
-  that cannot be read is named on stderr and moved to WORKDIR/damaged-checkpoints/; the run resumes from the newest
-  one that can. No checkpoint is saved whose parameters or optimizer state are not finite.
+  unreadable metrics.jsonl, a metrics.jsonl that logs training in a workdir without checkpoints) is checked before
+  anything in the workdir is written: a refused run leaves every file and folder of the workdir as it was (the lock
+  is a flock on the directory itself, which writes nothing). A checkpoint that cannot be read is named on stderr and
+  moved to WORKDIR/damaged-checkpoints/; the run resumes from the newest one that can. metrics.jsonl rows logged
+  after the step resumed from are dropped, and that is said. No checkpoint is saved whose parameters or optimizer
+  state are not finite.
 
   Over several devices the run is sharded by `cfg.mesh` (ltm_jax.parallel); over several processes (after
   `parallel.initialize`) each loads its rows of every batch, and only process 0 writes metrics and config.json
@@ -117,7 +119,10 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = N
     if main:
       cleanup.enter_context(workdir_lib.exclusive(workdir))
       workdir_lib.check_writable(workdir / "checkpoints")
-      read_metrics(workdir)  # Refuses a metrics.jsonl that the run could not extend.
+      logged = [row["step"] for row in read_metrics(workdir)]  # Refuses a metrics.jsonl the run could not extend.
+      if logged and not _has_checkpoints(workdir):  # Refused before orbax creates the folder.
+        raise WorkdirError(f"{workdir} holds no checkpoint, but its metrics.jsonl logs training up to step "
+                           f"{max(logged)}; to start over, delete {workdir} or train in another workdir")
     if from_step is not None and not (workdir / "checkpoints").is_dir():  # Refused before orbax creates it.
       raise CheckpointError(f"cannot resume from step {from_step}: {workdir} has no checkpoints")
     checkpointer = ckpt_lib.Checkpointer(workdir, t.keep_checkpoints, t.async_checkpoint, keep_every=t.keep_every)
@@ -166,6 +171,9 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = N
     bubble = pipeline.bubble_fraction(stages, cfg.model.pipeline_micro_batches if stages > 1 else 1)
     if dropped:
       say(f"deleted the checkpoints after step {start} (steps {_listed(dropped)}) and their metrics rows")
+    elif writer is not None and writer.dropped:
+      say(f"dropped {len(writer.dropped)} metrics.jsonl row(s) (steps {writer.dropped[0]}-{writer.dropped[-1]}) "
+          f"logged after step {start}, the checkpoint resumed from; this run logs those steps again")
     if start:
       say(f"resuming from step {start} in {workdir}")
     last: dict[str, Any] = {}
@@ -233,6 +241,17 @@ def _track_nonfinite(first: jax.Array, loss: jax.Array, grad_norm: jax.Array, st
 def _all_finite(tree) -> jax.Array:
   leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
   return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+
+
+def _has_checkpoints(workdir: pathlib.Path) -> bool:
+  """Whether WORKDIR/checkpoints holds a checkpoint step (readable or not), without creating anything."""
+  if not (workdir / "checkpoints").is_dir():
+    return False
+  checkpointer = ckpt_lib.Checkpointer(workdir, read_only=True)
+  try:
+    return bool(checkpointer.all_steps())
+  finally:
+    checkpointer.close()
 
 
 def _listed(steps: list[int]) -> str:

@@ -15,23 +15,31 @@ from ltm_jax.errors import WorkdirError
 
 class MetricsWriter:
   """Appends rows to metrics.jsonl and scalars to WORKDIR/tensorboard. On resume from step S, rows logged after S by
-  the interrupted run are dropped first: the resumed run recomputes those steps, so the file stays one row per step."""
+  the interrupted run are dropped first (`dropped`: their steps; the resumed run recomputes those steps, so the file
+  stays one row per step); rows up to S are never rewritten. The TensorBoard events file is opened with the first
+  row, so a run that logs nothing writes none."""
 
   def __init__(self, workdir: str | pathlib.Path, resume_step: int = 0):
     workdir = pathlib.Path(workdir)
     self.path = workdir / "metrics.jsonl"
-    if self.path.exists():
-      kept = [json.dumps(row) for row in read_metrics(workdir) if row.get("step", 0) <= resume_step]
+    rows = read_metrics(workdir)
+    self.dropped = [row["step"] for row in rows if row["step"] > resume_step]
+    if self.dropped:
+      kept = [json.dumps(row) for row in rows if row["step"] <= resume_step]
       tmp = self.path.with_suffix(".jsonl.tmp")
       tmp.write_text("".join(line + "\n" for line in kept))
       os.replace(tmp, self.path)
     self._file = self.path.open("a")
-    self._tb = SummaryWriter(str(workdir / "tensorboard"), purge_step=resume_step + 1)
+    self._tensorboard = (str(workdir / "tensorboard"), resume_step + 1)
+    self._tb: SummaryWriter | None = None
 
   def write(self, step: int, metrics: dict[str, Any]) -> None:
     row = {"step": int(step), **{k: _plain(v) for k, v in metrics.items()}}
     self._file.write(json.dumps(row) + "\n")
     self._file.flush()
+    if self._tb is None:
+      folder, purge_step = self._tensorboard
+      self._tb = SummaryWriter(folder, purge_step=purge_step)
     for k, v in row.items():
       if k != "step" and isinstance(v, (int, float)):
         self._tb.add_scalar(k, v, step)
@@ -39,7 +47,8 @@ class MetricsWriter:
 
   def close(self) -> None:
     self._file.close()
-    self._tb.close()
+    if self._tb is not None:
+      self._tb.close()
 
 
 # Dense (no 2:4 sparsity) bfloat16 tensor-core peak TFLOP/s per device, from NVIDIA's datasheets: A100 (SXM and

@@ -148,11 +148,13 @@ def test_training_resumes_from_the_newest_readable_checkpoint_and_sets_the_damag
   original = {r["step"]: r for r in read_metrics(trained)}
   _truncate(workdir / "checkpoints" / "12")
   result = train(_config(), workdir, progress=False)
-  err = capsys.readouterr().err
+  out, err = capsys.readouterr()
   assert "warning: checkpoint step 12 cannot be read" in err and "damaged-checkpoints" in err
   assert result.step == 12 and (workdir / "damaged-checkpoints" / "12").is_dir()
   assert ckpt_lib.Checkpointer(workdir, read_only=True).all_steps() == [6, 12]
   assert api.load(workdir).trained_steps == 12
+  assert ("dropped 2 metrics.jsonl row(s) (steps 9-12) logged after step 6, the checkpoint resumed from; this run "
+          "logs those steps again") in out
   rows = {r["step"]: r for r in read_metrics(workdir)}
   # Steps 7-12 were recomputed from step 6's state and data position: the same numbers as the first time.
   assert rows[12]["loss"] == pytest.approx(original[12]["loss"], rel=1e-6)
@@ -168,6 +170,21 @@ def test_no_readable_checkpoint_is_refused_and_nothing_is_written(trained, tmp_p
   with pytest.raises(CheckpointError, match="no readable checkpoint"):
     api.load(workdir)
   assert _digest(workdir) == before
+
+
+@pytest.mark.parametrize("folder", ["emptied", "deleted"])
+def test_a_trained_workdir_without_checkpoints_is_refused_and_nothing_is_written(trained, tmp_path, folder):
+  workdir = _copy(trained, tmp_path)
+  shutil.rmtree(workdir / "checkpoints")
+  if folder == "emptied":
+    (workdir / "checkpoints").mkdir()
+  before = _digest(workdir)
+  with pytest.raises(WorkdirError, match=rf"^{re.escape(str(workdir))} holds no checkpoint, but its metrics.jsonl "
+                                         rf"logs training up to step 12; to start over, delete {re.escape(str(workdir))}"
+                                         r" or train in another workdir$"):
+    train(_config(), workdir, progress=False)
+  assert _digest(workdir) == before
+  assert (workdir / "checkpoints").is_dir() == (folder == "emptied")
 
 
 def test_first_nonfinite_step_is_tracked_on_device():

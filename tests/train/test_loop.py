@@ -165,11 +165,15 @@ def test_resume_may_change_runtime_choices(uninterrupted, tmp_path):
   assert train(cfg, workdir, progress=False).step == 123
 
 
-def test_finished_run_is_not_repeated(uninterrupted):
+def test_finished_run_is_not_repeated_and_writes_nothing(uninterrupted):
   workdir, _ = uninterrupted
-  before = _tree_digest(workdir / "checkpoints")
+  before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(workdir.rglob("*"))
+            if p.is_file() and p.name != "config.json"}
   result = train(loop_config(), workdir, progress=False)
-  assert result.step == 120 and _tree_digest(workdir / "checkpoints") == before
+  assert result.step == 120 and result.metrics == {}
+  after = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(workdir.rglob("*"))
+           if p.is_file() and p.name != "config.json"}
+  assert after == before  # No new TensorBoard events file, metrics.jsonl not rewritten, checkpoints untouched.
 
 
 def test_fp8_and_the_compute_dtype_are_runtime_choices():
