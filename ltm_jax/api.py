@@ -59,6 +59,12 @@ class LanguageModel:
     return quantize_lib.has_quantized_weights(self.params)
 
   @property
+  def float_params(self):
+    """The parameters with quantised weights dequantised to float32 (their rounding kept; the others as they are):
+    what a function that reads plain parameters, such as the evaluation, takes to measure the quantised model."""
+    return jax.jit(quantize_lib.dequantize_params)(self.params) if self.quantized else self.params
+
+  @property
   def param_bytes(self) -> int:
     """Bytes the parameters occupy (int8 weights count one byte per value, plus their float32 scales)."""
     return quantize_lib.param_bytes(self.params)

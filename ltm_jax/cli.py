@@ -42,8 +42,9 @@ def _eval(args) -> int:
   from ltm_jax import data as data_lib
   from ltm_jax.api import load
   from ltm_jax.train.evaluation import full_evaluation
+  _check_quantize(args)
   _check_lm_workdir(args.workdir, "eval")
-  lm = load(args.workdir, args.step, args.overrides)
+  lm = _quantized(load(args.workdir, args.step, args.overrides), args)
   t = lm.config.train
   batch_size = args.batch_size or t.batch_size
   # Before the corpus is read: text through a tokenizer that is not the model's would be scored without complaint.
@@ -53,14 +54,14 @@ def _eval(args) -> int:
   started = time.time()
   bytes_per_token = source.bytes_per_token
   with tqdm.tqdm(total=len(batches), unit="batch", desc="eval", file=sys.stderr, disable=None) as bar:
-    evaluation = full_evaluation(lm.model, lm.params, batches, seed=t.seed, bytes_per_token=bytes_per_token,
+    evaluation = full_evaluation(lm.model, lm.float_params, batches, seed=t.seed, bytes_per_token=bytes_per_token,
                                  curve_steps=args.curve_steps, curve_batches=args.curve_batches,
                                  progress=lambda done, total: bar.update(done - bar.n))
   # val_loss / val_bpb: the names training logs, (NLL + KL) per token (exact NLL for the plain decoder).
   aliases = {"val_loss": evaluation["elbo"]}
   if "elbo_bpb" in evaluation:
     aliases["val_bpb"] = evaluation["elbo_bpb"]
-  metrics = {"step": lm.trained_steps, **evaluation, **aliases, "seq_len": t.seq_len,
+  metrics = {"step": lm.trained_steps, **_quantize_record(args), **evaluation, **aliases, "seq_len": t.seq_len,
              "seconds": round(time.time() - started, 2)}
   out = pathlib.Path(args.workdir) / "eval.json"
   tmp = out.with_suffix(".json.tmp")
@@ -295,6 +296,18 @@ def _quantized(lm, args):
   return lm.quantize(args.quantize, args.quantize_group, args.quantize_keep_int8) if args.quantize else lm
 
 
+def _quantize_record(args) -> dict:
+  """The quantisation flags as a results file records them ({} without --quantize)."""
+  if not args.quantize:
+    return {}
+  record = {"quantize": args.quantize}
+  if args.quantize == "int4":
+    from ltm_jax.quantize import DEFAULT_GROUP_SIZE
+    record.update(quantize_group=args.quantize_group or DEFAULT_GROUP_SIZE,
+                  quantize_keep_int8=list(args.quantize_keep_int8))
+  return record
+
+
 class _HelpFormatter(argparse.HelpFormatter):
   """Help that ends each option's text with its default (an option without text gets the default alone), unless
   the text already names one or there is none to show (None, False, an empty list)."""
@@ -355,6 +368,7 @@ def parser() -> argparse.ArgumentParser:
   ev.add_argument("--curve-batches", type=_non_negative_int, default=0,
                   help="latent models: validation batches the ELBO curve is measured on (default 0: no curve; 1 "
                        "costs about as much as the rest of a tiny model's evaluation)")
+  _add_quantize_arguments(ev)
   ev.add_argument("overrides", nargs="*", metavar="key=value",
                   help="runtime changes, e.g. latent.inner_steps=32 model.wkv_impl=scan")
   ev.set_defaults(run=_eval)

@@ -4,14 +4,17 @@ line, exit 2, nothing on stdout)."""
 from __future__ import annotations
 
 import functools
+import json
 
 import jax
+import numpy as np
 import pytest
 
 from conftest import micro_config
 from ltm_jax import api, cli
 from ltm_jax import model as model_lib
 from ltm_jax.inference.quantize import Int4Weight, Int8Weight
+from ltm_jax.train import checkpoint as ckpt_lib
 
 @functools.cache
 def _sharpened() -> api.LanguageModel:
@@ -86,3 +89,22 @@ def test_the_api_refuses_a_group_size_with_int8():
   with pytest.raises(ValueError, match="group_size sets int4's inputs per scale; it does not apply to int8"):
     _sharpened().quantize("int8", group_size=64)
   assert _sharpened().quantize("int4").params["block_1"]["ffn"]["up"]["kernel"].group_size == 128
+
+
+def test_eval_measures_the_quantised_weights(tmp_path, capsys):
+  """`ltm eval --quantize int4 --quantize-group 8` evaluates the int4 weights (their rounding costs bits per byte)
+  and records the flags in eval.json; without --quantize, the float weights, with nothing recorded."""
+  lm = _sharpened()
+  ckpt_lib.save_params(tmp_path, lm.config, lm.params)
+  results = []
+  for flags in ([], ["--quantize", "int4", "--quantize-group", "8"]):
+    assert cli.main(["eval", "--workdir", str(tmp_path), "--batches", "1", *flags]) == 0, capsys.readouterr().err
+    results.append(json.loads((tmp_path / "eval.json").read_text()))
+  plain, int4 = results
+  assert "quantize" not in plain
+  assert (int4["quantize"], int4["quantize_group"], int4["quantize_keep_int8"]) == ("int4", 8, [])
+  assert int4["tokens"] == plain["tokens"] and int4["val_bpb"] != pytest.approx(plain["val_bpb"], rel=1e-3)
+  quantized = lm.quantize("int4", 8)
+  leaf = quantized.float_params["block_1"]["ffn"]["up"]["kernel"]
+  assert leaf.dtype == np.float32 and not np.allclose(leaf, lm.params["block_1"]["ffn"]["up"]["kernel"])
+  assert lm.float_params is lm.params
