@@ -205,6 +205,12 @@ class TrainConfig:
   b2: float = 0.95
   eps: float = 1e-8
   grad_clip: float = 1.0  # Global-norm clipping; 0 disables.
+  # The loss-spike guard (ltm_jax/train/divergence.py): the run stops, as on a non-finite loss, once the loss has
+  # stayed above max(spike_factor x best, best + spike_margin) for spike_steps steps in a row (0: never), best being
+  # the lowest moving average of the loss so far.
+  spike_factor: float = 2.0
+  spike_margin: float = 1.0
+  spike_steps: int = 10
   eval_every: int = 200
   eval_batches: int = 16
   # Titans models: every evaluation also logs the memory layers' statistics (surprise, gates, weight and momentum
@@ -628,6 +634,9 @@ def validate(config: Config) -> Config:
   need(t.qat_group >= 2 and t.qat_group % 2 == 0, f"train.qat_group must be even and >= 2, got {t.qat_group}")
   need(t.qat == "none" or not config.timeseries.enabled, "train.qat quantises a language model's weights; set "
        "train.qat=none for a time-series model")
+  need(t.spike_factor >= 1 and t.spike_margin >= 0 and t.spike_steps >= 0,
+       f"train.spike_factor must be >= 1 (got {t.spike_factor}), train.spike_margin and train.spike_steps >= 0 (got "
+       f"{t.spike_margin}, {t.spike_steps})")
   need(not t.memory_stats or bool(set("MG") & set(m.layer_pattern)),
        f"train.memory_stats needs a Titans memory layer (M or G) in model.layer_pattern={m.layer_pattern!r}")
   has_full_attention = bool(set(ATTENTION_LETTERS) & set(m.layer_pattern)) and m.window is None

@@ -9,7 +9,6 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -23,6 +22,7 @@ from ltm_jax.config import Config
 from ltm_jax.errors import CheckpointError, ConfigError, TrainingError, WorkdirError
 from ltm_jax.layers import pipeline
 from ltm_jax.train import checkpoint as ckpt_lib
+from ltm_jax.train import divergence
 from ltm_jax.train import task as task_lib
 from ltm_jax.train import workdir as workdir_lib
 from ltm_jax.train.metrics import MetricsWriter, read_metrics, throughput
@@ -178,7 +178,7 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = N
       say(f"resuming from step {start} in {workdir}")
     last: dict[str, Any] = {}
     step, unit = start, task.unit
-    first_nonfinite = jnp.full((2,), -1, jnp.int32)  # The first steps whose loss / grad_norm were not finite.
+    guard = divergence.Guard(t)
     interval_start, interval_steps = time.time(), 0
     last_step = t.steps if stop_at is None else min(t.steps, stop_at)
     kept_now = lambda: _kept_steps(checkpointer)
@@ -186,13 +186,14 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = N
       while step < last_step and stop.signum is None:
         batch = task.put_batch(next(loader))
         state, metrics = train_step(state, batch)
-        first_nonfinite = _track_nonfinite(first_nonfinite, metrics["loss"], metrics["grad_norm"], state.step)
+        guard.update(metrics["loss"], metrics["grad_norm"], state.step)
         step, interval_steps = step + 1, interval_steps + 1
         checkpointer.check_for_errors()  # A failed background save stops the run at the next step.
         log_now, save_now = step % t.log_every == 0 or step == t.steps, step % t.checkpoint_every == 0
         row: dict[str, Any] = {}
         if log_now or save_now:
-          metrics = _finite(jax.device_get(metrics), jax.device_get(first_nonfinite), kept_now)
+          metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+          guard.check(step, metrics["loss"], kept_now)
         if log_now:
           elapsed = time.time() - interval_start
           row.update(metrics, step_seconds=elapsed / interval_steps,
@@ -217,24 +218,16 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = N
           last.update(row)
           interval_start, interval_steps = time.time(), 0
         if save_now or step == last_step:
-          _save(checkpointer, step, state, loader.get_state(), cfg)
+          _save(checkpointer, step, state, loader.get_state(), cfg, guard)
           saved_step = step
         bar.update(1)
       if step != (saved_step or 0):  # Stopped by a signal between checkpoints.
-        _finite(jax.device_get(metrics), jax.device_get(first_nonfinite), kept_now)
-        _save(checkpointer, step, state, loader.get_state(), cfg)
+        guard.check(step, float(metrics["loss"]), kept_now)
+        _save(checkpointer, step, state, loader.get_state(), cfg, guard)
       checkpointer.wait()  # A failed last save is an error, not a silent loss.
       if stop.signum is not None:
         say(f"stopped by signal {stop.signum} at step {step}; checkpoint saved, run again to resume")
   return TrainResult(step, last, stop.signum, time.time() - started)
-
-
-@jax.jit
-def _track_nonfinite(first: jax.Array, loss: jax.Array, grad_norm: jax.Array, step: jax.Array) -> jax.Array:
-  """first [2] int32 (-1: not yet): the first step at which loss / grad_norm were not finite. Updated on device every
-  step, so the step is exact although the host only looks on log and save steps."""
-  bad = ~jnp.isfinite(jnp.stack([loss, grad_norm]).astype(jnp.float32))
-  return jnp.where((first < 0) & bad, step.astype(jnp.int32), first)
 
 
 @jax.jit
@@ -265,35 +258,10 @@ def _kept_steps(checkpointer: ckpt_lib.Checkpointer) -> list[int]:
   return checkpointer.all_steps()
 
 
-def _recovery(kept: list[int]) -> str:
-  """What a diverged run can do next, given the checkpoint steps it keeps. The newest ones can hold parameters that
-  are finite yet already diverged (resuming from them with a lower learning rate diverges again), so the advice is to
-  resume from an older one."""
-  fix = "a lower train.lr or a train.grad_clip"
-  if not kept:
-    return f"no checkpoint was saved; run again with {fix}"
-  if len(kept) == 1:
-    return (f"the only checkpoint kept (step {kept[0]}) may already hold diverged parameters; resume from it with "
-            f"{fix}, or start again in a new workdir")
-  return (f"checkpoints kept at steps {_listed(kept)}, the newest of which may already hold diverged parameters; "
-          f"resume from an older one with {fix}: ltm train --from-step {kept[0]} ... (deletes the checkpoints after "
-          "it)")
-
-
-def _finite(metrics: dict[str, Any], first_nonfinite, kept: Callable[[], list[int]]) -> dict[str, float]:
-  """Float metrics, or TrainingError naming the first step at which the loss or gradient norm stopped being finite
-  (`first_nonfinite` from _track_nonfinite) and the recovery from the kept checkpoints (`kept()`, their steps)."""
-  metrics = {k: float(v) for k, v in metrics.items()}
-  steps = {name: int(s) for name, s in zip(("loss", "grad_norm"), first_nonfinite) if int(s) >= 0}
-  if steps:
-    what = "; ".join(f"{name} became non-finite at step {s}" for name, s in steps.items())
-    raise TrainingError(f"{what}; {_recovery(kept())}")
-  return metrics
-
-
-def _save(checkpointer: ckpt_lib.Checkpointer, step: int, state, data_state, cfg: Config) -> None:
+def _save(checkpointer: ckpt_lib.Checkpointer, step: int, state, data_state, cfg: Config,
+          guard: divergence.Guard) -> None:
   """Saves unless the parameters or optimizer state hold a NaN or infinity (one device reduction)."""
   if not bool(_all_finite((state.params, state.opt_state))):
     raise TrainingError(f"parameters or optimizer state are not finite at step {step}; "
-                        f"{_recovery(_kept_steps(checkpointer))}")
+                        f"{divergence.recovery(_kept_steps(checkpointer), guard.rise())}")
   checkpointer.save(step, state, data_state, cfg)

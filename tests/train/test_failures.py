@@ -22,7 +22,8 @@ from ltm_jax.errors import CheckpointError, ConfigError, TrainingError, WorkdirE
 from ltm_jax.train import checkpoint as ckpt_lib
 from ltm_jax.train import train
 from ltm_jax.train import workdir as workdir_lib
-from ltm_jax.train.loop import _finite, _save, _track_nonfinite
+from ltm_jax.train import divergence
+from ltm_jax.train.loop import _save
 from ltm_jax.train.metrics import read_metrics
 
 # Checkpoints at steps 6 and 12; the damage goes to 12, the latest.
@@ -187,24 +188,6 @@ def test_a_trained_workdir_without_checkpoints_is_refused_and_nothing_is_written
   assert (workdir / "checkpoints").is_dir() == (folder == "emptied")
 
 
-def test_first_nonfinite_step_is_tracked_on_device():
-  first = jnp.full((2,), -1, jnp.int32)
-  losses = [1.0, 2.0, np.inf, np.nan, 1.0]
-  norms = [1.0, 1.0, 1.0, np.nan, np.nan]
-  for step, (loss, norm) in enumerate(zip(losses, norms), 1):
-    first = _track_nonfinite(first, jnp.float32(loss), jnp.float32(norm), jnp.int32(step))
-  np.testing.assert_array_equal(first, [3, 4])
-  with pytest.raises(TrainingError, match=r"^loss became non-finite at step 3; grad_norm became non-finite at step 4; "
-                                          r"checkpoints kept at steps 1, 2, the newest of which may already hold "
-                                          r"diverged parameters; .* ltm train --from-step 1 \.\.\. "):
-    _finite({"loss": 1.0, "grad_norm": 1.0}, first, lambda: [1, 2])
-  with pytest.raises(TrainingError, match=r"the only checkpoint kept \(step 2\) may already hold diverged"):
-    _finite({"loss": 1.0, "grad_norm": 1.0}, first, lambda: [2])
-  with pytest.raises(TrainingError, match="loss became non-finite at step 3; no checkpoint was saved"):
-    _finite({"loss": 1.0, "grad_norm": 1.0}, np.array([3, -1]), lambda: [])
-  assert _finite({"loss": np.float32(2.5), "grad_norm": 1.0}, np.array([-1, -1]), lambda: [2])["loss"] == 2.5
-
-
 def test_divergence_names_its_first_step_and_saves_nothing(tmp_path):
   # lr 1e12 is finite in float32 and wrecks the parameters within a few steps; the logs come every 10 steps.
   overrides = ["train.lr=1e12", "train.grad_clip=0", "train.warmup_steps=0", "train.log_every=10",
@@ -226,10 +209,11 @@ def test_nonfinite_parameters_are_never_saved(tmp_path):
   state = create_train_state(model_lib.init_params(cfg.model, jax.random.key(0)), make_optimizer(cfg.train), 0)
   poisoned = state.replace(params=jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(jnp.inf), state.params))
   checkpointer = ckpt_lib.Checkpointer(tmp_path)
-  _save(checkpointer, 3, state, {"next_batch": 0}, cfg)
-  with pytest.raises(TrainingError, match=r"^parameters or optimizer state are not finite at step 4; the only "
-                                          r"checkpoint kept \(step 3\)"):
-    _save(checkpointer, 4, poisoned, {"next_batch": 0}, cfg)
+  guard = divergence.Guard(cfg.train)
+  _save(checkpointer, 3, state, {"next_batch": 0}, cfg, guard)
+  with pytest.raises(TrainingError, match=r"^parameters or optimizer state are not finite at step 4; the newest "
+                                          r"checkpoint is step 3; resume from it with .*--from-step 3 "):
+    _save(checkpointer, 4, poisoned, {"next_batch": 0}, cfg, guard)
   checkpointer.close()
   assert ckpt_lib.Checkpointer(tmp_path, read_only=True).all_steps() == [3]
 

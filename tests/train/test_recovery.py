@@ -25,7 +25,7 @@ SMALL = ["model.d_model=32", "model.n_layers=2", "train.batch_size=4", "train.se
          "train.keep_checkpoints=3", "train.keep_every=6", "data.worker_threads=1"]
 HEALTHY_LR = "train.lr=3e-3"
 # Adam moves every weight by about lr per step: at 30 the loss climbs by orders of magnitude within a few steps while
-# staying finite (those checkpoints are saved), then overflows.
+# staying finite (those checkpoints are saved) until the loss-spike guard stops the run.
 HUGE_LR = "train.lr=30"
 
 
@@ -68,10 +68,14 @@ def test_divergence_names_the_kept_steps_and_from_step_recovers(healthy, tmp_pat
   err = capsys.readouterr().err.strip()
   kept = _kept(workdir)
   assert kept[0] == 6 and kept[-1] > 6, kept  # 2 and 4 pruned; 6, a multiple of train.keep_every, stays.
-  assert "\n" not in err and err.startswith("error: loss became non-finite at step"), err
+  # Step 7's loss is that of step 6's parameters; from step 8 on the loss is far above its best, and after
+  # train.spike_steps (10) such steps the guard stops the run, naming the newest checkpoint saved before the rise.
+  assert "\n" not in err and err.startswith("error: loss spike: "), err
+  assert " at step 17, above " in err and " for the 10 steps since step 8 (train.spike_steps=10;" in err
+  assert err.endswith("the newest checkpoint saved before the loss began to rise at step 8 is step 6; resume from it "
+                      "with a lower train.lr or a train.grad_clip: ltm train --from-step 6 ... (deletes the "
+                      "checkpoints after it)"), err
   listed = ", ".join(map(str, kept))
-  assert f"checkpoints kept at steps {listed}, the newest of which may already hold diverged parameters" in err
-  assert f"ltm train --from-step {kept[0]} ..." in err
   diverged = max(r["loss"] for r in read_metrics(workdir) if r["loss"] is not None)
   assert diverged > 100 * good_rows[-1]["loss"]
 
