@@ -14,11 +14,10 @@ import time
 
 
 def _train(args) -> int:
-  from ltm_jax import config as config_lib
   from ltm_jax import parallel
   from ltm_jax.train import train
   _check_workdir(args.workdir)
-  cfg = config_lib.load_config(args.config, args.overrides)
+  cfg = _train_config(args.config, args.workdir, args.overrides)
   # Before anything touches a device: a multi-process run must join its process group first.
   parallel.initialize(args.coordinator_address, args.num_processes, args.process_id)
   result = train(cfg, args.workdir, from_step=args.from_step)
@@ -29,6 +28,26 @@ def _train(args) -> int:
   val = {k: v for k, v in result.metrics.items() if k.startswith(("val_", "test_")) and isinstance(v, float)}
   print(_done(f"done: step {result.step} in {result.seconds:.0f}s", val))
   return 0
+
+
+def _train_config(config: str | None, workdir: str, overrides: list[str]):
+  """The config file's config with the overrides, or without one the workdir's config.json with the overrides on
+  top, refusing overrides that change the model it holds (naming each key)."""
+  from ltm_jax import config as config_lib
+  from ltm_jax.errors import ConfigError, LtmError
+  from ltm_jax.train import checkpoint as ckpt_lib
+  if config is not None:
+    return config_lib.load_config(config, overrides)
+  if not os.path.isfile(os.path.join(workdir, "config.json")):
+    raise LtmError(f"--config is required: {workdir} holds no config.json to resume from")
+  saved = ckpt_lib.read_config_json(workdir)
+  cfg = config_lib.validate(config_lib.apply_overrides(saved, overrides))
+  changed = ckpt_lib.model_differences(saved, cfg)
+  if changed:
+    raise ConfigError("; ".join(f"{key}={new!r} would change the model trained in {workdir} ({key}={old!r})"
+                                for key, old, new in changed) +
+                      "; train a new model in another workdir (with --config)")
+  return cfg
 
 
 def _done(line: str, metrics: dict[str, float]) -> str:
@@ -345,7 +364,9 @@ def parser() -> argparse.ArgumentParser:
   sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
   train = sub.add_parser("train", help="train (or resume) a model in a workdir")
-  train.add_argument("--config", required=True, help="Python config file, e.g. configs/tiny.py")
+  train.add_argument("--config", default=None,
+                     help="Python config file, e.g. configs/tiny.py; without it, resume from the workdir's own "
+                          "config.json, the overrides on top")
   train.add_argument("--workdir", required=True, help="checkpoints, metrics.jsonl and TensorBoard files go here")
   train.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. model.d_model=256 train.steps=200")
   train.add_argument("--from-step", type=_non_negative_int, default=None, metavar="N",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import pathlib
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -46,6 +47,25 @@ def test_train_resumes_where_it_stopped(workdir, capsys):
   code, out, _ = _run(capsys, "train", "--config", TINY, "--workdir", workdir, *SMALL, "train.steps=15",
                       "train.eval_every=5", "train.checkpoint_every=5")
   assert code == 0 and re.fullmatch(r"done: step 15 in \d+s", out.splitlines()[-1]), out
+
+
+def test_train_resumes_from_the_workdirs_own_config_with_overrides_on_top(workdir, tmp_path, capsys):
+  copy = tmp_path / "copy"
+  shutil.copytree(workdir, copy)
+  steps = json.loads((copy / "config.json").read_text())["train"]["steps"]
+  code, out, _ = _run(capsys, "train", "--workdir", copy, f"train.steps={steps + 5}")
+  assert code == 0 and f"resuming from step {steps}" in out and f"done: step {steps + 5} in " in out
+  assert json.loads((copy / "config.json").read_text())["train"]["steps"] == steps + 5
+  code, out, _ = _run(capsys, "train", "--workdir", copy)  # The extended length holds without repeating it.
+  assert code == 0 and out.splitlines()[-1].startswith(f"done: step {steps + 5} in ")
+  before = {p: p.stat().st_mtime_ns for p in copy.rglob("*")}
+  _fails(capsys, "train", "--workdir", copy, "train.steps=100", "model.d_model=64",
+         match=f"error: model.d_model=64 would change the model trained in {copy} (model.d_model=32); train a new "
+               "model in another workdir (with --config)")
+  assert {p: p.stat().st_mtime_ns for p in copy.rglob("*")} == before
+  _fails(capsys, "train", "--workdir", tmp_path / "new", "train.steps=5",
+         match=f"error: --config is required: {tmp_path / 'new'} holds no config.json to resume from")
+  assert not (tmp_path / "new").exists()
 
 
 def test_eval_writes_eval_json(workdir, capsys):

@@ -253,20 +253,25 @@ STRUCTURAL_TIMESERIES_KEYS = ("enabled", "task", "patch", "pool", "branch", "spe
                               "head_hidden")
 
 
-def check_compatible(saved: config_lib.Config, current: config_lib.Config, where: str) -> None:
-  """Raises CheckpointError naming every model key (other than runtime choices, and the keys of layer kinds neither
-  model has) and structural latent and time-series key that differs from the checkpoint's."""
+def model_differences(saved: config_lib.Config, current: config_lib.Config) -> list[tuple[str, Any, Any]]:
+  """(key, saved value, current value) of every model key (other than runtime choices, and the keys of layer kinds
+  neither model has) and structural latent and time-series key that differs: what a checkpoint cannot be read as."""
   a, b = saved.model.__dict__, current.model.__dict__
   has = lambda letters: any(set(letters) & set(c.layer_pattern) for c in (saved.model, current.model))
   ignored = RUNTIME_MODEL_KEYS + (() if has("MG") else MEMORY_MODEL_KEYS) + (() if has("D") else MMREC_MODEL_KEYS)
-  diffs = [f"model.{k}: checkpoint {a[k]!r}, config {b[k]!r}" for k in a if a[k] != b[k] and k not in ignored]
+  diffs = [(f"model.{k}", a[k], b[k]) for k in a if a[k] != b[k] and k not in ignored]
   a, b = saved.latent.__dict__, current.latent.__dict__
   if a["enabled"] or b["enabled"]:  # Without latents the other latent keys mean nothing.
-    diffs += [f"latent.{k}: checkpoint {a[k]!r}, config {b[k]!r}" for k in STRUCTURAL_LATENT_KEYS if a[k] != b[k]]
+    diffs += [(f"latent.{k}", a[k], b[k]) for k in STRUCTURAL_LATENT_KEYS if a[k] != b[k]]
   a, b = saved.timeseries.__dict__, current.timeseries.__dict__
   if a["enabled"] or b["enabled"]:
-    diffs += [f"timeseries.{k}: checkpoint {a[k]!r}, config {b[k]!r}" for k in STRUCTURAL_TIMESERIES_KEYS
-              if a[k] != b[k]]
+    diffs += [(f"timeseries.{k}", a[k], b[k]) for k in STRUCTURAL_TIMESERIES_KEYS if a[k] != b[k]]
+  return diffs
+
+
+def check_compatible(saved: config_lib.Config, current: config_lib.Config, where: str) -> None:
+  """Raises CheckpointError naming every key of `model_differences`."""
+  diffs = [f"{key}: checkpoint {a!r}, config {b!r}" for key, a, b in model_differences(saved, current)]
   if diffs:
     raise CheckpointError(f"{where} holds a checkpoint of a different model ({'; '.join(diffs)}); "
                           "use another workdir or the same model config")
