@@ -63,6 +63,7 @@ def _eval(args) -> int:
   from ltm_jax.train.evaluation import full_evaluation
   _check_quantize(args)
   _check_lm_workdir(args.workdir, "eval")
+  _check_out(args.out)
   lm = _quantized(load(args.workdir, args.step, args.overrides), args)
   t = lm.config.train
   batch_size = args.batch_size or t.batch_size
@@ -80,10 +81,11 @@ def _eval(args) -> int:
   aliases = {"val_loss": evaluation["elbo"]}
   if "elbo_bpb" in evaluation:
     aliases["val_bpb"] = evaluation["elbo_bpb"]
-  metrics = {"step": lm.trained_steps, **_quantize_record(args), **evaluation, **aliases, "seq_len": t.seq_len,
-             "seconds": round(time.time() - started, 2)}
-  out = pathlib.Path(args.workdir) / "eval.json"
-  tmp = out.with_suffix(".json.tmp")
+  overrides = {"overrides": list(args.overrides)} if args.overrides else {}
+  metrics = {"step": lm.trained_steps, **_quantize_record(args), **overrides, **evaluation, **aliases,
+             "seq_len": t.seq_len, "seconds": round(time.time() - started, 2)}
+  out = _eval_out(args, lm.trained_steps)
+  tmp = out.with_name(out.name + ".tmp")
   tmp.write_text(json.dumps(metrics, indent=2) + "\n")
   os.replace(tmp, out)
   for k, v in metrics.items():
@@ -93,6 +95,48 @@ def _eval(args) -> int:
     print(f"{k:24s} {v:.4f}{label}" if isinstance(v, float) else f"{k:24s} {v}{label}")
   print(f"wrote {out}")
   return 0
+
+
+def _check_out(out: str | None) -> None:
+  from ltm_jax.errors import LtmError
+  if out is None:
+    return
+  if os.path.isdir(out):
+    raise LtmError(f"--out {out} is a directory; name the file to write")
+  if not os.path.isdir(os.path.dirname(os.path.abspath(out))):
+    raise LtmError(f"--out {out}: the folder {os.path.dirname(out)} does not exist")
+
+
+def _eval_out(args, step: int) -> pathlib.Path:
+  """--out, else WORKDIR/eval.json for the newest checkpoint (damaged or not) evaluated as trained (no quantisation,
+  no overrides), else a name carrying what differs (eval-step300.json, eval-int8.json, eval-train.seq_len=512.json,
+  ...): an evaluation never replaces one of something else, and a fallback from a damaged checkpoint never the
+  newest one's."""
+  import hashlib
+  import re
+
+  from ltm_jax.train import checkpoint as ckpt_lib
+  if args.out is not None:
+    return pathlib.Path(args.out)
+  checkpointer = ckpt_lib.Checkpointer(args.workdir, read_only=True)
+  try:
+    newest = max(checkpointer.all_steps())
+  finally:
+    checkpointer.close()
+  parts = [] if step == newest else [f"step{step}"]
+  quantize = _quantize_record(args)
+  if quantize:
+    tag = [quantize["quantize"]]
+    if "quantize_group" in quantize:
+      tag.append(f"g{quantize['quantize_group']}")
+    if quantize.get("quantize_keep_int8"):
+      tag.append("keep-" + ",".join(quantize["quantize_keep_int8"]))
+    parts.append("-".join(tag))
+  parts += [re.sub(r"[^\w.,=+-]", "_", override) for override in args.overrides]
+  name = "-".join(["eval", *parts])
+  if len(name) > 200:  # File names stop at 255 bytes: a long override list is cut and told apart by its hash.
+    name = name[:180] + "-" + hashlib.sha256(name.encode()).hexdigest()[:12]
+  return pathlib.Path(args.workdir) / f"{name}.json"
 
 
 def _generate(args) -> int:
@@ -378,8 +422,13 @@ def parser() -> argparse.ArgumentParser:
   train.add_argument("--process-id", type=int, default=None, help="multi-process: this process's id, 0-based")
   train.set_defaults(run=_train)
 
-  ev = sub.add_parser("eval", help="evaluate the latest checkpoint on the validation split; writes eval.json")
+  ev = sub.add_parser("eval", help="evaluate the latest checkpoint on the validation split; writes eval.json (or "
+                                   "a name carrying the step, quantisation and overrides evaluated, or --out)")
   ev.add_argument("--workdir", required=True)
+  ev.add_argument("--out", default=None, metavar="FILE",
+                  help="write the results here (default: WORKDIR/eval.json for the newest checkpoint as trained, "
+                       "else WORKDIR/eval-<what differs>.json, e.g. eval-step300.json, eval-int8.json, "
+                       "eval-latent.inner_steps=32.json)")
   ev.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
   ev.add_argument("--batches", type=_positive_int, default=None, help="limit validation batches (default: all)")
   ev.add_argument("--batch-size", type=_positive_int, default=None)

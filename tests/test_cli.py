@@ -14,6 +14,7 @@ from conftest import ROOT
 from ltm_jax import cli
 from ltm_jax.api import load
 from ltm_jax.errors import CheckpointError
+from ltm_jax.train import checkpoint as ckpt_lib
 
 TINY = str(ROOT / "configs" / "tiny.py")
 # The tiny config shrunk so the round trip compiles and runs in seconds.
@@ -75,6 +76,37 @@ def test_eval_writes_eval_json(workdir, capsys):
   assert result["step"] == load(workdir).trained_steps and 0 < result["val_bpb"] < 9
   assert result["tokens"] == 3 * 4 * 32 and result["kl"] == 0 and result["elbo_ppl_is_upper_bound"] is False
   assert "val_bpb" in out
+
+
+def test_eval_results_are_keyed_by_what_was_evaluated(workdir, tmp_path, capsys):
+  """eval.json is the newest checkpoint as trained; another step, overrides, quantisation or a fallback from a damaged
+  newest checkpoint each get their own file, and --out names one."""
+  copy = tmp_path / "copy"
+  shutil.copytree(workdir, copy)
+  kept = ckpt_lib.Checkpointer(copy, read_only=True).all_steps()
+  newest, older = kept[-1], kept[-2]
+
+  def evaluate(*argv) -> pathlib.Path:
+    code, out, err = _run(capsys, "eval", "--workdir", copy, "--batches", 1, *argv)
+    assert code == 0, err
+    return pathlib.Path(out.splitlines()[-1].removeprefix("wrote "))
+
+  assert evaluate() == copy / "eval.json"
+  newest_result = (copy / "eval.json").read_bytes()
+  assert json.loads(newest_result)["step"] == newest
+  assert evaluate("--step", older) == copy / f"eval-step{older}.json"
+  assert evaluate("--step", newest, "train.seq_len=16", "--quantize", "int8") == copy / "eval-int8-train.seq_len=16.json"
+  assert json.loads((copy / "eval-int8-train.seq_len=16.json").read_text())["overrides"] == ["train.seq_len=16"]
+  state = copy / "checkpoints" / str(newest) / "state"
+  largest = max((f for f in state.rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+  largest.write_bytes(largest.read_bytes()[:10])
+  assert evaluate() == copy / f"eval-step{older}.json"  # The fallback: beside the newest one's result, not over it.
+  assert (copy / "eval.json").read_bytes() == newest_result
+  assert evaluate("--out", tmp_path / "mine.json") == tmp_path / "mine.json"
+  before = sorted(tmp_path.rglob("*"))
+  _fails(capsys, "eval", "--workdir", copy, "--out", tmp_path / "absent" / "x.json",
+         match=f"error: --out {tmp_path / 'absent' / 'x.json'}: the folder {tmp_path / 'absent'} does not exist")
+  assert sorted(tmp_path.rglob("*")) == before
 
 
 def test_generate_prints_prompt_and_continuation(workdir, capsys):

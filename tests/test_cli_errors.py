@@ -112,8 +112,9 @@ def test_eval_refuses_text_the_model_cannot_read_but_reads_its_token_ids(foreign
   ids.tofile(tokens)
   code, out, _ = _run(capsys, "eval", "--workdir", foreign_vocabulary, "--batches", 1, "--batch-size", 1,
                       f"data.source={tokens}")
-  assert code == 0 and "wrote" in out
-  assert np.isfinite(json.loads((foreign_vocabulary / "eval.json").read_text())["val_loss"])
+  written = out.splitlines()[-1].removeprefix("wrote ")
+  assert code == 0 and written.startswith(str(foreign_vocabulary / "eval-data.source="))
+  assert np.isfinite(json.loads(open(written).read())["val_loss"])
 
 
 def test_generate_refuses_before_printing_anything(foreign_vocabulary, capsys):

@@ -93,13 +93,13 @@ def test_the_api_refuses_a_group_size_with_int8():
 
 def test_eval_measures_the_quantised_weights(tmp_path, capsys):
   """`ltm eval --quantize int4 --quantize-group 8` evaluates the int4 weights (their rounding costs bits per byte)
-  and records the flags in eval.json; without --quantize, the float weights, with nothing recorded."""
+  and records the flags in eval-int4-g8.json; without --quantize, the float weights, with nothing recorded."""
   lm = _sharpened()
   ckpt_lib.save_params(tmp_path, lm.config, lm.params)
   results = []
-  for flags in ([], ["--quantize", "int4", "--quantize-group", "8"]):
+  for flags, name in (([], "eval.json"), (["--quantize", "int4", "--quantize-group", "8"], "eval-int4-g8.json")):
     assert cli.main(["eval", "--workdir", str(tmp_path), "--batches", "1", *flags]) == 0, capsys.readouterr().err
-    results.append(json.loads((tmp_path / "eval.json").read_text()))
+    results.append(json.loads((tmp_path / name).read_text()))
   plain, int4 = results
   assert "quantize" not in plain
   assert (int4["quantize"], int4["quantize_group"], int4["quantize_keep_int8"]) == ("int4", 8, [])
