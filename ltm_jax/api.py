@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import codecs
 import functools
 import pathlib
 from collections.abc import Iterator, Sequence
@@ -26,6 +25,7 @@ from ltm_jax.inference import diagnostics
 from ltm_jax.inference import generate as generation
 from ltm_jax.inference import inputs
 from ltm_jax.inference import quantize as quantize_lib
+from ltm_jax.inference import text as text_lib
 from ltm_jax.layers import KVCache
 from ltm_jax.state import abstract_train_state
 from ltm_jax.train import checkpoint as ckpt_lib
@@ -245,49 +245,76 @@ class LanguageModel:
                        "fit_latents(tokens).posterior.mu or prior_latents(batch)")
     return self._apply(self.params, tokens, state, self._latents_for(tokens, latents), positions)
 
-  def generate(self, prompt: str | Sequence[str], max_new_tokens: int = 200, *, temperature: float = 1.0,
-               top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-               stop_at_eos: bool = True, latents=None) -> str | list[str]:
-    """Samples a continuation of each prompt (text in, text out; the prompt itself is not repeated). A list of
-    prompts runs as one batch, however different their lengths.
+  def generate(self, prompt, max_new_tokens: int = 200, *, temperature: float = 1.0, top_k: int | None = None,
+               top_p: float | None = None, seed: int = 0, stop_at_eos: bool = True,
+               stop: str | Sequence[str] | None = None, latents=None) -> str | list[str]:
+    """Samples a continuation of each prompt (text out; the prompt itself is not repeated). `prompt`: a string or
+    token ids [T] (a list of ints or a 1-D integer array) -> a string; a list of strings, a list of token-id
+    sequences or a [B, T] array -> a list of strings, decoded as one batch however different their lengths. An
+    empty text starts from the beginning-of-text token.
+
+    `stop`: a string or a list of strings; each row's text ends before the first of them (not included), as the
+    server's stop strings do (`inference.text.StopText`). With stop strings the batch is decoded 16 tokens per
+    on-device loop, so that it ends soon after every row has stopped; the tokens drawn are the same either way.
 
     Latent models condition on `latents`: "posterior" (z inferred from each prompt by the inner loop; the default
-    when every prompt has 2+ tokens), "prior" (z ~ N(0, I): unconditional), "dit" (z from the learned prior: unconditional) or an array z [B, n_layers, n_per_layer,
-    d_model], e.g. `fit_latents(other_text).posterior.mu` to continue a prompt under another text's thoughts."""
-    prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-    ids = [self._prompt_ids(text) for text in prompts]
-    tokens = self.generate_tokens(ids, max_new_tokens, key=inputs.key(seed), temperature=temperature,
-                                  top_k=top_k, top_p=top_p, stop_at_eos=stop_at_eos, latents=latents)
-    stop = self.tokenizer.eos_id if stop_at_eos else None
-    outputs = [self.decode(_cut_at(row, stop)) for row in tokens]
-    return outputs[0] if isinstance(prompt, str) else outputs
-
-  def stream(self, prompt: str, max_new_tokens: int = 200, *, chunk: int = 16, temperature: float = 1.0,
-             top_k: int | None = None, top_p: float | None = None, seed: int = 0, stop_at_eos: bool = True,
-             latents=None) -> Iterator[str]:
-    """`generate` for one prompt, yielding the continuation as text pieces as soon as each on-device loop of
-    `chunk` tokens finishes; the pieces join to exactly what `generate` returns for the same seed. Characters split
-    across chunks are held back until complete. The prompt and every option are checked by this call, before the
-    first piece is asked for."""
-    if not isinstance(prompt, str):
-      raise ValueError(f"stream takes one prompt string, got {type(prompt).__name__}; generate takes a list")
-    chunks = self.stream_tokens([self._prompt_ids(prompt)], max_new_tokens, key=inputs.key(seed), chunk=chunk,
+    when every prompt has 2+ tokens), "prior" (z ~ N(0, I): unconditional), "dit" (z from the learned prior:
+    unconditional) or an array z [B, n_layers, n_per_layer, d_model], e.g. `fit_latents(other_text).posterior.mu`
+    to continue a prompt under another text's thoughts."""
+    rows, single = self._prompt_rows(prompt, "generate")
+    stops = text_lib.stop_strings(stop)
+    chunks = self.stream_tokens(rows, max_new_tokens, key=inputs.key(seed), chunk=16 if stops else max_new_tokens,
                                 temperature=temperature, top_k=top_k, top_p=top_p, stop_at_eos=stop_at_eos,
                                 latents=latents)
-    return self._text_pieces(chunks, self.tokenizer.eos_id if stop_at_eos else None)
+    outputs = ["" for _ in rows]
+    for pieces in self._row_texts(chunks, len(rows), stop_at_eos, stops):
+      outputs = [text + piece for text, piece in zip(outputs, pieces)]
+    return outputs[0] if single else outputs
 
-  def _text_pieces(self, chunks: Iterator[np.ndarray], stop: int | None) -> Iterator[str]:
-    text = codecs.getincrementaldecoder("utf-8")(errors="replace")
+  def stream(self, prompt, max_new_tokens: int = 200, *, chunk: int = 16, temperature: float = 1.0,
+             top_k: int | None = None, top_p: float | None = None, seed: int = 0, stop_at_eos: bool = True,
+             stop: str | Sequence[str] | None = None, latents=None) -> Iterator[str]:
+    """`generate` for one prompt (a string or token ids [T]), yielding the continuation as text pieces as soon as
+    each on-device loop of `chunk` tokens finishes; the pieces join to exactly what `generate` returns for the same
+    seed. Characters split across chunks, and the last characters that could begin a stop string, are held back
+    until settled. The prompt and every option are checked by this call, before the first piece is asked for."""
+    rows, single = self._prompt_rows(prompt, "stream")
+    if not single:
+      raise ValueError(f"stream takes one prompt (a string or token ids [T]), got {len(rows)} prompts; generate "
+                       "takes several")
+    stops = text_lib.stop_strings(stop)
+    chunks = self.stream_tokens(rows, max_new_tokens, key=inputs.key(seed), chunk=chunk, temperature=temperature,
+                                top_k=top_k, top_p=top_p, stop_at_eos=stop_at_eos, latents=latents)
+    return (pieces[0] for pieces in self._row_texts(chunks, 1, stop_at_eos, stops) if pieces[0])
+
+  def _row_texts(self, chunks: Iterator[np.ndarray], batch: int, stop_at_eos: bool,
+                 stop: tuple[str, ...]) -> Iterator[list[str]]:
+    """The text of `chunks` ([B, n] new tokens each), every row's new text after each chunk (`text.StopText`); a
+    row ends at its first end-of-text token (with stop_at_eos) or stop string. The last list holds every row's
+    rest; no chunk is asked for once every row has ended."""
+    eos = self.tokenizer.eos_id if stop_at_eos else None
+    texts = [text_lib.StopText(self.tokenizer, stop) for _ in range(batch)]
+    ended = [False] * batch
     for tokens in chunks:
-      kept = _cut_at(tokens[0], stop)
-      piece = text.decode(self.tokenizer.decode_bytes(kept))
-      if piece:
-        yield piece
-      if len(kept) < tokens.shape[1]:
+      for row, text in enumerate(texts):
+        if not ended[row]:
+          kept = _cut_at(tokens[row], eos)
+          ended[row] = text.add(kept) or len(kept) < tokens.shape[1]
+      if all(ended):
         break
-    tail = text.decode(b"", final=True)
-    if tail:
-      yield tail
+      yield [text.take(final=False) for text in texts]
+    for text in texts:
+      text.close()
+    yield [text.take(final=True) for text in texts]
+
+  def _prompt_rows(self, prompt, what: str) -> tuple[list[np.ndarray], bool]:
+    """`prompt` as token-id rows -> (rows, whether it was one prompt): text is encoded (an empty text is the
+    beginning-of-text token), token ids are checked (`inputs.prompt_rows`)."""
+    if isinstance(prompt, str):
+      return [self._prompt_ids(prompt)], True
+    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(p, str) for p in prompt):
+      return [self._prompt_ids(p) for p in prompt], False
+    return inputs.prompt_rows(prompt, self.config.model.vocab_size, what)
 
   def _prompt_ids(self, text: str) -> np.ndarray:
     ids = self.encode(text)

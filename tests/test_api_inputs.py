@@ -145,3 +145,36 @@ def test_seeds_jax_cannot_take_are_refused(lm, latent_lm, seed):
                lambda: latent_lm.prior_latents(1, seed=seed)):
     with pytest.raises(ValueError, match=message):
       call()
+
+
+def test_generate_and_stream_take_token_ids_as_they_take_text(lm):
+  """Token ids [T] are one prompt (a string back), a list of sequences or a [B, T] array several (a list back): the
+  same continuations as the text that encodes to them."""
+  greedy = dict(max_new_tokens=3, temperature=0.0, stop_at_eos=False)
+  assert lm.generate([72, 101], **greedy) == lm.generate(np.array([72, 101]), **greedy) == lm.generate("He", **greedy)
+  assert lm.generate([[72, 101], [65]], **greedy) == lm.generate(["He", "A"], **greedy)
+  assert lm.generate(np.array([[72, 101], [65, 66]]), **greedy) == lm.generate(["He", "AB"], **greedy)
+  assert "".join(lm.stream((72, 101), chunk=3, **greedy)) == lm.generate("He", **greedy)  # One program.
+
+
+@pytest.mark.parametrize("prompt, described", [(None, "None"), ([], "an empty list"), (["a", 1], "a list of int, str"),
+                                               (5, "int"), (b"He", "bytes"), ([[1.5]], "a list of list")])
+def test_a_prompt_of_another_type_is_refused_naming_the_accepted_ones(lm, prompt, described):
+  for call in (lambda: lm.generate(prompt, 3), lambda: lm.stream(prompt, 3)):
+    with pytest.raises(ValueError, match=re.escape(f"takes {inputs.PROMPT_TYPES}; got {described}")) as e:
+      call()
+    _one_line(e)
+  with pytest.raises(ValueError, match=re.escape("stream takes one prompt (a string or token ids [T]), got 2 prompts")):
+    lm.stream(["a", "b"], 3)
+
+
+def test_text_where_token_ids_are_taken_is_refused_in_one_line(lm, latent_lm):
+  calls = {"forward": lambda x: lm.forward(x), "step": lambda x: lm.step(lm.init_state(1), x),
+           "fit_latents": lambda x: latent_lm.fit_latents(x),
+           "prompt": lambda x: lm.generate_tokens(x, 3, key=jax.random.key(0))}
+  for name, call in calls.items():
+    with pytest.raises(ValueError, match=f"{name} takes token ids .* got str; lm.encode\\(text\\) gives") as e:
+      call("Hello")
+    _one_line(e)
+    with pytest.raises(ValueError, match=f"{name} takes token ids .* got None$"):
+      call(None)

@@ -80,3 +80,21 @@ def test_streamed_text_joins_to_the_generated_text(lm):
   pieces = list(lm.stream("Hello", 11, chunk=4, temperature=1.0, top_p=0.9, seed=2))
   assert len(pieces) >= 2  # Really streamed: more than one piece came out.
   assert "".join(pieces) == lm.generate("Hello", 11, temperature=1.0, top_p=0.9, seed=2)
+
+
+def test_stop_strings_end_each_rows_text_and_the_decoding(lm, monkeypatch):
+  """Each row's text ends before the first of the stop strings (not included), streamed or not; once every row has
+  stopped, no further chunk is decoded."""
+  prompts = ["def f(x):", "a"]
+  full = lm.generate(prompts, 16, temperature=0.0, stop_at_eos=False)
+  stops = [full[0][5:7], full[1][3:5]]
+  cut = [text[:min(i for i in (text.find(s) for s in stops) if i >= 0)] for text in full]
+  decoded = []
+  decode = api.generation.decode
+  monkeypatch.setattr(api.generation, "decode", lambda *a, **k: decoded.append(k["steps"]) or decode(*a, **k))
+  assert lm.generate(prompts, 48, temperature=0.0, stop_at_eos=False, stop=stops) == cut
+  assert decoded == [16]  # Chunks of 16 tokens: both rows stopped in the first of three.
+  assert "".join(lm.stream(prompts[0], 16, chunk=8, temperature=0.0, stop_at_eos=False, stop=stops)) == cut[0]
+  assert lm.generate(prompts[0], 16, temperature=0.0, stop_at_eos=False, stop="\x00never") == full[0]
+  with pytest.raises(ValueError, match="stop must be a non-empty string or a list of them, got"):
+    lm.generate(prompts, 4, stop=[""])

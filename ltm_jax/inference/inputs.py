@@ -19,6 +19,7 @@ from ltm_jax.inference import generate as generation
 def as_prompts(prompt, pad_id: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
   """A [B, T] array (all rows T tokens) or a list of B token sequences -> left-padded (tokens, lengths), every id
   checked against the vocabulary."""
+  _refuse_non_ids(prompt, "prompt", "[B, T] or a list of token-id sequences")
   if isinstance(prompt, (list, tuple)) and prompt and np.ndim(prompt[0]) == 1:
     rows = [np.asarray(row) for row in prompt]
     for i, row in enumerate(rows):
@@ -32,10 +33,54 @@ def as_prompts(prompt, pad_id: int, vocab_size: int) -> tuple[np.ndarray, np.nda
   return prompt.astype(np.int32), np.full(prompt.shape[:1], prompt.shape[1], np.int32)
 
 
+PROMPT_TYPES = ("a prompt string, a list of strings, token ids [T] (a list of ints or a 1-D integer array) or a list "
+                "of token-id sequences ([B, T] array)")
+
+
+def prompt_rows(prompt, vocab_size: int, what: str) -> tuple[list[np.ndarray], bool]:
+  """Token-id prompts -> (one id array per prompt, whether `prompt` was a single prompt): token ids [T] are one
+  prompt; a list of sequences or a [B, T] array are several, of any lengths. Anything else (None, a mix of text
+  and ids, ...) is a one-line ValueError naming the accepted types (`PROMPT_TYPES`: text is the caller's)."""
+  refused = ValueError(f"{what} takes {PROMPT_TYPES}; got {_describe(prompt)}")
+  if prompt is None or isinstance(prompt, (bytes, dict, set)) or isinstance(prompt, (list, tuple)) and not prompt:
+    raise refused
+  if isinstance(prompt, (list, tuple)) and all(isinstance(p, (list, tuple, np.ndarray)) for p in prompt):
+    rows = [np.asarray(p) for p in prompt]
+    if any(row.ndim != 1 or row.dtype.kind not in "iu" and row.size for row in rows):
+      raise refused
+    for i, row in enumerate(rows):
+      check_ids(row, vocab_size, where=(i,))
+    return [row.astype(np.int32) for row in rows], False
+  ids = np.asarray(prompt) if isinstance(prompt, (list, tuple, np.ndarray, jax.Array)) else None
+  if ids is None or ids.ndim not in (1, 2) or ids.dtype.kind not in "iu":
+    raise refused
+  check_ids(ids, vocab_size)
+  return ([ids.astype(np.int32)], True) if ids.ndim == 1 else (list(ids.astype(np.int32)), False)
+
+
+def _describe(value) -> str:
+  """A short name of what was passed, for errors: its type, and a list's element types."""
+  if isinstance(value, (list, tuple)):
+    kinds = sorted({type(v).__name__ for v in value})
+    return f"an empty {type(value).__name__}" if not value else f"a {type(value).__name__} of {', '.join(kinds)}"
+  return "None" if value is None else type(value).__name__
+
+
+def _refuse_non_ids(tokens, what: str, layout: str) -> None:
+  """A one-line ValueError for a value that is not token ids at all (text, None, a mapping), before numpy reads
+  it as a 0-d array of another kind."""
+  if tokens is None or isinstance(tokens, (str, bytes, dict, set)):
+    hint = "; lm.encode(text) gives a text's ids" if isinstance(tokens, str) else ""
+    raise ValueError(f"{what} takes token ids {layout} (an integer array or lists of ints), got "
+                     f"{_describe(tokens)}{hint}")
+
+
 def token_ids(tokens, vocab_size: int, what: str, *, single: bool = True, min_length: int = 1) -> np.ndarray:
-  """`tokens` as int32 host ids [B, T] (or [T] when `single`), or a one-line ValueError for another shape, fewer
-  than `min_length` tokens per row, a non-integer dtype or an id outside [0, vocab_size). Checked on the host, once
-  per call: out of range, a gather would silently clamp, wrap around or read an untrained padding row."""
+  """`tokens` as int32 host ids [B, T] (or [T] when `single`), or a one-line ValueError for text or None, another
+  shape, fewer than `min_length` tokens per row, a non-integer dtype or an id outside [0, vocab_size). Checked on
+  the host, once per call: out of range, a gather would silently clamp, wrap around or read an untrained padding
+  row."""
+  _refuse_non_ids(tokens, what, "[B, T] or [T]" if single else "[B, T]")
   ids = np.asarray(tokens)
   if ids.ndim not in ((1, 2) if single else (2,)) or ids.size == 0 or ids.shape[-1] < min_length:
     layout = "[B, T] or [T]" if single else "[B, T]"

@@ -26,8 +26,6 @@ not block (the HTTP layer hands events to its event loop).
 
 from __future__ import annotations
 
-import bisect
-import codecs
 import collections
 import dataclasses
 import threading
@@ -39,6 +37,7 @@ import jax
 import numpy as np
 
 from ltm_jax import model as model_lib
+from ltm_jax.inference import text as text_lib
 from ltm_jax.serve import slots as slots_lib
 from ltm_jax.serve.metrics import ServerMetrics
 
@@ -105,23 +104,23 @@ class Request:
 
 
 class _Row:
-  """A request in a decoding row, with its text so far. Each kept token is timed when it reached the host (with
-  per-chunk hand-out, at its step within the chunk: the chunk's time split evenly among the steps it ran), and `ends`
-  records the length of the text once that token was decoded, so the tokens behind any prefix of the text can be
-  counted."""
+  """A request in a decoding row, with its text so far (`text.StopText`: cut at a stop string, with the tokens
+  behind each prefix). Each kept token is timed when it reached the host (with per-chunk hand-out, at its step within
+  the chunk: the chunk's time split evenly among the steps it ran)."""
 
   def __init__(self, request: Request, tokenizer):
-    self.request, self.tokenizer = request, tokenizer
-    self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    self.request = request
+    self.out = text_lib.StopText(tokenizer, request.stop)
     self.produced = 0  # Tokens drawn, stop token excluded.
-    self.text, self.sent = "", 0
-    self.ends: list[int] = []  # len(text) after each kept token.
     self.stamps: list[float] = []  # When each kept token was drawn.
     self.available_at: float | None = None  # When the first token reached the host.
-    self.hold = max((len(s) for s in request.stop), default=1) - 1  # Text kept back while a stop string may start.
     self.fed = 0  # Prompt tokens prefilled so far (chunked prefill).
     self.lane: int | None = None  # The prefill lane while the prompt is being fed in pieces.
     self.reason: str | None = None  # Why it finished, once it has (its row is freed at the chunk's end).
+
+  @property
+  def text(self) -> str:
+    return self.out.text
 
   def add(self, tokens: np.ndarray, eos: int, stamps: Sequence[float], now: float) -> str | None:
     """Takes this row's next drawn tokens, drawn at `stamps` and on the host at `now`; returns the finish reason, or
@@ -132,36 +131,30 @@ class _Row:
     kept = tokens[:hits[0]] if ended else tokens
     if self.available_at is None and tokens.size:
       self.available_at = now
-    for token, stamp in zip(kept, stamps):
-      self.text += self.decoder.decode(self.tokenizer.decode_bytes(np.asarray([token])))
-      self.ends.append(len(self.text))
-      self.stamps.append(stamp)
+    self.stamps.extend(stamps[:kept.size])
     self.produced += kept.size
     reason = "stop" if ended else "length" if self.produced >= self.request.max_tokens else None
-    cut = min((i for i in (self.text.find(s) for s in self.request.stop) if i >= 0), default=-1)
-    if cut >= 0:
-      self.text, reason = self.text[:cut], "stop"
+    if self.out.add(kept):
+      reason = "stop"
     elif reason is not None:
-      self.text += self.decoder.decode(b"", final=True)
-      if self.ends:
-        self.ends[-1] = len(self.text)
+      self.out.close()
     self.reason = reason
     return reason
 
   def tokens_behind(self, chars: int) -> int:
-    """The tokens needed for the first `chars` characters of the text."""
-    return 0 if chars <= 0 else min(bisect.bisect_left(self.ends, chars) + 1, len(self.ends))
+    return self.out.tokens_behind(chars)
 
   @property
   def returned(self) -> int:
     """Completion tokens behind the whole text (after a stop-string cut)."""
-    return self.tokens_behind(len(self.text))
+    return self.out.returned
+
+  @property
+  def sent(self) -> int:
+    return self.out.sent
 
   def take_text(self, final: bool) -> str:
-    """The text not yet handed out; while going on, the last characters that could begin a stop string stay."""
-    end = len(self.text) if final else max(self.sent, len(self.text) - self.hold)
-    piece, self.sent = self.text[self.sent:end], end
-    return piece
+    return self.out.take(final)
 
   def time_per_token(self) -> float | None:
     """Seconds per returned token after the first: (last - first returned token's time) / (tokens - 1)."""

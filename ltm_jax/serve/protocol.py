@@ -28,6 +28,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ltm_jax.inference.inputs import SEED_RANGE
+from ltm_jax.inference.text import stop_strings
 
 MAX_STOPS = 4  # OpenAI's limit on stop strings.
 
@@ -255,11 +256,10 @@ def _ids(tokens: list[int], vocab_size: int) -> np.ndarray:
 
 
 def _stop(stop) -> tuple[str, ...]:
-  if stop is None:
-    return ()
-  stops = [stop] if isinstance(stop, str) else stop
-  if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-    raise ApiError(400, f"stop must be a non-empty string or a list of them, got {json.dumps(stop)[:80]}", "stop")
+  try:
+    stops = stop_strings(stop)
+  except ValueError as e:
+    raise ApiError(400, str(e), "stop") from None
   if len(stops) > MAX_STOPS:
     raise ApiError(400, f"stop takes at most {MAX_STOPS} strings, got {len(stops)}", "stop")
   return tuple(stops)

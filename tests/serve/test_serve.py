@@ -235,7 +235,7 @@ def test_streaming_joins_to_the_answer_and_ends_with_done(server, expected, clie
   assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
 
 
-def test_stop_strings_end_the_text_streamed_or_not(server, expected, client):
+def test_stop_strings_end_the_text_streamed_or_not(server, lm, expected, client):
   stop = expected["SELECT"][9:11]
   cut = expected["SELECT"][:expected["SELECT"].find(stop)]
   body = {"prompt": "SELECT", "max_tokens": NEW, "temperature": 0, "stop": [stop, "\x00never"]}
@@ -243,6 +243,7 @@ def test_stop_strings_end_the_text_streamed_or_not(server, expected, client):
   whole = _complete(client, **body)
   answer = whole["choices"][0]
   assert (answer["text"], answer["finish_reason"]) == (cut, "stop")
+  assert lm.generate("SELECT", NEW, temperature=0.0, stop=body["stop"]) == cut  # The same stop strings, in the API.
   assert whole["usage"]["completion_tokens"] == len(cut)  # Not the tokens drawn up to the chunk's end.
   options = {"include_usage": True, "continuous_usage_stats": True}
   with client.stream("POST", "/v1/completions", json={**body, "stream": True, "stream_options": options}) as response:
