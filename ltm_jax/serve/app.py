@@ -175,11 +175,16 @@ class _Answer:
     return protocol.completion_body(self.cid, self.created, self.model, choices, usage)
 
 
-def _failure(finished: Finished) -> tuple[int, str]:
-  """The HTTP status and message of a request that ended without an answer."""
+FAILED = ("error", "cancelled", "timeout")  # The finish reasons of a request that ended without an answer.
+
+
+def _failure(finished: Finished, timeout: float | None) -> tuple[int, dict]:
+  """The HTTP status and error body of a request that ended without an answer."""
   if finished.reason == "error":
-    return 500, finished.error or "generation failed"
-  return 503, "the request was cancelled: the server is shutting down"
+    return 500, protocol.error_body(finished.error or "generation failed", "server_error")
+  if finished.reason == "timeout":
+    return 504, _timed_out(timeout)
+  return 503, protocol.error_body("the request was cancelled: the server is shutting down", "server_error")
 
 
 def _choice_seed(seed: int, index: int) -> int:
@@ -237,7 +242,7 @@ async def _complete(http, requests, queues, answer: _Answer, deadline, timeout, 
     if not gathering.done():
       gathering.cancel()
       for request in requests:
-        request.cancel()
+        request.cancel("cancelled" if disconnected or deadline is None else "timeout")
   if not gathering.done() or gathering.cancelled():
     if disconnected or deadline is None:
       metrics.requests.labels("499").inc()  # The client closed the connection; nobody reads this answer.
@@ -245,11 +250,11 @@ async def _complete(http, requests, queues, answer: _Answer, deadline, timeout, 
     metrics.requests.labels("504").inc()
     return JSONResponse(_timed_out(timeout), status_code=504)
   results = gathering.result()
-  failed = [f for _, f in results if f.reason in ("error", "cancelled")]
+  failed = [f for _, f in results if f.reason in FAILED]
   if failed:
-    status, message = _failure(failed[0])
+    status, body = _failure(failed[0], timeout)
     metrics.requests.labels(str(status)).inc()
-    return JSONResponse(protocol.error_body(message, "server_error"), status_code=status)
+    return JSONResponse(body, status_code=status)
   metrics.requests.labels("200").inc()
   texts = [text.lstrip() if answer.chat else text for text, _ in results]
   choices = [(i, text, f.reason) for i, (text, (_, f)) in enumerate(zip(texts, results))]
@@ -289,6 +294,8 @@ async def _stream(requests, queues, answer: _Answer, params, deadline, timeout, 
       wait = None if deadline is None else max(deadline - time.monotonic(), 0)
       done, _ = await asyncio.wait(pending, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
       if not done:
+        for request in requests:
+          request.cancel("timeout")
         metrics.requests.labels("504").inc()
         yield event(_timed_out(timeout))
         break
@@ -307,7 +314,7 @@ async def _stream(requests, queues, answer: _Answer, params, deadline, timeout, 
             if text:
               yield event(answer.chunk(i, text, None, usage_now(), first=answer.chat and not started[i]))
               started[i] = True
-          elif item.reason in ("error", "cancelled"):
+          elif item.reason in FAILED:
             failed = item
           else:
             completion[i] = item.completion_tokens
@@ -316,9 +323,9 @@ async def _stream(requests, queues, answer: _Answer, params, deadline, timeout, 
         if isinstance(items[-1], Piece):
           pending[asyncio.ensure_future(queues[i].get())] = i
       if failed is not None:
-        status, message = _failure(failed)
+        status, body = _failure(failed, timeout)
         metrics.requests.labels(str(status)).inc()
-        yield event(protocol.error_body(message, "server_error"))
+        yield event(body)
         break
     else:
       if params.include_usage:

@@ -65,10 +65,11 @@ class Piece:
 
 @dataclasses.dataclass(frozen=True)
 class Finished:
-  """The request ended. reason: "stop" (end of text or a stop string), "length" (max_tokens), "cancelled" (the
-  client went away or the server stopped) or "error" (`error` says what failed). completion_tokens: the tokens
-  behind the text returned (a stop string and what was drawn after it are not counted; nor is the end-of-text
-  token)."""
+  """The request ended, sent once per request. reason: "stop" (end of text or a stop string), "length"
+  (max_tokens), "cancelled" (the client went away or the server stopped), "timeout" (the server's request timeout)
+  or "error" (`error` says what failed); a cancelled request ends with its cancellation's reason, whatever happens
+  to its row after. completion_tokens: the tokens behind the text returned (a stop string and what was drawn after
+  it are not counted; nor is the end-of-text token)."""
   reason: str
   prompt_tokens: int
   completion_tokens: int
@@ -90,15 +91,18 @@ class Request:
   seed: int = 0
   stop: tuple[str, ...] = ()
   arrived: float = dataclasses.field(default_factory=time.monotonic)
-  cancelled: bool = False
+  cancelled: str | None = None  # Why it was cancelled, once it has been.
+  finished: bool = False  # Its Finished has been sent (and counted).
   withdraw: Callable[[Request], None] | None = dataclasses.field(default=None, repr=False)  # Set by `submit`.
 
-  def cancel(self) -> None:
-    """Ends the request: one still waiting leaves the queue at once (and gets its Finished); one in a row ends at
-    the scheduler's next chunk boundary, which frees the row."""
-    if self.cancelled:
+  def cancel(self, reason: str = "cancelled") -> None:
+    """Ends the request, to be counted as `reason` ("cancelled": the client went away or the server stopped;
+    "timeout": the request timeout passed): one still waiting leaves the queue at once (and gets its Finished); one
+    in a row ends at the scheduler's next chunk boundary, which frees the row. After the first call, or once the
+    request has finished, a no-op."""
+    if self.cancelled or self.finished:
       return
-    self.cancelled = True
+    self.cancelled = reason
     if self.withdraw is not None:
       self.withdraw(self)
 
@@ -339,7 +343,7 @@ class Engine:
       if request in self._waiting:
         self._waiting.remove(request)
         self.metrics.queue_depth.set(len(self._waiting))
-        self._finish(request, "cancelled", 0)
+        self._finish(request, request.cancelled, 0)
 
   def stop(self, timeout: float | None = None) -> None:
     """Takes no more requests, cancels those waiting or decoding, and waits for the scheduler to finish."""
@@ -387,7 +391,7 @@ class Engine:
       row = None if row_index is None else self._rows[row_index]
       if row is not None and row.request.cancelled:
         self._rows[row_index], self._lane_rows[lane] = None, None
-        self._finish(row.request, "cancelled", 0)
+        self._finish(row.request, row.request.cancelled, 0)
     free = [] if self.static_batches and self.occupancy else [i for i, row in enumerate(self._rows) if row is None]
     admitted, spent = [], 0
     while self._waiting and free:
@@ -524,7 +528,7 @@ class Engine:
       for i, row in enumerate(self._rows):
         if row is not None and row.lane is None and row.request.cancelled:
           self._rows[i] = None
-          self._finish(row.request, "cancelled", row.returned, row)
+          self._finish(row.request, row.request.cancelled, row.returned, row)
       active = np.array([row is not None and row.lane is None for row in self._rows])
       steps = self.waiting_chunk if self._waiting else self.chunk
     self.metrics.occupancy.set(self.occupancy)
@@ -600,6 +604,12 @@ class Engine:
 
   def _finish(self, request: Request, reason: str, returned: int, row: _Row | None = None,
               error: str | None = None) -> None:
+    """Sends the request its Finished and counts it, once: a cancelled request as its cancellation's reason (its
+    answer is not delivered, even if its row ended first), a finished one never again."""
+    if request.finished:
+      return
+    request.finished = True
+    reason = request.cancelled or reason
     per_token = None if row is None else row.time_per_token()
     if per_token is not None:
       self.metrics.tpot.observe(per_token)

@@ -18,8 +18,8 @@ class ServerMetrics:
     r = self.registry
     self.requests = prom.Counter("ltm_requests", "Completion and chat requests answered, by HTTP status", ["status"],
                                  registry=r)
-    self.finished = prom.Counter("ltm_finished_requests", "Prompts that finished, by reason (stop, length, "
-                                 "cancelled, error)", ["reason"], registry=r)
+    self.finished = prom.Counter("ltm_finished_requests", "Prompts that finished, each once, by reason (stop, "
+                                 "length, cancelled, timeout, error)", ["reason"], registry=r)
     self.tokens = prom.Counter("ltm_generated_tokens", "Tokens generated", registry=r)
     self.steps = prom.Counter("ltm_decode_steps", "Decode steps run (every decoding row draws at most one token a "
                               "step)", registry=r)

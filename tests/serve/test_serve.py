@@ -557,8 +557,20 @@ def test_a_failure_to_hand_out_text_fails_the_requests_and_serving_goes_on(serve
   assert _complete(client, prompt="ab", max_tokens=4)["usage"]["completion_tokens"] <= 4
 
 
+def _finished(engine: Engine) -> collections.Counter:
+  """The engine's finished prompts by reason, from its metrics."""
+  counts = collections.Counter()
+  for line in engine.metrics.render()[0].decode().splitlines():
+    if line.startswith("ltm_finished_requests_total{"):
+      counts[line.split('reason="')[1].split('"')[0]] += float(line.split(" ")[-1])
+  return counts
+
+
 def test_the_request_timeout_cancels_and_answers_504_or_an_error_event(server, lm, monkeypatch):
+  """A request that holds a row and two prompts that wait in the queue time out: 504 and an error event, and each
+  of the three prompts is counted once, as a timeout."""
   _, engine = server
+  before = _finished(engine)
   with _running(engine, lm.config.name, request_timeout=0.5, stop_engine_on_shutdown=False) as url, \
       httpx.Client(base_url=url, timeout=DEADLINE) as client, _held(engine, monkeypatch) as (waiting, _):
     started = time.monotonic()
@@ -566,12 +578,13 @@ def test_the_request_timeout_cancels_and_answers_504_or_an_error_event(server, l
     assert late.status_code == 504 and late.json()["error"]["code"] == "timeout"
     assert 0.5 <= time.monotonic() - started < DEADLINE / 2
     assert waiting.is_set()  # It held a row, which the scheduler frees at its next chunk.
-    with client.stream("POST", "/v1/completions", json={"prompt": "abc", "max_tokens": 8,
+    with client.stream("POST", "/v1/completions", json={"prompt": ["abc", "de"], "max_tokens": 8,
                                                         "stream": True}) as response:
       events = _sse(response.iter_lines())
     assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "timeout"
-    assert engine.queue_depth == 0  # The streamed one waited in the queue, and left it when cancelled.
+    assert engine.queue_depth == 0  # The streamed ones waited in the queue, and left it when cancelled.
   _wait_for(lambda: engine.occupancy == 0, "the timed-out request's row to be freed")
+  assert _finished(engine) - before == {"timeout": 3}
 
 
 CHAT_BAD = [  # (messages, a part of the message)
