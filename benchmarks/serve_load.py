@@ -180,11 +180,13 @@ def summarise(name: str, records: list[dict]) -> dict:
   return row
 
 
-_METRIC = re.compile(r'^ltm_(requests|finished_requests)_total\{(?:status|reason)="([^"]+)"\} (\S+)$', re.M)
+# Every sample carries the server's model_name label (a server before it had none).
+_METRIC = re.compile(r'^ltm_(requests|finished_requests)_total\{(?:model_name="[^"]*",)?(?:status|reason)="([^"]+)"\} '
+                     r'(\S+)$', re.M)
 # The server's time accounts: decode chunks (their seconds and steps) and admissions between them.
 _TIMES = ("ltm_decode_chunk_seconds_sum", "ltm_decode_chunk_seconds_count", "ltm_decode_steps_total",
           "ltm_admission_seconds_sum", "ltm_admission_seconds_count")
-_TIME = re.compile(rf'^({"|".join(_TIMES)}) (\S+)$', re.M)
+_TIME = re.compile(rf'^({"|".join(_TIMES)})(?:\{{model_name="[^"]*"\}})? (\S+)$', re.M)
 
 
 def server_counts(url: str) -> dict:

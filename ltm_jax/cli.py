@@ -227,11 +227,23 @@ def _serve(args) -> int:
                   waiting_chunk=args.waiting_chunk or None, static_batches=args.static_batches,
                   stream_steps=not args.stream_per_chunk)
   engine.start()
-  name = lm.config.name
-  print(f"serving {name} (step {lm.trained_steps}) on http://{args.host}:{args.port}: {engine.max_batch} slots, "
-        f"{engine.programs} programs compiled in {engine.compile_seconds:.1f}s", file=sys.stderr, flush=True)
-  return serve(engine, name, host=args.host, port=args.port, grace=args.grace,
-               request_timeout=args.request_timeout or None)
+  print(f"serving {engine.model_name} (step {lm.trained_steps}, {_weights(lm, args)}) on "
+        f"http://{args.host}:{args.port}: {engine.max_batch} slots, {engine.programs} programs compiled in "
+        f"{engine.compile_seconds:.1f}s", file=sys.stderr, flush=True)
+  return serve(engine, host=args.host, port=args.port, grace=args.grace, request_timeout=args.request_timeout or None,
+               log_level=args.log_level)
+
+
+def _weights(lm, args) -> str:
+  """The weights served, as the start line names them: their quantisation (with int4 its group size and the
+  weights kept at int8) and size."""
+  size = f"{lm.param_bytes / 2**20:.2f} MiB"
+  if not args.quantize:
+    return f"float weights, {size}"
+  record = _quantize_record(args)
+  group = f" in groups of {record['quantize_group']}" if "quantize_group" in record else ""
+  kept = f", {','.join(args.quantize_keep_int8)} at int8" if args.quantize_keep_int8 else ""
+  return f"{args.quantize} weights{group}{kept}, {size}"
 
 
 def _check_listen(host: str, port: int) -> None:
@@ -521,8 +533,8 @@ def parser() -> argparse.ArgumentParser:
                                      "chat completions APIs (needs the serve extra)")
   srv.add_argument("--workdir", required=True)
   srv.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
-  srv.add_argument("--host", default="127.0.0.1")
-  srv.add_argument("--port", type=int, default=8000)
+  srv.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+  srv.add_argument("--port", type=int, default=8000, help="the port to listen on (0: any free one)")
   srv.add_argument("--max-batch", type=_positive_int, default=32, help="decoding rows (requests decoded together)")
   srv.add_argument("--max-wait-ms", type=_non_negative, default=10.0,
                    help="how long an idle server holds a first request for others to prefill with it")
@@ -554,6 +566,9 @@ def parser() -> argparse.ArgumentParser:
                         "to completion before the next one starts (no continuous batching)")
   srv.add_argument("--grace", type=_non_negative, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM before they are cancelled")
+  srv.add_argument("--log-level", choices=("debug", "info", "warning"), default="info",
+                   help="the server's log lines on stderr: info writes one access line per request (debug adds "
+                        "GET /health and /metrics), warning none")
   srv.add_argument("overrides", nargs="*", metavar="key=value", help="runtime changes, e.g. model.wkv_impl=scan")
   srv.set_defaults(run=_serve)
   return p

@@ -32,26 +32,32 @@ import uuid
 import numpy as np
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ltm_jax.errors import LtmError
-from ltm_jax.serve import protocol
+from ltm_jax.serve import access, protocol
 from ltm_jax.serve.engine import Engine, Finished, Piece, QueueFull, Request, ShuttingDown, TooManyPrompts
 from ltm_jax.serve.protocol import ApiError
 
 MAX_BODY_BYTES = 1 << 20
 
 
-def create_app(engine: Engine, model_name: str, *, stop_engine_on_shutdown: bool = True,
+def create_app(engine: Engine, model_name: str | None = None, *, stop_engine_on_shutdown: bool = True,
                request_timeout: float | None = None) -> Starlette:
-  """The app over a started `engine`, serving it as `model_name`. On shutdown (uvicorn's lifespan) it stops the
+  """The app over a started `engine`, serving it as `model_name` (default and only choice: the engine's, which labels
+  its metrics). On shutdown (uvicorn's lifespan) it stops the
   engine, cancelling what is still running, unless `stop_engine_on_shutdown` is False. request_timeout (seconds,
   None: none): a request not finished that long after it arrived is cancelled and answered 504 (streamed: an error
   event)."""
   if request_timeout is not None and not request_timeout > 0:
     raise ValueError(f"request_timeout must be > 0 seconds, got {request_timeout!r}")
+  if model_name not in (None, engine.model_name):
+    raise ValueError(f"the engine serves its model as {engine.model_name!r}, which labels its metrics; got "
+                     f"model_name {model_name!r} (Engine(model_name=...) names it)")
+  model_name = engine.model_name
   lm, metrics = engine.lm, engine.metrics
   created = int(time.time())
   state = {"closing": False}
@@ -63,18 +69,19 @@ def create_app(engine: Engine, model_name: str, *, stop_engine_on_shutdown: bool
       raise ApiError(400, f"this model cannot read text prompts: {e}; send token ids", "prompt") from None
     return ids if len(ids) else np.array([lm.tokenizer.bos_id], np.int32)
 
-  def refuse(error: ApiError) -> JSONResponse:
+  def refuse(http: HttpRequest, error: ApiError) -> JSONResponse:
     metrics.requests.labels(str(error.status)).inc()
+    access.note(http.scope, error=error.message)
     return JSONResponse(error.body(), status_code=error.status)
 
   async def run(http: HttpRequest, parse, chat: bool) -> Response:
     arrived = time.monotonic()
     if state["closing"]:
-      return refuse(ApiError(503, "the server is shutting down", kind="server_error"))
+      return refuse(http, ApiError(503, "the server is shutting down", kind="server_error"))
     try:
       params = parse(protocol.parse_json(await _read_body(http)))
     except ApiError as e:
-      return refuse(e)
+      return refuse(http, e)
     loop = asyncio.get_running_loop()
     queues = [asyncio.Queue() for _ in params.prompts]
     seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little", signed=True)
@@ -85,17 +92,17 @@ def create_app(engine: Engine, model_name: str, *, stop_engine_on_shutdown: bool
     try:
       engine.submit(requests)
     except TooManyPrompts as e:
-      return refuse(ApiError(400, str(e), "prompt"))
+      return refuse(http, ApiError(400, str(e), "prompt"))
     except QueueFull as e:
-      return refuse(ApiError(429, f"{e}; retry later", kind="rate_limit_error", code="queue_full"))
+      return refuse(http, ApiError(429, f"{e}; retry later", kind="rate_limit_error", code="queue_full"))
     except ShuttingDown as e:
-      return refuse(ApiError(503, str(e), kind="server_error"))
+      return refuse(http, ApiError(503, str(e), kind="server_error"))
     answer = _Answer(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()), model_name, chat,
                      [len(ids) for ids in params.prompts])
     deadline = None if request_timeout is None else arrived + request_timeout
     if params.stream:
       metrics.requests.labels("200").inc()
-      events = _stream(requests, queues, answer, params, deadline, request_timeout, metrics)
+      events = _stream(requests, queues, answer, params, deadline, request_timeout, metrics, http.scope)
       return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     return await _complete(http, requests, queues, answer, deadline, request_timeout, metrics)
 
@@ -123,9 +130,9 @@ def create_app(engine: Engine, model_name: str, *, stop_engine_on_shutdown: bool
     content, media_type = metrics.render()
     return Response(content, media_type=media_type)
 
-  async def http_error(_: HttpRequest, error: HTTPException) -> Response:
+  async def http_error(http: HttpRequest, error: HTTPException) -> Response:
     kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
-    return refuse(ApiError(error.status_code, error.detail, kind=kind))
+    return refuse(http, ApiError(error.status_code, error.detail, kind=kind))
 
   @contextlib.asynccontextmanager
   async def lifespan(_):
@@ -140,7 +147,8 @@ def create_app(engine: Engine, model_name: str, *, stop_engine_on_shutdown: bool
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"]),
             Route("/metrics", prometheus, methods=["GET"])]
-  return Starlette(routes=routes, exception_handlers={HTTPException: http_error}, lifespan=lifespan)
+  return Starlette(routes=routes, exception_handlers={HTTPException: http_error}, lifespan=lifespan,
+                   middleware=[Middleware(access.AccessLog)])
 
 
 @dataclasses.dataclass
@@ -246,20 +254,30 @@ async def _complete(http, requests, queues, answer: _Answer, deadline, timeout, 
   if not gathering.done() or gathering.cancelled():
     if disconnected or deadline is None:
       metrics.requests.labels("499").inc()  # The client closed the connection; nobody reads this answer.
+      access.note(http.scope, error="the client disconnected")
       return Response(status_code=499)
     metrics.requests.labels("504").inc()
+    access.note(http.scope, error="timeout")
     return JSONResponse(_timed_out(timeout), status_code=504)
   results = gathering.result()
   failed = [f for _, f in results if f.reason in FAILED]
   if failed:
     status, body = _failure(failed[0], timeout)
     metrics.requests.labels(str(status)).inc()
+    access.note(http.scope, error=body["error"]["message"])
     return JSONResponse(body, status_code=status)
   metrics.requests.labels("200").inc()
   texts = [text.lstrip() if answer.chat else text for text, _ in results]
   choices = [(i, text, f.reason) for i, (text, (_, f)) in enumerate(zip(texts, results))]
   used = protocol.usage(sum(f.prompt_tokens for _, f in results), sum(f.completion_tokens for _, f in results))
+  _note_usage(http.scope, used, [f.reason for _, f in results])
   return JSONResponse(answer.body(choices, used))
+
+
+def _note_usage(scope: dict, used: dict, reasons: list[str]) -> None:
+  """The access line's fields of an answered request."""
+  access.note(scope, prompt_tokens=used["prompt_tokens"], completion_tokens=used["completion_tokens"],
+              finish_reason=",".join(reasons))
 
 
 def _coalesced(items: list) -> list:
@@ -272,17 +290,19 @@ def _coalesced(items: list) -> list:
   return out
 
 
-async def _stream(requests, queues, answer: _Answer, params, deadline, timeout, metrics):
+async def _stream(requests, queues, answer: _Answer, params, deadline, timeout, metrics, scope):
   """Server-sent events: one chunk per piece of text of any prompt (a chat reply's leading whitespace dropped; the
   pieces that queued up while the event loop was busy joined into one), a last chunk per prompt with its finish
   reason, then (with include_usage) the usage, then [DONE]. With continuous_usage_stats every chunk carries the usage
   so far. A request that fails, is cancelled by a shutdown or passes the deadline ends the stream with an error event
-  and [DONE]. Closed early (the client went away), it cancels the requests."""
+  and [DONE]. Closed early (the client went away), it cancels the requests. The access line (`scope`) gets the
+  usage and finish reasons, or the error."""
   def event(body: dict) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
   prompt_tokens = sum(answer.prompt_tokens)
   completion = [0] * len(queues)
+  reasons: list[str | None] = [None] * len(queues)
   started = [False] * len(queues)  # A chat choice has sent text (its leading whitespace is behind it).
 
   def usage_now():
@@ -297,6 +317,7 @@ async def _stream(requests, queues, answer: _Answer, params, deadline, timeout, 
         for request in requests:
           request.cancel("timeout")
         metrics.requests.labels("504").inc()
+        access.note(scope, error="timeout")
         yield event(_timed_out(timeout))
         break
       failed = None
@@ -317,7 +338,7 @@ async def _stream(requests, queues, answer: _Answer, params, deadline, timeout, 
           elif item.reason in FAILED:
             failed = item
           else:
-            completion[i] = item.completion_tokens
+            completion[i], reasons[i] = item.completion_tokens, item.reason
             yield event(answer.chunk(i, None if answer.chat else "", item.reason, usage_now(),
                                      first=answer.chat and not started[i]))
         if isinstance(items[-1], Piece):
@@ -325,9 +346,11 @@ async def _stream(requests, queues, answer: _Answer, params, deadline, timeout, 
       if failed is not None:
         status, body = _failure(failed, timeout)
         metrics.requests.labels(str(status)).inc()
+        access.note(scope, error=body["error"]["message"])
         yield event(body)
         break
     else:
+      _note_usage(scope, protocol.usage(prompt_tokens, sum(completion)), reasons)
       if params.include_usage:
         yield event(answer.chunk(None, None, None, protocol.usage(prompt_tokens, sum(completion))))
     yield "data: [DONE]\n\n"
@@ -338,11 +361,13 @@ async def _stream(requests, queues, answer: _Answer, params, deadline, timeout, 
       request.cancel()  # A no-op for finished requests.
 
 
-def serve(engine: Engine, model_name: str, *, host: str = "127.0.0.1", port: int = 8000, grace: float = 30.0,
-          request_timeout: float | None = None) -> int:
+def serve(engine: Engine, model_name: str | None = None, *, host: str = "127.0.0.1", port: int = 8000,
+          grace: float = 30.0, request_timeout: float | None = None, log_level: str = "info") -> int:
   """Runs the app under uvicorn until SIGINT or SIGTERM: it then stops accepting connections, lets in-flight
-  requests finish for up to `grace` seconds, cancels the rest, and returns 0. request_timeout: see `create_app`."""
+  requests finish for up to `grace` seconds, cancels the rest, and returns 0. request_timeout: see `create_app`.
+  log_level: the server's logs on stderr ("info": an access line per request, `access`; "warning": none)."""
   import uvicorn
+  access.configure(log_level)
   config = uvicorn.Config(create_app(engine, model_name, request_timeout=request_timeout), host=host, port=port,
                           log_level="warning", timeout_graceful_shutdown=grace, lifespan="on")
   server = uvicorn.Server(config)

@@ -188,7 +188,8 @@ class Engine:
   steps per on-device loop (the longest a new request waits to join); max_wait_ms:
   how long an idle engine holds a first request for others to prefill with it; queue: requests that may wait for a
   row. Every prompt plus its max_tokens must fit the context (model.max_seq_len); `check` says why one does not.
-  length_buckets and group_sizes replace the default ladders of prompt lengths and prefill group sizes (fewer
+  model_name: the name the model is served as (default: its config's name), which labels the metrics (`metrics`,
+  default a `ServerMetrics` of its own). length_buckets and group_sizes replace the default ladders of prompt lengths and prefill group sizes (fewer
   programs to compile, more padding).
 
   prefill_chunk (None: off): prompts longer than this many tokens are prefilled in pieces of it, one piece between
@@ -222,7 +223,7 @@ class Engine:
                metrics: ServerMetrics | None = None, length_buckets: Sequence[int] | None = None,
                group_sizes: Sequence[int] | None = None, prefill_chunk: int | None = None, prefill_lanes: int = 4,
                prefill_budget: int | None = None, waiting_chunk: int | None = None, static_batches: bool = False,
-               stream_steps: bool = True):
+               stream_steps: bool = True, model_name: str | None = None):
     for name, value in (("max_batch", max_batch), ("chunk", chunk), ("queue", queue),
                         ("prefill_lanes", prefill_lanes), ("prefill_chunk", prefill_chunk or 1),
                         ("prefill_budget", prefill_budget or 1), ("waiting_chunk", waiting_chunk or 1)):
@@ -238,7 +239,8 @@ class Engine:
     self.prefill_budget = prefill_budget
     default_waiting_chunk = max(chunk // 4, 1) if prefill_budget else chunk
     self.waiting_chunk = min(waiting_chunk or default_waiting_chunk, chunk)
-    self.metrics = metrics or ServerMetrics()
+    self.model_name = model_name or lm.config.name
+    self.metrics = metrics or ServerMetrics(self.model_name)
     m = lm.config.model
     self.context = m.max_seq_len
     self.model = model_lib.LM(m, lm.config.latent, cache_capacity=model_lib.cache_capacity(m, self.context))

@@ -20,6 +20,8 @@ import contextlib
 import dataclasses
 import itertools
 import json
+import logging
+import re
 import socket
 import threading
 import time
@@ -153,8 +155,11 @@ def _held(engine: Engine, monkeypatch):
 
 
 def _metric(client, name: str) -> float:
-  """A sample's value from /metrics (`name` with its labels, as Prometheus writes them); 0 before it exists."""
-  lines = [line for line in client.get("/metrics").text.splitlines() if line.startswith(name + " ")]
+  """A sample's value from /metrics (`name` with its labels other than model_name, as Prometheus writes them); 0
+  before it exists."""
+  lines = [re.sub(r'\{model_name="[^"]*",?', "{", line).replace("{}", "")
+           for line in client.get("/metrics").text.splitlines()]
+  lines = [line for line in lines if line.startswith(name + " ")]
   return float(lines[0].split(" ")[-1]) if lines else 0.0
 
 
@@ -380,6 +385,8 @@ def test_metrics_count_what_the_answers_say(server, client):
            "ltm_admission_seconds_sum")
   before = {name: _metric(client, name) for name in names}
   answer = _complete(client, prompt="Hi", max_tokens=8, temperature=0)  # One chunk of 8 steps.
+  # The answer leaves as its last token is handed out; the chunk is counted once the scheduler has it back.
+  _wait_for(lambda: server[1].occupancy == 0, "the chunk to end")
   delta = {name: _metric(client, name) - before[name] for name in names}
   assert answer["usage"] == {"prompt_tokens": 2, "completion_tokens": 8, "total_tokens": 10}
   assert answer["choices"][0]["finish_reason"] == "length"
@@ -394,6 +401,10 @@ def test_metrics_count_what_the_answers_say(server, client):
   # (0 if the tokens were timed when the chunk handed them out together).
   assert 0 < delta["ltm_time_per_output_token_seconds_sum"] <= delta["ltm_decode_chunk_seconds_sum"] / 7
   assert _metric(client, "ltm_compiled_programs") == server[1].programs == 4
+  samples = [line for line in client.get("/metrics").text.splitlines() if line.startswith("ltm_")]
+  assert samples and all('model_name="micro"' in line for line in samples)  # Every sample names the model.
+  with pytest.raises(ValueError, match="the engine serves its model as 'micro', which labels its metrics"):
+    create_app(server[1], "other")
 
 
 def test_a_row_times_each_token_when_it_was_drawn_and_counts_the_tokens_it_returns(lm):
@@ -651,7 +662,8 @@ def test_a_latent_model_infers_each_requests_z_from_its_own_prompt():
   # generate fits z to a prompt alone, from the latent half of the seed's key, as each request's own z must be.
   expected = [lm.generate(p, 12, temperature=0.0, seed=i) for i, p in enumerate(prompts)]
   assert expected[0] != expected[1]
-  engine = Engine(lm, max_batch=2, chunk=8, max_wait_ms=200, length_buckets=(CONTEXT,), group_sizes=(2,))
+  engine = Engine(lm, max_batch=2, chunk=8, max_wait_ms=200, length_buckets=(CONTEXT,), group_sizes=(2,),
+                  model_name="latent")
   engine.start()
 
   async def together(url):
@@ -673,3 +685,38 @@ def test_cli_refuses_an_address_it_cannot_listen_on_before_loading(workdir, caps
   assert f"error: cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
   assert cli.main(["serve", "--workdir", str(workdir), "--port", "70000"]) == 2
   assert "--port must be in [0, 65535], got 70000" in capsys.readouterr().err
+
+
+def test_each_request_gets_one_access_line_at_info(server, client, caplog):
+  """An answered request's line has its status, usage and finish reason; a refused one its error; /health and
+  /metrics are logged at DEBUG only."""
+  caplog.set_level(logging.INFO, logger="ltm_jax.serve.access")
+  _complete(client, prompt="Hi", max_tokens=4, temperature=0)
+  client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 0})
+  client.get("/health")
+  lines = lambda: [r.getMessage() for r in caplog.records if r.name == "ltm_jax.serve.access"]
+  _wait_for(lambda: len(lines()) >= 2, "two access lines")  # Written once each answer has been sent.
+  answered, refused = lines()[:2]
+  assert re.fullmatch(r'127\.0\.0\.1:\d+ "POST /v1/completions" 200 \d+\.\d{3}s prompt_tokens=2 completion_tokens=4 '
+                      r'finish_reason=length', answered), answered
+  assert refused.startswith('127.0.0.1:') and '"POST /v1/completions" 400 ' in refused
+  assert refused.endswith('error="max_tokens must be an integer >= 1, got 0"'), refused
+  assert all(r.levelno == logging.INFO for r in caplog.records if r.name == "ltm_jax.serve.access")
+  assert not any("/health" in line for line in lines())
+
+
+def test_the_start_line_names_the_weights_served(workdir, capsys, monkeypatch):
+  """`ltm serve --quantize int4` says so on its start line, with the group size, the weights kept at int8 and the
+  parameters' size (the engine's compilation and the server are stubbed out: the line is what is tested)."""
+  monkeypatch.setattr(engine_lib.Engine, "start", lambda self: None)
+  served = []
+  monkeypatch.setattr(app_lib, "serve", lambda engine, **options: served.append((engine, options)) or 0)
+  for flags, weights in ((["--quantize", "int4", "--quantize-group", "8", "--quantize-keep-int8", "head"],
+                          r"int4 weights in groups of 8, head at int8, \d+\.\d\d MiB"),
+                         (["--quantize", "int8"], r"int8 weights, \d+\.\d\d MiB"), ([], r"float weights, \d+\.\d\d MiB")):
+    assert cli.main(["serve", "--workdir", str(workdir), "--port", "0", *flags]) == 0
+    line = capsys.readouterr().err.strip()
+    assert re.fullmatch(rf"serving micro \(step 0, {weights}\) on http://127\.0\.0\.1:0: 32 slots, \d+ programs "
+                        r"compiled in 0\.0s", line), line
+  engine, options = served[0]
+  assert engine.model_name == "micro" and engine.lm.quantized and options["log_level"] == "info"
