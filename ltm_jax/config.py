@@ -237,6 +237,10 @@ class LatentConfig:
   inferred per sequence by `inner_steps` of Adam on the posterior N(mu, exp(logvar)) (Kong et al., 2025)."""
   enabled: bool = False  # false: the plain decoder (no cross-attention), the baseline of every comparison.
   n_per_layer: int = 4
+  # z is read by the top `top_layers` blocks only (None: every block), so z is [B, top_layers, n_per_layer, d_model].
+  # The blocks below do not depend on z: a train step runs them once, and the inner loop's forward and backward
+  # passes run through the top blocks alone, from the lower blocks' output.
+  top_layers: int | None = None
   rope: bool = False  # RoPE on the cross-attention, z_l's vectors placed evenly over the first rope_span positions.
   rope_span: int = 256
   inner_steps: int = 16
@@ -657,6 +661,11 @@ def validate(config: Config) -> Config:
 
   z = config.latent
   need(z.n_per_layer >= 1, f"latent.n_per_layer must be >= 1, got {z.n_per_layer}")
+  need(z.top_layers is None or 1 <= z.top_layers <= m.n_layers,
+       f"latent.top_layers must be in [1, model.n_layers={m.n_layers}] or None, got {z.top_layers}")
+  need(not z.enabled or z.top_layers in (None, m.n_layers) or not m.scan_layers,
+       f"latent.top_layers={z.top_layers} leaves blocks without cross-attention, which the layer scan cannot stack "
+       "with those that have it: set model.scan_layers=false or latent.top_layers=null")
   need(z.inner_steps >= 0, f"latent.inner_steps must be >= 0, got {z.inner_steps}")
   need(z.inner_lr >= 0, f"latent.inner_lr must be >= 0, got {z.inner_lr}")
   need(0 <= z.inner_min_lr_ratio <= 1, f"latent.inner_min_lr_ratio must be in [0, 1], got {z.inner_min_lr_ratio}")

@@ -91,6 +91,7 @@ def fit(
     *,
     params: Any = None,
     start_grad: bool = False,
+    score_fitted: bool = True,
 ) -> FitResult:
   """Runs `steps` (default cfg.inner_steps) Adam steps on (mu, logvar) from `posterior`, inside one `lax.scan`.
 
@@ -108,6 +109,9 @@ def fit(
       through the updates of (mu, logvar)).
     start_grad: also return the negative ELBO's gradient at the starting posterior (the first step's own gradient;
       with 0 steps, computed once).
+    score_fitted: score the fitted posterior, the trace's last row (one more forward pass through the decoder).
+      False leaves that row's NLL NaN (its KL is still there: it needs no decoder), unless the loop took no step or
+      `params` or a 0-step start gradient ask for that pass anyway.
 
   Returns:
     the fitted posterior (gradients stopped), the per-sequence NLL and KL trace and the path of iterates. Sequences
@@ -149,8 +153,11 @@ def fit(
     (last_nll, last_kl), (q_grad, p_grad) = gradients(posterior)
     params_grad = jax.tree.map(jnp.add, params_grad, p_grad) if with_params else None
     first = q_grad if steps == 0 else first
-  else:
+  elif score_fitted or steps == 0:
     _, (last_nll, last_kl) = terms(posterior, None)
+  else:
+    last_kl = kl_divergence(posterior)
+    last_nll = jnp.full_like(last_kl, jnp.nan)
   append = lambda trace, last: jnp.concatenate([trace, last[None]])
   path = jax.lax.stop_gradient(jax.tree.map(append, path, posterior))
   return FitResult(posterior, append(nll, last_nll), append(kl, last_kl), path, params_grad, first)
@@ -174,15 +181,25 @@ def fit_posterior(nll_fn: Callable[[jax.Array], jax.Array], posterior: Posterior
   return jax.lax.stop_gradient(fitted)
 
 
+def _positions(inputs: jax.Array, valid: jax.Array | None) -> jax.Array | None:
+  return None if valid is None else token_positions(jnp.zeros(inputs.shape[:1], jnp.int32), valid, inputs.shape[1])
+
+
 def token_nll(model, params, inputs: jax.Array, targets: jax.Array, latents: jax.Array | None = None,
-              valid: jax.Array | None = None) -> jax.Array:
+              valid: jax.Array | None = None, trunk: model_lib.Trunk | None = None) -> jax.Array:
   """Per-token negative log-likelihood [B, T] float32 of `targets` under `model` given `latents` (or none), without
   materialising the [B, T, vocab] logits (the LM folds its head into the loss, model.loss_chunk positions at a time).
-  `valid` [B, T] marks left padding of `inputs` (see `LM`); padded positions' NLL is meaningless."""
-  positions = None if valid is None else token_positions(jnp.zeros(inputs.shape[:1], jnp.int32), valid,
-                                                          inputs.shape[1])
-  nll, _ = model.apply({"params": params}, inputs, None, latents, positions, valid, targets=targets)
+  `valid` [B, T] marks left padding of `inputs` (see `LM`); padded positions' NLL is meaningless. `trunk`: the
+  model's trunk (`trunk_of`) of these inputs, so that only the latent-reading blocks run."""
+  nll, _ = model.apply({"params": params}, inputs, None, latents, _positions(inputs, valid), valid, targets=targets,
+                       trunk=trunk)
   return nll
+
+
+def trunk_of(model, params, inputs: jax.Array, valid: jax.Array | None = None) -> model_lib.Trunk:
+  """The output of a latent model's blocks below the first that reads z (`model_lib.Trunk`, [B, T, d_model]): what
+  every NLL of these inputs under any z starts from."""
+  return model.apply({"params": params}, inputs, None, None, _positions(inputs, valid), valid, trunk_only=True)
 
 
 def propose(model: model_lib.LM, params, tokens: jax.Array, visible: jax.Array) -> Posterior:
@@ -212,6 +229,8 @@ def infer(
     proposal: Posterior | None = None,
     start_grad: bool = False,
     trace: bool = True,
+    trunk: model_lib.Trunk | None = None,
+    score_fitted: bool = True,
 ) -> tuple[FitResult, jax.Array]:
   """Fits q(z|x) for each sequence of a batch with the inner loop; returns the fit and its fixed noise eps.
 
@@ -233,6 +252,9 @@ def infer(
     start_grad: also return the gradient at the start (see `fit`), from which an encoder learns.
     trace: False returns only the fitted posterior (the FitResult's traces and path are None), and `steps` may then
       be a traced integer (`fit_posterior`).
+    trunk: the model's trunk (`trunk_of`) of `inputs` (computed here when None), from which every inner step runs the
+      latent-reading blocks only. Unused with decoder_grad, whose decoder gradient runs the whole model.
+    score_fitted: see `fit`.
   """
   cfg = model.latent
   if length is not None:
@@ -242,6 +264,12 @@ def infer(
   shape = model_lib.latent_shape(model.cfg, cfg, inputs.shape[0])
   init_key, eps_key = jax.random.split(key)
   params = jax.lax.stop_gradient(params)
+  if decoder_grad:
+    trunk = None
+  elif trunk is None:
+    trunk = trunk_of(model, params, inputs, valid)
+  else:
+    trunk = jax.lax.stop_gradient(trunk.prefix(length))
 
   if valid is not None:
     target_mask = valid if target_mask is None else target_mask & valid
@@ -250,7 +278,7 @@ def infer(
     proposal = propose(model, params, targets, counted)
 
   def nll_fn(z, p=params):
-    nll = token_nll(model, p, inputs, targets, z, valid)
+    nll = token_nll(model, p, inputs, targets, z, valid, trunk)
     if target_mask is not None:
       nll = jnp.where(target_mask, nll, 0.0)
     return nll.sum(-1)
@@ -260,7 +288,8 @@ def infer(
   if not trace:
     steps = cfg.inner_steps if steps is None else steps
     return FitResult(fit_posterior(nll_fn, start, eps, cfg, steps), None, None, None), eps
-  return fit(nll_fn, start, eps, cfg, steps, params=params if decoder_grad else None, start_grad=start_grad), eps
+  return fit(nll_fn, start, eps, cfg, steps, params=params if decoder_grad else None, start_grad=start_grad,
+             score_fitted=score_fitted), eps
 
 
 # ------------------------------------------------------------------------------------------ the decoder's objective
@@ -292,7 +321,7 @@ class DecoderTerms(NamedTuple):
   iterates_grad: with latent.decoder_objective=iterates, the decoder's gradient itself (else None).
   encoder_grad: with latent.encoder, the gradient of the encoder's parameters (the ELBO per fitted token at its
   proposal), to add to theirs (else None).
-  metrics: kl (per fitted token) and the inner loop's ELBO per fitted token at its start and end (and `loss` with
+  metrics: kl (per fitted token) and the inner loop's ELBO per fitted token at its start (and `loss` with
   iterates_grad)."""
   scored: tuple[tuple[jax.Array, jax.Array | None, int | None], ...] | None
   iterates_grad: Any
@@ -300,7 +329,8 @@ class DecoderTerms(NamedTuple):
   metrics: dict[str, jax.Array]
 
 
-def decoder_terms(model: nn.Module, params, batch, key: jax.Array) -> DecoderTerms:
+def decoder_terms(model: nn.Module, params, batch, key: jax.Array,
+                  trunk: model_lib.Trunk | None = None) -> DecoderTerms:
   """The inner loop's fit for one micro-batch, and the decoder objective that follows from it.
 
   latent.decoder_objective=final: z is drawn (fresh noise) from the posterior fitted on each row's fit mask
@@ -311,7 +341,8 @@ def decoder_terms(model: nn.Module, params, batch, key: jax.Array) -> DecoderTer
   prefix's scoring read only the positions before split_bound.
   iterates: the decoder's gradient of the mean over the K + 1 iterates of the NLL per token, taken by the inner
   loop's own backward passes.
-  With latent.encoder the loop starts from the encoder's proposal for the fitted targets."""
+  With latent.encoder the loop starts from the encoder's proposal for the fitted targets. `trunk`: the model's trunk
+  of the batch's inputs (`trunk_of`), which the inner loop then need not compute again."""
   latent = model.latent
   fit_key, sample_key, split_key = jax.random.split(key, 3)
   inputs, targets = batch["inputs"], batch["targets"]
@@ -327,14 +358,11 @@ def decoder_terms(model: nn.Module, params, batch, key: jax.Array) -> DecoderTer
     proposal, encoder_grad_fn = jax.vjp(
         lambda p: propose(model, dict(params, **{model_lib.ENCODER: p}), targets[:, :prefix], visible[:, :prefix]),
         params[model_lib.ENCODER])
+  # The fitted posterior is not scored on the fitted tokens: the decoder's own pass scores what it is trained on.
   fitted, eps = infer(model, params, inputs, targets, fit_key, target_mask=fit_mask, decoder_grad=iterates,
-                      length=prefix, proposal=proposal, start_grad=latent.encoder)
+                      length=prefix, proposal=proposal, start_grad=latent.encoder, trunk=trunk, score_fitted=False)
   tokens = targets.size if fit_mask is None else fit_mask.sum()
-  metrics = {
-      "kl": fitted.kl[-1].sum() / tokens,
-      "inner_elbo_start": (fitted.nll[0] + fitted.kl[0]).sum() / tokens,
-      "inner_elbo_end": (fitted.nll[-1] + fitted.kl[-1]).sum() / tokens,
-  }
+  metrics = {"kl": fitted.kl[-1].sum() / tokens, "inner_elbo_start": (fitted.nll[0] + fitted.kl[0]).sum() / tokens}
   encoder_grad = None
   if encoder_grad_fn is not None:  # The start is the proposal plus noise: its gradient is the proposal's.
     (encoder_grad,) = encoder_grad_fn(jax.tree.map(lambda g: g / tokens, fitted.start_grad))

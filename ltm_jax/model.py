@@ -3,8 +3,11 @@ LM head.
 
 Every block maps (x, state) -> (y, new_state), so a long sequence can be processed segment by segment:
 `logits, state = model.apply(params, tokens_a)` then `model.apply(params, tokens_b, state)` equals one call on both.
-With `latent.enabled`, every block also reads its layer's latent thought vectors z[:, l] through cross-attention, and
-every call takes z [B, n_layers, n_per_layer, d_model] (see ltm_jax/latent.py for how z is inferred).
+With `latent.enabled`, every block (or the top latent.top_layers blocks) also reads its layer's latent thought
+vectors through cross-attention, and every call takes z [B, latent layers, n_per_layer, d_model] (see
+ltm_jax/latent.py for how z is inferred). The blocks below the first that reads z are the model's trunk: their output
+(`Trunk`) does not depend on z, so a caller that scores one batch under many z computes it once (`trunk_only=True`)
+and passes it back (`trunk=`) for each z.
 
 `model.remat` picks what each block keeps for the backward pass (`remat_plan`). `model.scan_layers` runs the repeats of
 the layer pattern's smallest unit under `nn.scan` (`scan_layout`), so compile time stays flat as depth grows; their
@@ -38,6 +41,19 @@ from ltm_jax.ops.quant_matmul import weights as quant_weights
 
 SCANNED = "blocks"  # The parameter (and module) name of the scanned stack of blocks.
 LAYER_AXIS = "layers"  # The logical name of the stacked parameters' leading axis; sharding leaves it whole.
+
+
+class Trunk(NamedTuple):
+  """What the blocks below the first latent-reading block hand on: the residual stream x [B, T, d_model] float32 and
+  the first RWKV-7 layer's values v_first [B, T, d_model] (None if no RWKV-7 layer lies below). Slice both along T
+  to score a prefix."""
+  x: jax.Array
+  v_first: jax.Array | None
+
+  def prefix(self, length: int | None) -> Trunk:
+    """The first `length` positions (all of them for None)."""
+    cut = lambda a: None if a is None else a[:, :length]
+    return Trunk(cut(self.x), cut(self.v_first))
 
 
 class BlockState(NamedTuple):
@@ -196,8 +212,9 @@ class LM(nn.Module):
   float32 whatever `dtype` is (sub-layers compute in `dtype` and their outputs are added in float32), as PyTorch
   autocast does, so deep bfloat16 models do not accumulate rounding in the residual sum.
 
-  `latent`: None (or disabled) for the plain decoder; enabled adds a cross-attention sub-layer to every block, and
-  `latents` [B, n_layers, n_per_layer, d_model] must then be given. `positions` [B, T] are the tokens' absolute
+  `latent`: None (or disabled) for the plain decoder; enabled adds a cross-attention sub-layer to every block of the
+  top latent.top_layers (all by default), and `latents` [B, top layers, n_per_layer, d_model] (`latent_shape`) must
+  then be given. `positions` [B, T] are the tokens' absolute
   positions, needed only by latent RoPE when decoding past position 0 (default: 0..T-1).
 
   `state`: as `init_state` makes it: one BlockState per layer, or with scan_layers one per separate layer followed by
@@ -208,6 +225,10 @@ class LM(nn.Module):
   token, so each row's valid tokens get the logits and final state they would get alone. Padding must precede a
   row's tokens; with latent RoPE, `positions` must then count valid tokens only. `last_only` returns the logits of
   the last position only ([B, 1, vocab_size]), as a prefill needs.
+
+  `trunk_only=True` returns the `Trunk` (the output of the blocks below the first latent-reading block) and nothing
+  else; `trunk=` a Trunk of the same tokens starts from it instead, running only the latent-reading blocks and the
+  head: the same result as a call without it. Both are stateless (no `state`).
   """
   cfg: ModelConfig
   latent: LatentConfig | None = None
@@ -215,14 +236,18 @@ class LM(nn.Module):
 
   @nn.compact
   def __call__(self, tokens, state: tuple[BlockState, ...] | None = None, latents=None, positions=None, valid=None,
-               last_only: bool = False, targets=None):
+               last_only: bool = False, targets=None, *, trunk_only: bool = False, trunk: Trunk | None = None):
     # Every float32 matmul traced below takes the configured precision (on GPU, XLA's default would be TF32).
     with jax.default_matmul_precision(self.cfg.matmul_precision):
-      return self._forward(tokens, state, latents, positions, valid, last_only, targets)
+      return self._forward(tokens, state, latents, positions, valid, last_only, targets, trunk_only, trunk)
 
-  def _forward(self, tokens, state, latents, positions, valid, last_only, targets):
+  def _forward(self, tokens, state, latents, positions, valid, last_only, targets, trunk_only, trunk):
     cfg, latent = self.cfg, uses_latents(self.latent)
-    if latent is not None:
+    if (trunk_only or trunk is not None) and (latent is None or state is not None):
+      raise ValueError("a trunk is what a latent model's lower blocks make from tokens alone: it needs "
+                       "latent.enabled and no state")
+    first = first_latent_layer(cfg, latent)
+    if latent is not None and not trunk_only:
       expected = latent_shape(cfg, latent, tokens.shape[0])
       if latents is None or latents.shape != expected:
         got = None if latents is None else latents.shape
@@ -231,11 +256,17 @@ class LM(nn.Module):
       raise ValueError("latents were given to a model without latent cross-attention (latent.enabled=false)")
     embed = nn.Embed(cfg.padded_vocab_size, cfg.d_model, dtype=jnp.float32, param_dtype=jnp.float32,
                      embedding_init=init(cfg.init_std, ("vocab", "embed")), name="embed")
-    x = embed(tokens)
-    if cfg.ln0:  # In float32: it feeds the residual stream.
-      x = norm(cfg.norm, cfg.norm_eps, jnp.float32, "embed_norm")(x)
-    x, new_state = run_blocks(cfg, x, state, latent=latent, latents=latents, positions=positions, valid=valid,
-                              capacity=self.cache_capacity)
+    if trunk is not None:
+      x, new_state, _ = _run_blocks(cfg, trunk.x, None, latent, latents, positions, valid, self.cache_capacity,
+                                    first, None, trunk.v_first)
+    else:
+      x = embed(tokens)
+      if cfg.ln0:  # In float32: it feeds the residual stream.
+        x = norm(cfg.norm, cfg.norm_eps, jnp.float32, "embed_norm")(x)
+      if trunk_only:
+        x, _, v_first = _run_blocks(cfg, x, None, latent, None, positions, valid, self.cache_capacity, 0, first)
+        return Trunk(x, v_first)
+      x, new_state, _ = _run_blocks(cfg, x, state, latent, latents, positions, valid, self.cache_capacity, 0, None)
     if last_only:  # A prefill needs the next token's logits only: skip the [B, T, vocab] head product.
       x = x[:, -1:]
     x = norm(cfg.norm, cfg.norm_eps, cfg.dtype, "final_norm")(x)
@@ -279,17 +310,30 @@ def run_blocks(cfg: ModelConfig, x, state: tuple[BlockState, ...] | None = None,
   Called inside a compact method, the blocks become the caller's submodules (`block_{i}`, and `blocks` when
   scanned), so a model with its own input embedding and head (ltm_jax/timeseries) runs the same layers with the same
   parameter layout, state API and padding rules as the decoder."""
+  x, new_state, _ = _run_blocks(cfg, x, state, latent, latents, positions, valid, capacity, 0, None)
+  return x, new_state
+
+
+def _run_blocks(cfg: ModelConfig, x, state, latent, latents, positions, valid, capacity, start: int,
+                stop: int | None, v_first=None):
+  """Layers start..stop-1 (stop None: to the last) from x and v_first -> (x, new state of those layers, v_first).
+  The blocks from `first_latent_layer` on read latents[:, layer - first_latent_layer]; the layer scan runs only when
+  the range reaches the end and starts at or before the scanned repeats (a latent model that scans has no trunk)."""
   layout = scan_layout(cfg)
-  block_cls, new_state, v_first = _block_class(cfg, scanned=False), [], None
-  for i in range(layout.prefix_layers):
-    z = None if latent is None else latents[:, i]
-    x, block_state, v_first = block_cls(cfg, i, latent, capacity=capacity, name=f"block_{i}")(
-        x, None if state is None else state[i], z, positions, v_first, valid)
+  first = first_latent_layer(cfg, latent)
+  stop = cfg.n_layers if stop is None else stop
+  block_cls, new_state = _block_class(cfg, scanned=False), []
+  for i in range(start, min(stop, layout.prefix_layers)):
+    reads = latent is not None and i >= first
+    x, block_state, v_first = block_cls(cfg, i, latent if reads else None, capacity=capacity, name=f"block_{i}")(
+        x, None if state is None else state[i], latents[:, i - first] if reads else None, positions, v_first, valid)
     new_state.append(block_state)
-  if layout.scanned_units:
+  if layout.scanned_units and stop == cfg.n_layers:
+    if start > layout.prefix_layers or first:
+      raise ValueError("the layer scan runs every scanned repeat, each reading z: it cannot start part-way")
     x, v_first, scanned_state = _scanned(cfg, latent, capacity, layout, x, v_first, state, latents, positions, valid)
     new_state.extend(scanned_state)
-  return x, tuple(new_state)
+  return x, tuple(new_state), v_first
 
 
 def _scanned(cfg: ModelConfig, latent, capacity, layout: ScanLayout, x, v_first, state, latents, positions, valid):
@@ -352,9 +396,20 @@ def uses_latents(latent: LatentConfig | None) -> LatentConfig | None:
   return latent if latent is not None and latent.enabled else None
 
 
+def latent_layers(cfg: ModelConfig, latent: LatentConfig) -> int:
+  """How many blocks read z: the top latent.top_layers, or every block."""
+  return cfg.n_layers if latent.top_layers is None else latent.top_layers
+
+
+def first_latent_layer(cfg: ModelConfig, latent: LatentConfig | None) -> int:
+  """The index of the lowest block that reads z (n_layers for a model without latents): the trunk's height."""
+  latent = uses_latents(latent)
+  return cfg.n_layers if latent is None else cfg.n_layers - latent_layers(cfg, latent)
+
+
 def latent_shape(cfg: ModelConfig, latent: LatentConfig, batch: int) -> tuple[int, int, int, int]:
-  """The shape of z for a batch: [B, n_layers, n_per_layer, d_model]."""
-  return (batch, cfg.n_layers, latent.n_per_layer, cfg.d_model)
+  """The shape of z for a batch: [B, latent layers, n_per_layer, d_model] (`latent_layers`)."""
+  return (batch, latent_layers(cfg, latent), latent.n_per_layer, cfg.d_model)
 
 
 def _layer_state(cfg: ModelConfig, mixer_kind: str, batch: int, capacity: int | None) -> BlockState:
@@ -483,11 +538,11 @@ _ENCODER_SEED = 0x1A7E  # Folded into the init key: the decoder's own initialisa
 
 def latent_encoder(cfg: ModelConfig, latent: LatentConfig | None) -> LatentEncoder | None:
   """The amortised posterior encoder of a model with latent.encoder (None otherwise): it proposes q(z|x) for every
-  latent vector, [B, n_layers * n_per_layer, d_model] (see `ltm_jax.latent.propose`)."""
+  latent vector, [B, latent layers * n_per_layer, d_model] (see `ltm_jax.latent.propose`)."""
   latent = uses_latents(latent)
   if latent is None or not latent.encoder:
     return None
-  return LatentEncoder(cfg.padded_vocab_size, cfg.n_layers * latent.n_per_layer, cfg.d_model,
+  return LatentEncoder(cfg.padded_vocab_size, latent_layers(cfg, latent) * latent.n_per_layer, cfg.d_model,
                        latent.encoder_width, latent.encoder_context, latent.init_logvar, latent.encoder_logvar,
                        cfg.init_std)
 

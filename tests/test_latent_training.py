@@ -131,9 +131,11 @@ def test_continuation_rows_fit_z_without_the_scored_tokens():
   assert not bool(score[:2].all()) and bool(score[2:].all())
 
 
-@pytest.mark.parametrize("fraction", [0.0, 0.5])
-def test_final_decoder_gradient_is_the_scored_nll_with_z_frozen(fraction):
-  cfg, model, params, batch = _setup(continuation_fraction=fraction)
+@pytest.mark.parametrize("fraction, top_layers", [(0.0, None), (0.5, None), (1.0, 1)])
+def test_final_decoder_gradient_is_the_scored_nll_with_z_frozen(fraction, top_layers):
+  # The step runs the trunk (the blocks below z) once and the latent-reading blocks per scored z; the expected
+  # gradient runs the whole model for every scored z.
+  cfg, model, params, batch = _setup(continuation_fraction=fraction, top_layers=top_layers)
   optimizer = optax.sgd(1.0)
   state = create_train_state(params, optimizer, seed=7)
   step = make_train_step(model, optimizer, optax.constant_schedule(1.0), grad_accum=1)
@@ -147,7 +149,8 @@ def test_final_decoder_gradient_is_the_scored_nll_with_z_frozen(fraction):
     fit, expected_score = continuation_masks(jax.random.split(key, 3)[2], batch["targets"].shape, fraction)
     np.testing.assert_array_equal(score, expected_score)
     np.testing.assert_array_equal(prefix, fit & ~expected_score)  # Continuation rows' prefixes only.
-    assert bool(prefix[:2].any()) and not bool(prefix[2:].any())
+    rows = round(fraction * 4)
+    assert bool(prefix[:rows].any()) and not bool(prefix[rows:].any())
     # The prefix is scored under the inner loop's starting point: the initial posterior with the loop's noise.
     init_key, eps_key = jax.random.split(jax.random.split(key, 3)[0])
     shape = model_lib.latent_shape(cfg.model, cfg.latent, 4)

@@ -101,7 +101,7 @@ def train_prior(workdir: str | pathlib.Path, overrides=(), *, log=None) -> Prior
   with contextlib.ExitStack() as cleanup:
     cleanup.enter_context(workdir_lib.exclusive(folder))
     workdir_lib.check_writable(folder / "checkpoints")
-    read_metrics(folder)
+    workdir_lib.check_checkpoints_kept(folder, read_metrics(folder))
     checkpointer = ckpt_lib.Checkpointer(folder, keep=2)
     cleanup.callback(checkpointer.close)
     start = 0
@@ -134,6 +134,9 @@ def train_prior(workdir: str | pathlib.Path, overrides=(), *, log=None) -> Prior
     train_step, heldout_loss = make_train_step(p, optimizer)
     writer = MetricsWriter(folder, start)
     cleanup.callback(writer.close)
+    if writer.dropped:
+      say(f"dropped {len(writer.dropped)} metrics.jsonl row(s) (steps {writer.dropped[0]}-{writer.dropped[-1]}) "
+          f"logged after prior step {start}, the checkpoint resumed from; this run logs those steps again")
     data_state = lambda at: {"step": at, "latent_shape": list(shape), "decoder_step": posteriors.manifest[
         "decoder_step"], "posteriors": posteriors.num_records}
     step, last, interval = start, {}, time.time()

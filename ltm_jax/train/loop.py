@@ -19,7 +19,7 @@ from ltm_jax import model as model_lib
 from ltm_jax import parallel
 from ltm_jax import quantize as quantize_lib
 from ltm_jax.config import Config
-from ltm_jax.errors import CheckpointError, ConfigError, TrainingError, WorkdirError
+from ltm_jax.errors import CheckpointError, ConfigError, TrainingError
 from ltm_jax.layers import pipeline
 from ltm_jax.train import checkpoint as ckpt_lib
 from ltm_jax.train import divergence
@@ -119,10 +119,7 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = N
     if main:
       cleanup.enter_context(workdir_lib.exclusive(workdir))
       workdir_lib.check_writable(workdir / "checkpoints")
-      logged = [row["step"] for row in read_metrics(workdir)]  # Refuses a metrics.jsonl the run could not extend.
-      if logged and not _has_checkpoints(workdir):  # Refused before orbax creates the folder.
-        raise WorkdirError(f"{workdir} holds no checkpoint, but its metrics.jsonl logs training up to step "
-                           f"{max(logged)}; to start over, delete {workdir} or train in another workdir")
+      workdir_lib.check_checkpoints_kept(workdir, read_metrics(workdir))  # Refuses a metrics.jsonl it cannot extend.
     if from_step is not None and not (workdir / "checkpoints").is_dir():  # Refused before orbax creates it.
       raise CheckpointError(f"cannot resume from step {from_step}: {workdir} has no checkpoints")
     checkpointer = ckpt_lib.Checkpointer(workdir, t.keep_checkpoints, t.async_checkpoint, keep_every=t.keep_every)
@@ -234,17 +231,6 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = N
 def _all_finite(tree) -> jax.Array:
   leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
   return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
-
-
-def _has_checkpoints(workdir: pathlib.Path) -> bool:
-  """Whether WORKDIR/checkpoints holds a checkpoint step (readable or not), without creating anything."""
-  if not (workdir / "checkpoints").is_dir():
-    return False
-  checkpointer = ckpt_lib.Checkpointer(workdir, read_only=True)
-  try:
-    return bool(checkpointer.all_steps())
-  finally:
-    checkpointer.close()
 
 
 def _listed(steps: list[int]) -> str:

@@ -18,10 +18,13 @@ if TYPE_CHECKING:
   from ltm_jax.parallel import Layout
 
 
-def token_nll(model: nn.Module, params, batch, latents=None, length: int | None = None) -> tuple[jax.Array, jax.Array]:
+def token_nll(model: nn.Module, params, batch, latents=None, length: int | None = None,
+              trunk: model_lib.Trunk | None = None) -> tuple[jax.Array, jax.Array]:
   """Per-token negative log-likelihood [B, T] (float32; [B, length] of the first `length` positions) and the number
-  of tokens."""
-  nll = latent_lib.token_nll(model, params, batch["inputs"][:, :length], batch["targets"][:, :length], latents)
+  of tokens; from the batch's `trunk` (a latent model's lower blocks' output) when given."""
+  trunk = None if trunk is None else trunk.prefix(length)
+  nll = latent_lib.token_nll(model, params, batch["inputs"][:, :length], batch["targets"][:, :length], latents,
+                             trunk=trunk)
   return nll, jnp.asarray(nll.size, jnp.float32)
 
 
@@ -37,7 +40,9 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, s
   then the decoder takes one gradient with z held constant (slow learning; `latent.decoder_terms`): of the NLL
   given z sampled from the fitted posterior, or of the mean NLL over the loop's iterates. `loss` is that decoder
   objective per scored token; `kl` (per fitted token) is logged beside it, so with whole-sequence fits and the final
-  objective, loss + kl is the training ELBO per token.
+  objective, loss + kl is the training ELBO per token. The blocks below the first that reads z (the trunk) run once
+  per micro-batch, forward and backward: the inner loop and every scored z start from their output, and the
+  decoder's gradient flows back into them once, through the sum of every scored pass's cotangents.
 
   With a `layout` (ltm_jax.parallel) the step is compiled for its mesh: state and batch arrive and leave in the
   layout's shardings (the state donated), every micro-batch is split like the batch, each micro-batch's gradient and
@@ -53,7 +58,7 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, s
   # update (halving the scale) when a gradient overflows.
   scaled = model.cfg.dtype == "float16"
 
-  def loss(params, micro, scored, scale):
+  def loss(params, micro, scored, scale, trunk=None):
     params, extra = view(params), {}
     if loss_fn is not None:
       value, extra = loss_fn(params, micro)
@@ -62,7 +67,7 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, s
     else:
       total = count = 0.0
       for z, mask, length in scored:
-        nll, size = token_nll(model, params, micro, z, length)
+        nll, size = token_nll(model, params, micro, z, length, trunk)
         total, count = (total + nll.sum(), count + size) if mask is None else (
             total + (nll * mask[:, :length]).sum(), count + mask.sum())
       value = total / count
@@ -87,14 +92,22 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, s
 
     def accumulate(grads_sum, xs):
       mb, index = xs
-      terms = latent_lib.DecoderTerms(None, None, None, {})
+      terms, trunk, trunk_vjp = latent_lib.DecoderTerms(None, None, None, {}), None, None
       if latent is not None:
-        terms = latent_lib.decoder_terms(model, inner_params, mb, jax.random.fold_in(step_key, index))
+        if latent.decoder_objective == "final":
+          trunk, trunk_vjp = jax.vjp(lambda p: latent_lib.trunk_of(model, view(p), mb["inputs"]), state.params)
+        terms = latent_lib.decoder_terms(model, inner_params, mb, jax.random.fold_in(step_key, index),
+                                         None if trunk is None else jax.lax.stop_gradient(trunk))
       grads, extra = terms.iterates_grad, dict(terms.metrics)
       # The inner loop's gradients (the iterates', the encoder's) come unscaled: scale them like the loss gradient.
       rescale = lambda tree: jax.tree.map(lambda g: loss_scale_lib.scale_loss(state.loss_scale, g), tree) if (
           scaled) else tree
-      if grads is None:
+      if grads is None and trunk is not None:
+        (_, (value, loss_metrics)), (grads, trunk_grad) = jax.value_and_grad(loss, argnums=(0, 4), has_aux=True)(
+            state.params, mb, terms.scored, state.loss_scale, trunk)
+        grads = jax.tree.map(jnp.add, grads, trunk_vjp(trunk_grad)[0])
+        extra.update(loss_metrics, loss=value)
+      elif grads is None:
         (_, (value, loss_metrics)), grads = jax.value_and_grad(loss, has_aux=True)(
             state.params, mb, terms.scored, state.loss_scale)
         extra.update(loss_metrics, loss=value)

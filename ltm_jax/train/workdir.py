@@ -1,6 +1,6 @@
-"""One writer per workdir: an exclusive OS lock held for a training run's lifetime, and a check that the checkpoints
-folder can be written before any step runs. Neither writes anything: a run refused by them, or by any later check,
-leaves the workdir as it found it."""
+"""One writer per workdir: an exclusive OS lock held for a training run's lifetime, a check that the checkpoints
+folder can be written before any step runs, and one that a workdir whose logs say it trained still holds a checkpoint.
+None writes anything: a run refused by them, or by any later check, leaves the workdir as it found it."""
 
 from __future__ import annotations
 
@@ -70,6 +70,25 @@ def check_writable(folder: str | pathlib.Path) -> None:
   if not os.access(existing, os.W_OK | os.X_OK):
     reason = "read-only file system" if _read_only(existing) else "permission denied"
     raise WorkdirError(f"cannot write in {folder}: {reason}")
+
+
+def check_checkpoints_kept(workdir: str | pathlib.Path, logged: list[dict]) -> None:
+  """WorkdirError when metrics.jsonl logs training (`logged`: its rows) but WORKDIR/checkpoints holds no checkpoint,
+  readable or not (emptied or deleted): starting over would replace a trained run's logs. Creates nothing."""
+  from ltm_jax.train import checkpoint as ckpt_lib  # Deferred: checkpointing imports orbax.
+  workdir = pathlib.Path(workdir)
+  if not logged or not (workdir / "checkpoints").is_dir():
+    kept = False
+  else:
+    checkpointer = ckpt_lib.Checkpointer(workdir, read_only=True)
+    try:
+      kept = bool(checkpointer.all_steps())
+    finally:
+      checkpointer.close()
+  if logged and not kept:
+    raise WorkdirError(f"{workdir} holds no checkpoint, but its metrics.jsonl logs training up to step "
+                       f"{max(row['step'] for row in logged)}; to start over, delete {workdir} or train in another "
+                       "workdir")
 
 
 def _read_only(path: pathlib.Path) -> bool:

@@ -15,7 +15,7 @@ from ltm_jax import cli
 from ltm_jax import model as model_lib
 from ltm_jax.api import load
 from ltm_jax.config import LatentConfig, validate
-from ltm_jax.errors import LtmError
+from ltm_jax.errors import LtmError, WorkdirError
 from ltm_jax.prior import posteriors
 from ltm_jax.prior.model import load_prior
 from ltm_jax.prior.train import train_prior
@@ -108,6 +108,17 @@ def test_prior_training_resumes_exactly(workdir, tmp_path):
   resumed, straight = load_prior(other, load(other).config), load_prior(workdir, load(workdir).config)
   jax.tree.map(np.testing.assert_array_equal, resumed.params, straight.params)
   assert resumed.step == straight.step == 6
+
+
+def test_a_prior_whose_checkpoints_are_gone_is_refused_and_nothing_is_written(workdir, tmp_path):
+  other = tmp_path / "w"
+  shutil.copytree(workdir, other)
+  shutil.rmtree(other / "prior" / "checkpoints")
+  before = _files(other)
+  with pytest.raises(WorkdirError, match=r"prior holds no checkpoint, but its metrics.jsonl logs training up to step "
+                                         r"6; to start over, delete "):
+    train_prior(other, PRIOR, log=lambda _: None)
+  assert _files(other) == before and not (other / "prior" / "checkpoints").exists()
 
 
 def test_dit_latents_through_the_api(workdir):
