@@ -83,16 +83,17 @@ def create_app(engine: Engine, model_name: str | None = None, *, stop_engine_on_
     except ApiError as e:
       return refuse(http, e)
     loop = asyncio.get_running_loop()
-    queues = [asyncio.Queue() for _ in params.prompts]
+    choices = [ids for ids in params.prompts for _ in range(params.n)]  # Choice i * n + j: prompt i's j-th.
+    queues = [asyncio.Queue() for _ in choices]
     seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little", signed=True)
     requests = [Request(ids, params.max_tokens, functools.partial(loop.call_soon_threadsafe, q.put_nowait),
                         temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                         seed=_choice_seed(seed, i), stop=params.stop)
-                for i, (ids, q) in enumerate(zip(params.prompts, queues))]
+                for i, (ids, q) in enumerate(zip(choices, queues))]
     try:
       engine.submit(requests)
     except TooManyPrompts as e:
-      return refuse(http, ApiError(400, str(e), "prompt"))
+      return refuse(http, ApiError(400, str(e), "n" if params.n > 1 else "prompt"))
     except QueueFull as e:
       return refuse(http, ApiError(429, f"{e}; retry later", kind="rate_limit_error", code="queue_full"))
     except ShuttingDown as e:
@@ -153,8 +154,8 @@ def create_app(engine: Engine, model_name: str | None = None, *, stop_engine_on_
 
 @dataclasses.dataclass
 class _Answer:
-  """What shapes one answer: its id, creation time, model name, endpoint (chat or text completion) and the prompt
-  tokens of each choice."""
+  """What shapes one answer: its id, creation time, model name, endpoint (chat or text completion) and the tokens
+  of each prompt (usage counts a prompt once, however many choices continue it)."""
   cid: str
   created: int
   model: str
@@ -196,8 +197,8 @@ def _failure(finished: Finished, timeout: float | None) -> tuple[int, dict]:
 
 
 def _choice_seed(seed: int, index: int) -> int:
-  """The seed of a request's index-th prompt: the request's seed for the first, so one prompt sampled with seed s
-  gives `LanguageModel.generate(seed=s)`'s tokens; the others get their own, in range."""
+  """The seed of a request's index-th choice: the request's seed for the first, so one prompt sampled with seed s
+  gives `LanguageModel.generate(seed=s)`'s tokens; the others get their own (seed + index, in range)."""
   return (seed + index + 2**63) % 2**64 - 2**63
 
 
@@ -269,7 +270,7 @@ async def _complete(http, requests, queues, answer: _Answer, deadline, timeout, 
   metrics.requests.labels("200").inc()
   texts = [text.lstrip() if answer.chat else text for text, _ in results]
   choices = [(i, text, f.reason) for i, (text, (_, f)) in enumerate(zip(texts, results))]
-  used = protocol.usage(sum(f.prompt_tokens for _, f in results), sum(f.completion_tokens for _, f in results))
+  used = protocol.usage(sum(answer.prompt_tokens), sum(f.completion_tokens for _, f in results))
   _note_usage(http.scope, used, [f.reason for _, f in results])
   return JSONResponse(answer.body(choices, used))
 

@@ -329,8 +329,8 @@ class Engine:
       if self._stopping or self._thread is None:
         raise ShuttingDown("the server is shutting down")
       if len(requests) > self.queue_size:
-        raise TooManyPrompts(f"the request has {len(requests)} prompts; this server queues at most "
-                             f"{self.queue_size}")
+        raise TooManyPrompts(f"the request asks for {len(requests)} completions (prompts x n); this server queues "
+                             f"at most {self.queue_size}")
       if len(self._waiting) + len(requests) > self.queue_size:
         raise QueueFull(f"the queue is full ({len(self._waiting)} of {self.queue_size} requests waiting)")
       for request in requests:

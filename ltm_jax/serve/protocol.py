@@ -55,7 +55,8 @@ CHAT_STOP = "\n\nUser:"  # The next turn marker: a reply ends where the model st
 
 @dataclasses.dataclass(frozen=True)
 class CompletionParams:
-  """A checked completion request: one token-id prompt per choice, and the settings shared by all of them."""
+  """A checked completion request: its token-id prompts, each answered by `n` choices, and the settings shared by all
+  of them."""
   prompts: list[np.ndarray]
   max_tokens: int
   temperature: float
@@ -66,18 +67,19 @@ class CompletionParams:
   stream: bool
   include_usage: bool
   continuous_usage: bool = False
+  n: int = 1
 
 
 # Fields OpenAI's completions endpoint defines that this server does not implement: the values it accepts for them.
-NEUTRAL = {"n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (), "presence_penalty": (0,),
-           "frequency_penalty": (0,), "suffix": (), "logit_bias": ({},)}
+NEUTRAL = {"echo": (False,), "logprobs": (), "presence_penalty": (0,), "frequency_penalty": (0,), "suffix": (),
+           "logit_bias": ({},)}
 KNOWN = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options",
-         "user", *NEUTRAL}
+         "user", "n", "best_of", *NEUTRAL}
 # The same for the chat endpoint.
-CHAT_NEUTRAL = {"n": (1,), "logprobs": (False,), "top_logprobs": (), "presence_penalty": (0,),
-                "frequency_penalty": (0,), "logit_bias": ({},), "response_format": ({"type": "text"},)}
+CHAT_NEUTRAL = {"logprobs": (False,), "top_logprobs": (), "presence_penalty": (0,), "frequency_penalty": (0,),
+                "logit_bias": ({},), "response_format": ({"type": "text"},)}
 CHAT_KNOWN = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "stop",
-              "seed", "stream", "stream_options", "user", *CHAT_NEUTRAL}
+              "seed", "stream", "stream_options", "user", "n", *CHAT_NEUTRAL}
 
 
 def _is_int(value) -> bool:
@@ -220,7 +222,20 @@ def _settings(body: dict, prompts: list[np.ndarray], max_tokens, max_name: str, 
     raise ApiError(400, f"stream must be true or false, got {json.dumps(stream)}", "stream")
   include_usage, continuous = _stream_options(body.get("stream_options"), stream)
   return CompletionParams(prompts, max_tokens, float(temperature), top_k, None if top_p is None else float(top_p),
-                          _stop(body.get("stop")) + extra_stop, seed, stream, include_usage, continuous)
+                          _stop(body.get("stop")) + extra_stop, seed, stream, include_usage, continuous, _n(body))
+
+
+def _n(body: dict) -> int:
+  """n, the choices per prompt (each sampled with a seed of its own); best_of, where given, must equal it (drawing
+  more and returning the best is not implemented)."""
+  n = _optional(body, "n", 1)
+  if not _is_int(n) or n < 1:
+    raise ApiError(400, f"n must be an integer >= 1, got {json.dumps(n)}", "n")
+  best_of = body.get("best_of")
+  if best_of is not None and not _same(best_of, n):
+    raise ApiError(400, f"best_of is not supported by this server: it must be null or n ({n}), got "
+                        f"{json.dumps(best_of)}", "best_of")
+  return n
 
 
 def _optional(body: dict, name: str, default):

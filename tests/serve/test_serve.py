@@ -339,7 +339,10 @@ BAD_REQUESTS = [  # (body: a dict sent as JSON or raw bytes, the status, the fie
     ({"prompt": "hi", "seed": 2**70}, 400, "seed"),
     ({"prompt": "hi", "stream": "yes"}, 400, "stream"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
-    ({"prompt": "hi", "n": 2}, 400, "n"),
+    ({"prompt": "hi", "n": 0}, 400, "n"),
+    ({"prompt": "hi", "n": "2"}, 400, "n"),
+    ({"prompt": "hi", "n": QUEUE + 1}, 400, "n"),
+    ({"prompt": "hi", "n": 2, "best_of": 3}, 400, "best_of"),
     ({"prompt": "hi", "logprobs": 3}, 400, "logprobs"),
     ({"prompt": "hi", "frobnicate": 1}, 400, "frobnicate"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "model"),
@@ -623,7 +626,7 @@ def test_chat_messages_are_checked_and_put_in_the_documented_turn_format(server,
     assert response.status_code == 400, (messages, response.text)
     error = response.json()["error"]
     assert part in error["message"] and "\n" not in error["message"] and error["param"] == "messages", error
-  response = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "n": 2})
+  response = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "n": 1.5})
   assert response.status_code == 400 and response.json()["error"]["param"] == "n"
 
 
@@ -720,3 +723,34 @@ def test_the_start_line_names_the_weights_served(workdir, capsys, monkeypatch):
                         r"compiled in 0\.0s", line), line
   engine, options = served[0]
   assert engine.model_name == "micro" and engine.lm.quantized and options["log_level"] == "info"
+
+
+def test_n_choices_each_sample_with_a_seed_of_their_own(server, lm, client):
+  """n choices per prompt, indexed prompt * n + choice, the k-th sampled as `lm.generate` samples with seed + k;
+  usage counts each prompt once and every choice's tokens; streamed, the choices join to the same texts; chat
+  answers n messages."""
+  body = {"prompt": ["Once upon", "Hi"], "max_tokens": NEW, "temperature": 0.9, "seed": 5, "n": 2}
+  answer = _complete(client, **body)
+  texts = [c["text"] for c in sorted(answer["choices"], key=lambda c: c["index"])]
+  assert [c["index"] for c in answer["choices"]] == [0, 1, 2, 3]
+  assert texts == [lm.generate(p, NEW, temperature=0.9, seed=5 + k)
+                   for k, p in enumerate(["Once upon", "Once upon", "Hi", "Hi"])]
+  assert texts[0] != texts[1]  # Two samples, not one repeated.
+  used = answer["usage"]
+  assert used["prompt_tokens"] == len("Once upon") + len("Hi")
+  drawn = [lm.generate_tokens([lm.encode(p)], NEW, key=jax.random.key(5 + k), temperature=0.9)[0]
+           for k, p in enumerate(["Once upon", "Once upon", "Hi", "Hi"])]
+  eos = lm.tokenizer.eos_id
+  assert used["completion_tokens"] == sum(int(np.argmax(t == eos)) if eos in t else NEW for t in drawn)
+  with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+    chunks = [json.loads(e) for e in _sse(response.iter_lines())[:-1]]
+  streamed = ["", "", "", ""]
+  for chunk in chunks:
+    for choice in chunk["choices"]:
+      streamed[choice["index"]] += choice["text"]
+  assert streamed == texts
+  chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "n": 3,
+                                                   "max_tokens": 4, "temperature": 1.5, "seed": 1})
+  assert chat.status_code == 200, chat.text
+  assert [c["index"] for c in chat.json()["choices"]] == [0, 1, 2]
+  assert all(c["message"]["role"] == "assistant" for c in chat.json()["choices"])
