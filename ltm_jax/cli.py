@@ -14,10 +14,11 @@ import time
 
 
 def _train(args) -> int:
-  from ltm_jax import parallel
+  from ltm_jax import compilation_cache, parallel
   from ltm_jax.train import train
   _check_workdir(args.workdir)
   cfg = _train_config(args.config, args.workdir, args.overrides)
+  compilation_cache.use(args.compilation_cache)
   # Before anything touches a device: a multi-process run must join its process group first.
   parallel.initialize(args.coordinator_address, args.num_processes, args.process_id)
   result = train(cfg, args.workdir, from_step=args.from_step)
@@ -428,6 +429,10 @@ def parser() -> argparse.ArgumentParser:
   train.add_argument("--from-step", type=_non_negative_int, default=None, metavar="N",
                      help="resume from the kept checkpoint of step N instead of the latest, deleting the checkpoints "
                           "and metrics rows after it (after a divergence whose newest checkpoints are already bad)")
+  train.add_argument("--compilation-cache", default=None, metavar="DIR",
+                     help="JAX's persistent compilation cache, so a restart loads the programs compiled before "
+                          "instead of compiling them again ('none': off; default: $JAX_COMPILATION_CACHE_DIR if set, "
+                          "else $XDG_CACHE_HOME/ltm_jax/jax-compilation-cache, ~/.cache/... without XDG_CACHE_HOME)")
   train.add_argument("--coordinator-address", default=None,
                      help="multi-process: host:port of process 0 (or LTM_COORDINATOR_ADDRESS; SLURM is detected)")
   train.add_argument("--num-processes", type=_positive_int, default=None, help="multi-process: number of processes")
