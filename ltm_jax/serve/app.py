@@ -39,7 +39,7 @@ from starlette.routing import Route
 
 from ltm_jax.errors import LtmError
 from ltm_jax.serve import access, protocol
-from ltm_jax.serve.engine import Engine, Finished, Piece, QueueFull, Request, ShuttingDown, TooManyPrompts
+from ltm_jax.serve.engine import Engine, Finished, Piece, QueueFull, Request, ShuttingDown
 from ltm_jax.serve.protocol import ApiError
 
 MAX_BODY_BYTES = 1 << 20
@@ -82,24 +82,25 @@ def create_app(engine: Engine, model_name: str | None = None, *, stop_engine_on_
       params = parse(protocol.parse_json(await _read_body(http)))
     except ApiError as e:
       return refuse(http, e)
+    too_many = engine.too_many(len(params.prompts) * params.n)  # Before a list of n entries is made.
+    if too_many:
+      return refuse(http, ApiError(400, too_many, "n" if params.n > 1 else "prompt"))
     loop = asyncio.get_running_loop()
     choices = [ids for ids in params.prompts for _ in range(params.n)]  # Choice i * n + j: prompt i's j-th.
     queues = [asyncio.Queue() for _ in choices]
     seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little", signed=True)
     requests = [Request(ids, params.max_tokens, functools.partial(loop.call_soon_threadsafe, q.put_nowait),
                         temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                        seed=_choice_seed(seed, i), stop=params.stop)
+                        seed=_choice_seed(seed, i), stop=params.stop, logprobs=params.logprobs)
                 for i, (ids, q) in enumerate(zip(choices, queues))]
     try:
       engine.submit(requests)
-    except TooManyPrompts as e:
-      return refuse(http, ApiError(400, str(e), "n" if params.n > 1 else "prompt"))
     except QueueFull as e:
       return refuse(http, ApiError(429, f"{e}; retry later", kind="rate_limit_error", code="queue_full"))
     except ShuttingDown as e:
       return refuse(http, ApiError(503, str(e), kind="server_error"))
     answer = _Answer(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()), model_name, chat,
-                     [len(ids) for ids in params.prompts])
+                     [len(ids) for ids in params.prompts], params.logprobs, lm.tokenizer)
     deadline = None if request_timeout is None else arrived + request_timeout
     if params.stream:
       metrics.requests.labels("200").inc()
@@ -154,33 +155,45 @@ def create_app(engine: Engine, model_name: str | None = None, *, stop_engine_on_
 
 @dataclasses.dataclass
 class _Answer:
-  """What shapes one answer: its id, creation time, model name, endpoint (chat or text completion) and the tokens
-  of each prompt (usage counts a prompt once, however many choices continue it)."""
+  """What shapes one answer: its id, creation time, model name, endpoint (chat or text completion), the tokens of
+  each prompt (usage counts a prompt once, however many choices continue it), and with logprobs (`logprobs` set)
+  the tokenizer that names the tokens."""
   cid: str
   created: int
   model: str
   chat: bool
   prompt_tokens: list[int]
+  logprobs: int | None = None
+  tokenizer: object = None
 
-  def body(self, choices: list[tuple[int, str, str | None]], usage: dict | None) -> dict:
-    """The whole answer: choices as (index, text, finish_reason)."""
+  def scores(self, entries) -> dict | None:
+    """The logprobs object of a choice's (or a streamed piece's) `TokenLogprob` entries; None without logprobs."""
+    if self.logprobs is None:
+      return None
+    token_bytes = lambda token: self.tokenizer.decode_bytes(np.asarray([token]))
+    shape = protocol.chat_logprobs if self.chat else protocol.completion_logprobs
+    return shape(entries, token_bytes, self.tokenizer.eos_id)
+
+  def body(self, choices: list[tuple[int, str, str | None, tuple]], usage: dict | None) -> dict:
+    """The whole answer: choices as (index, text, finish_reason, TokenLogprob entries)."""
     if self.chat:
-      return protocol.chat_body(self.cid, self.created, self.model,
-                                [protocol.chat_choice(i, text, reason) for i, text, reason in choices], usage)
-    return protocol.completion_body(self.cid, self.created, self.model,
-                                    [protocol.choice(i, text, reason) for i, text, reason in choices], usage)
+      return protocol.chat_body(self.cid, self.created, self.model, [
+          protocol.chat_choice(i, text, reason, self.scores(entries)) for i, text, reason, entries in choices], usage)
+    return protocol.completion_body(self.cid, self.created, self.model, [
+        protocol.choice(i, text, reason, self.scores(entries)) for i, text, reason, entries in choices], usage)
 
   def chunk(self, index: int | None, text: str | None, reason: str | None, usage: dict | None,
-            first: bool = False) -> dict:
-    """One streamed chunk of choice `index` (None: no choice, the usage alone). A chat choice's first chunk
-    carries the assistant role."""
+            first: bool = False, entries: tuple = ()) -> dict:
+    """One streamed chunk of choice `index` (None: no choice, the usage alone), with the logprobs of the tokens
+    behind its text (`entries`). A chat choice's first chunk carries the assistant role."""
+    scores = self.scores(entries) if text else None
     if self.chat:
       delta = {} if text is None else {"content": text}
       if first:
         delta = {"role": "assistant", **delta}
-      choices = [] if index is None else [protocol.chat_delta(index, delta, reason)]
+      choices = [] if index is None else [protocol.chat_delta(index, delta, reason, scores)]
       return protocol.chat_chunk(self.cid, self.created, self.model, choices, usage)
-    choices = [] if index is None else [protocol.choice(index, text or "", reason)]
+    choices = [] if index is None else [protocol.choice(index, text or "", reason, scores)]
     return protocol.completion_body(self.cid, self.created, self.model, choices, usage)
 
 
@@ -220,14 +233,15 @@ async def _until_disconnected(http: HttpRequest) -> None:
     pass
 
 
-async def _gather(requests, queues) -> list[tuple[str, Finished]]:
-  """Every request's whole text and its Finished event."""
+async def _gather(requests, queues) -> list[tuple[str, tuple, Finished]]:
+  """Every request's whole text, the logprobs of its tokens (`TokenLogprob`s, with logprobs) and its Finished."""
   results = []
   for q in queues:
-    text = []
+    text, entries = [], []
     while not isinstance(event := await q.get(), Finished):
       text.append(event.text)
-    results.append(("".join(text), event))
+      entries += event.logprobs
+    results.append(("".join(text), tuple(entries), event))
   return results
 
 
@@ -261,17 +275,17 @@ async def _complete(http, requests, queues, answer: _Answer, deadline, timeout, 
     access.note(http.scope, error="timeout")
     return JSONResponse(_timed_out(timeout), status_code=504)
   results = gathering.result()
-  failed = [f for _, f in results if f.reason in FAILED]
+  failed = [f for _, _, f in results if f.reason in FAILED]
   if failed:
     status, body = _failure(failed[0], timeout)
     metrics.requests.labels(str(status)).inc()
     access.note(http.scope, error=body["error"]["message"])
     return JSONResponse(body, status_code=status)
   metrics.requests.labels("200").inc()
-  texts = [text.lstrip() if answer.chat else text for text, _ in results]
-  choices = [(i, text, f.reason) for i, (text, (_, f)) in enumerate(zip(texts, results))]
-  used = protocol.usage(sum(answer.prompt_tokens), sum(f.completion_tokens for _, f in results))
-  _note_usage(http.scope, used, [f.reason for _, f in results])
+  texts = [text.lstrip() if answer.chat else text for text, _, _ in results]
+  choices = [(i, text, f.reason, entries) for i, (text, (_, entries, f)) in enumerate(zip(texts, results))]
+  used = protocol.usage(sum(answer.prompt_tokens), sum(f.completion_tokens for _, _, f in results))
+  _note_usage(http.scope, used, [f.reason for _, _, f in results])
   return JSONResponse(answer.body(choices, used))
 
 
@@ -286,7 +300,8 @@ def _coalesced(items: list) -> list:
   out = []
   for item in items:
     if out and isinstance(item, Piece) and isinstance(out[-1], Piece):
-      item = Piece(out.pop().text + item.text, item.tokens)
+      before = out.pop()
+      item = Piece(before.text + item.text, item.tokens, before.logprobs + item.logprobs)
     out.append(item)
   return out
 
@@ -305,6 +320,7 @@ async def _stream(requests, queues, answer: _Answer, params, deadline, timeout, 
   completion = [0] * len(queues)
   reasons: list[str | None] = [None] * len(queues)
   started = [False] * len(queues)  # A chat choice has sent text (its leading whitespace is behind it).
+  held = [()] * len(queues)  # Logprobs of text not sent yet (a chat reply's leading whitespace).
 
   def usage_now():
     return protocol.usage(prompt_tokens, sum(completion)) if params.continuous_usage else None
@@ -330,12 +346,12 @@ async def _stream(requests, queues, answer: _Answer, params, deadline, timeout, 
         for item in _coalesced(items):
           if isinstance(item, Piece):
             completion[i] = item.tokens
-            text = item.text
+            text, held[i] = item.text, held[i] + item.logprobs
             if answer.chat and not started[i]:
               text = text.lstrip()
-            if text:
-              yield event(answer.chunk(i, text, None, usage_now(), first=answer.chat and not started[i]))
-              started[i] = True
+            if text:  # A chat reply's leading whitespace goes out with the text after it, logprobs included.
+              yield event(answer.chunk(i, text, None, usage_now(), answer.chat and not started[i], held[i]))
+              started[i], held[i] = True, ()
           elif item.reason in FAILED:
             failed = item
           else:

@@ -57,10 +57,23 @@ class TooManyPrompts(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+  """A completion token's log probability under the model (log_softmax of its logits, before temperature, top-k and
+  top-p), the `Request.logprobs` most likely tokens as (id, logprob) pairs, most likely first, and where the token's
+  text starts in the request's text (characters)."""
+  token: int
+  logprob: float
+  top: tuple[tuple[int, float], ...]
+  offset: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Piece:
-  """New text of a request (never empty); tokens: completion tokens behind all of the text handed out so far."""
+  """New text of a request (never empty); tokens: completion tokens behind all of the text handed out so far;
+  logprobs: with `Request.logprobs`, one `TokenLogprob` per token behind this piece (those after the last piece's)."""
   text: str
   tokens: int = 0
+  logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,8 +93,9 @@ class Finished:
 class Request:
   """One prompt to continue. ids: prompt token ids [T] (T >= 1); max_tokens >= 1, with T + max_tokens within the
   engine's context; temperature (0: greedy), top_k (None: off), top_p (None: off); seed picks the request's PRNG key
-  as `LanguageModel.generate(seed=...)` does; stop: strings that end the text (not included). `emit` receives its
-  `Piece`s and one `Finished`, from the engine's threads (it must not block)."""
+  as `LanguageModel.generate(seed=...)` does; stop: strings that end the text (not included); logprobs (None: off):
+  the pieces carry each token's logprob and this many most likely alternatives (0 to `slots.MAX_LOGPROBS`). `emit`
+  receives its `Piece`s and one `Finished`, from the engine's threads (it must not block)."""
   ids: np.ndarray
   max_tokens: int
   emit: Callable[[Piece | Finished], None]
@@ -90,6 +104,7 @@ class Request:
   top_p: float | None = None
   seed: int = 0
   stop: tuple[str, ...] = ()
+  logprobs: int | None = None
   arrived: float = dataclasses.field(default_factory=time.monotonic)
   cancelled: str | None = None  # Why it was cancelled, once it has been.
   finished: bool = False  # Its Finished has been sent (and counted).
@@ -121,14 +136,18 @@ class _Row:
     self.fed = 0  # Prompt tokens prefilled so far (chunked prefill).
     self.lane: int | None = None  # The prefill lane while the prompt is being fed in pieces.
     self.reason: str | None = None  # Why it finished, once it has (its row is freed at the chunk's end).
+    self.scores: list[tuple[int, float, tuple[tuple[int, float], ...]]] = []  # Per kept token, with logprobs.
+    self.handed = 0  # Tokens behind the pieces sent so far.
 
   @property
   def text(self) -> str:
     return self.out.text
 
-  def add(self, tokens: np.ndarray, eos: int, stamps: Sequence[float], now: float) -> str | None:
-    """Takes this row's next drawn tokens, drawn at `stamps` and on the host at `now`; returns the finish reason, or
-    None while it goes on."""
+  def add(self, tokens: np.ndarray, eos: int, stamps: Sequence[float], now: float,
+          scores: slots_lib.Scores | None = None) -> str | None:
+    """Takes this row's next drawn tokens, drawn at `stamps` and on the host at `now`, with their `scores` (per
+    token: logprob, ids [K], top [K]; needed with request.logprobs); returns the finish reason, or None while it
+    goes on."""
     tokens = tokens[:self.request.max_tokens - self.produced]
     hits = np.flatnonzero(tokens == eos)
     ended = hits.size > 0
@@ -136,6 +155,11 @@ class _Row:
     if self.available_at is None and tokens.size:
       self.available_at = now
     self.stamps.extend(stamps[:kept.size])
+    if self.request.logprobs is not None:
+      n = self.request.logprobs
+      self.scores += [(int(token), float(scores.logprob[j]),
+                       tuple(zip(scores.ids[j, :n].tolist(), scores.top[j, :n].tolist())))
+                      for j, token in enumerate(kept)]
     self.produced += kept.size
     reason = "stop" if ended else "length" if self.produced >= self.request.max_tokens else None
     if self.out.add(kept):
@@ -145,20 +169,22 @@ class _Row:
     self.reason = reason
     return reason
 
-  def tokens_behind(self, chars: int) -> int:
-    return self.out.tokens_behind(chars)
-
   @property
   def returned(self) -> int:
     """Completion tokens behind the whole text (after a stop-string cut)."""
     return self.out.returned
 
-  @property
-  def sent(self) -> int:
-    return self.out.sent
-
-  def take_text(self, final: bool) -> str:
-    return self.out.take(final)
+  def piece(self, final: bool) -> Piece | None:
+    """The text not yet handed out, as a Piece (None when there is none; while going on, the last characters that
+    could begin a stop string stay), with the logprobs of the tokens behind it."""
+    text = self.out.take(final)
+    if not text:
+      return None
+    tokens = self.out.tokens_behind(self.out.sent)
+    logprobs = tuple(TokenLogprob(*self.scores[i], self.out.ends[i - 1] if i else 0)
+                     for i in range(self.handed, min(tokens, len(self.scores))))
+    self.handed = tokens
+    return Piece(text, tokens, logprobs)
 
   def time_per_token(self) -> float | None:
     """Seconds per returned token after the first: (last - first returned token's time) / (tokens - 1)."""
@@ -322,15 +348,20 @@ class Engine:
     if self.stream_steps:
       threading.Thread(target=self._hand_out_steps, name="ltm-serve-steps", daemon=True).start()
 
+  def too_many(self, count: int) -> str | None:
+    """Why `count` requests submitted together could never be queued (more than the whole queue), or None."""
+    if count > self.queue_size:
+      return f"the request asks for {count} completions (prompts x n); this server queues at most {self.queue_size}"
+    return None
+
   def submit(self, requests: Sequence[Request]) -> None:
     """Queues requests (all or none): TooManyPrompts when they are more than the whole queue, QueueFull when they do
     not fit the queue now, ShuttingDown after `stop`."""
     with self._cv:
       if self._stopping or self._thread is None:
         raise ShuttingDown("the server is shutting down")
-      if len(requests) > self.queue_size:
-        raise TooManyPrompts(f"the request asks for {len(requests)} completions (prompts x n); this server queues "
-                             f"at most {self.queue_size}")
+      if self.too_many(len(requests)):
+        raise TooManyPrompts(self.too_many(len(requests)))
       if len(self._waiting) + len(requests) > self.queue_size:
         raise QueueFull(f"the queue is full ({len(self._waiting)} of {self.queue_size} requests waiting)")
       for request in requests:
@@ -517,11 +548,13 @@ class Engine:
     self._slots = slots_lib.place(self._slots, self._lanes, rows, *self._settings(entries), axes=self.axes)
 
   def _decode(self, active: np.ndarray, steps: int):
-    """One decode chunk of `steps` (<= chunk) steps over the `active` rows."""
-    tokens, count, self._slots = slots_lib.decode_chunk(
-        self.model, self.lm.params, self._slots, active, np.int32(steps), steps=self.chunk,
+    """One decode chunk of `steps` (<= chunk) steps over the `active` rows, scored when any of them asks for
+    logprobs -> (tokens, count, scores), on device."""
+    scored = any(active[i] and row.request.logprobs is not None for i, row in enumerate(self._rows) if row)
+    tokens, count, self._slots, scores = slots_lib.decode_chunk(
+        self.model, self.lm.params, self._slots, active, np.int32(steps), np.bool_(scored), steps=self.chunk,
         stop_tokens=self.stop_tokens, on_step=self._on_step if self.stream_steps else None)
-    return tokens, count
+    return tokens, count, scores if scored else None
 
   def _run_chunk(self) -> None:
     """One decode chunk over every decoding row; hands out text (as each step's tokens arrive, or at the chunk's end
@@ -539,8 +572,9 @@ class Engine:
     started = time.monotonic()
     self._active = active
     try:
-      tokens, count = self._decode(active, steps)
+      tokens, count, scores = self._decode(active, steps)
       tokens, count = np.asarray(tokens), int(count)
+      scores = None if scores is None or self.stream_steps else slots_lib.Scores(*map(np.asarray, scores))
     finally:  # Every step of the chunk handed out (even of a failed one) before its rows are freed or reused.
       self._drain_steps()
     now = time.monotonic()
@@ -552,7 +586,8 @@ class Engine:
         if row is None or not active[i]:
           continue
         if not self.stream_steps:
-          self._hand_out(row, tokens[i, :count], stamps, now)
+          mine = None if scores is None else slots_lib.Scores(*(table[i, :count] for table in scores))
+          self._hand_out(row, tokens[i, :count], stamps, now, mine)
         if row.reason is not None:
           self._rows[i] = None
 
@@ -567,10 +602,11 @@ class Engine:
       error, self._hand_out_error = self._hand_out_error, None
       raise error
 
-  def _on_step(self, tokens: np.ndarray, drawing: np.ndarray) -> None:
-    """One decode step's tokens [S], as they reach the host: queued for the hand-out thread, so that the device loop
-    goes on at once instead of waiting for the text to be handed out."""
-    self._steps.put((np.array(tokens), np.array(drawing), time.monotonic()))
+  def _on_step(self, tokens: np.ndarray, drawing: np.ndarray, *scores: np.ndarray) -> None:
+    """One decode step's tokens [S] and scores, as they reach the host: queued for the hand-out thread, so that the
+    device loop goes on at once instead of waiting for the text to be handed out."""
+    self._steps.put((np.array(tokens), np.array(drawing), slots_lib.Scores(*map(np.array, scores)),
+                     time.monotonic()))
 
   def _hand_out_steps(self) -> None:
     """The hand-out thread: each queued step's tokens go to the chunk's drawing rows; a queued Event is set once
@@ -580,27 +616,28 @@ class Engine:
       if isinstance(item, threading.Event):
         item.set()
         continue
-      tokens, drawing, now = item
+      tokens, drawing, scores, now = item
       try:
         with self._cv:
           for i in np.flatnonzero(drawing & self._active):
             row = self._rows[i]
             if row is not None and row.reason is None:
-              self._hand_out(row, tokens[i:i + 1], (now,), now)
+              self._hand_out(row, tokens[i:i + 1], (now,), now, slots_lib.Scores(*(t[i:i + 1] for t in scores)))
       except Exception as error:
         self._hand_out_error = self._hand_out_error or error
 
-  def _hand_out(self, row: _Row, tokens: np.ndarray, stamps: Sequence[float], now: float) -> None:
-    """Adds a row's new tokens, sends the text they complete and, when the row is done, its Finished (under the
-    lock)."""
+  def _hand_out(self, row: _Row, tokens: np.ndarray, stamps: Sequence[float], now: float,
+                scores: slots_lib.Scores | None = None) -> None:
+    """Adds a row's new tokens (with their scores when it asked for logprobs), sends the text they complete and,
+    when the row is done, its Finished (under the lock)."""
     before, waiting_first = row.produced, row.available_at is None
-    reason = row.add(tokens, self.stop_tokens[0], stamps, now)
+    reason = row.add(tokens, self.stop_tokens[0], stamps, now, scores)
     self.metrics.tokens.inc(row.produced - before)
     if waiting_first and row.available_at is not None:
       self.metrics.ttft.observe(row.available_at - row.request.arrived)
-    piece = row.take_text(final=reason is not None)
-    if piece:
-      _send(row.request, Piece(piece, row.tokens_behind(row.sent)))
+    piece = row.piece(final=reason is not None)
+    if piece is not None:
+      _send(row.request, piece)
     if reason is not None:
       self._finish(row.request, reason, row.returned, row)
 

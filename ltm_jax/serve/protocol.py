@@ -2,8 +2,8 @@
 
 A request body is checked field by field on the host before anything reaches the engine; every refusal is an
 `ApiError` rendered as OpenAI's error object {"error": {"message", "type", "param", "code"}}. Fields OpenAI defines
-but this server does not implement are accepted only at their neutral values (n=1, echo=false, logprobs=null, ...),
-so a client never gets silently different semantics; a field OpenAI does not define is refused, as OpenAI does.
+but this server does not implement are accepted only at their neutral values (echo=false, suffix=null, penalties
+0, ...), so a client never gets silently different semantics; a field OpenAI does not define is refused, as OpenAI does.
 `stream_options` also takes vLLM's `continuous_usage_stats`: every streamed chunk then carries the usage so far.
 
 Chat messages become one text prompt through `chat_prompt`, the plain turn format RWKV World models are trained on,
@@ -29,6 +29,7 @@ import numpy as np
 
 from ltm_jax.inference.inputs import SEED_RANGE
 from ltm_jax.inference.text import stop_strings
+from ltm_jax.serve.slots import MAX_LOGPROBS
 
 MAX_STOPS = 4  # OpenAI's limit on stop strings.
 
@@ -68,18 +69,18 @@ class CompletionParams:
   include_usage: bool
   continuous_usage: bool = False
   n: int = 1
+  logprobs: int | None = None  # Alternatives per token's logprobs (None: no logprobs).
 
 
 # Fields OpenAI's completions endpoint defines that this server does not implement: the values it accepts for them.
-NEUTRAL = {"echo": (False,), "logprobs": (), "presence_penalty": (0,), "frequency_penalty": (0,), "suffix": (),
-           "logit_bias": ({},)}
+NEUTRAL = {"echo": (False,), "presence_penalty": (0,), "frequency_penalty": (0,), "suffix": (), "logit_bias": ({},)}
 KNOWN = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options",
-         "user", "n", "best_of", *NEUTRAL}
+         "user", "n", "best_of", "logprobs", *NEUTRAL}
 # The same for the chat endpoint.
-CHAT_NEUTRAL = {"logprobs": (False,), "top_logprobs": (), "presence_penalty": (0,), "frequency_penalty": (0,),
-                "logit_bias": ({},), "response_format": ({"type": "text"},)}
+CHAT_NEUTRAL = {"presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
+                "response_format": ({"type": "text"},)}
 CHAT_KNOWN = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "stop",
-              "seed", "stream", "stream_options", "user", "n", *CHAT_NEUTRAL}
+              "seed", "stream", "stream_options", "user", "n", "logprobs", "top_logprobs", *CHAT_NEUTRAL}
 
 
 def _is_int(value) -> bool:
@@ -119,7 +120,12 @@ def parse_completion(body: dict, *, model_name: str, vocab_size: int, encode: Ca
   that many new tokens (the model's context): (the field to blame, a message), or None."""
   _common(body, KNOWN, NEUTRAL, model_name)
   prompts = _prompts(body.get("prompt"), vocab_size, encode)
-  return _settings(body, prompts, body.get("max_tokens"), "max_tokens", 16, check, ())
+  params = _settings(body, prompts, body.get("max_tokens"), "max_tokens", 16, check, ())
+  logprobs = body.get("logprobs")
+  if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
+    raise ApiError(400, f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or null, got {json.dumps(logprobs)}",
+                   "logprobs")
+  return dataclasses.replace(params, logprobs=logprobs)
 
 
 def parse_chat(body: dict, *, model_name: str, encode: Callable[[str], np.ndarray], context: int,
@@ -130,7 +136,16 @@ def parse_chat(body: dict, *, model_name: str, encode: Callable[[str], np.ndarra
   _common(body, CHAT_KNOWN, CHAT_NEUTRAL, model_name)
   ids = encode(chat_prompt(body.get("messages")))
   name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-  return _settings(body, [ids], body.get(name), name, max(context - len(ids), 1), check, (CHAT_STOP,))
+  params = _settings(body, [ids], body.get(name), name, max(context - len(ids), 1), check, (CHAT_STOP,))
+  wanted, top = _optional(body, "logprobs", False), body.get("top_logprobs")
+  if not isinstance(wanted, bool):
+    raise ApiError(400, f"logprobs must be true or false, got {json.dumps(wanted)}", "logprobs")
+  if top is not None and (not _is_int(top) or not 0 <= top <= MAX_LOGPROBS):
+    raise ApiError(400, f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}] or null, got {json.dumps(top)}",
+                   "top_logprobs")
+  if top is not None and not wanted:
+    raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+  return dataclasses.replace(params, logprobs=(top or 0) if wanted else None)
 
 
 def chat_prompt(messages) -> str:
@@ -306,8 +321,35 @@ def completion_body(cid: str, created: int, model: str, choices: list[dict], usa
   return _response("text_completion", cid, created, model, choices, usage)
 
 
-def choice(index: int, text: str, finish_reason: str | None) -> dict:
-  return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+def choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+  return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def token_text(raw: bytes, token: int, eos: int) -> str:
+  """A token's text in logprobs: its bytes as UTF-8 (a byte of a longer character becomes U+FFFD); a token without
+  bytes (a special id) by name."""
+  if raw:
+    return raw.decode("utf-8", errors="replace")
+  return "<|endoftext|>" if token == eos else f"<|{token}|>"
+
+
+def completion_logprobs(entries, token_bytes: Callable[[int], bytes], eos: int) -> dict:
+  """OpenAI's completions logprobs object for `engine.TokenLogprob` entries: each token's text and logprob, its
+  most likely alternatives with the token itself ({text: logprob}), and where its text starts in the choice's text."""
+  name = lambda token: token_text(token_bytes(token), token, eos)
+  return {"tokens": [name(e.token) for e in entries], "token_logprobs": [e.logprob for e in entries],
+          "top_logprobs": [{**{name(t): lp for t, lp in e.top}, name(e.token): e.logprob} for e in entries],
+          "text_offset": [e.offset for e in entries]}
+
+
+def chat_logprobs(entries, token_bytes: Callable[[int], bytes], eos: int) -> dict:
+  """OpenAI's chat logprobs object ({"content": [...]}) for `engine.TokenLogprob` entries: each token's text,
+  logprob and bytes, with its most likely alternatives in the same form."""
+  def item(token: int, logprob: float) -> dict:
+    raw = token_bytes(token)
+    return {"token": token_text(raw, token, eos), "logprob": logprob, "bytes": list(raw)}
+  return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                      for e in entries]}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -325,10 +367,10 @@ def chat_chunk(cid: str, created: int, model: str, choices: list[dict], usage: d
   return _response("chat.completion.chunk", cid, created, model, choices, usage)
 
 
-def chat_choice(index: int, text: str, finish_reason: str | None) -> dict:
-  return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+  return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
           "finish_reason": finish_reason}
 
 
-def chat_delta(index: int, delta: dict, finish_reason: str | None) -> dict:
-  return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+def chat_delta(index: int, delta: dict, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+  return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}

@@ -2,9 +2,10 @@
 
   slots = empty_slots(model, S)                                     # every row free
   slots = admit(model, params, slots, tokens, lengths, rows, ...)   # prefill Bp prompts [Bp, T] into rows [Bp]
-  tokens, count, slots = decode_chunk(model, params, slots, active, steps=N, stop_tokens=...)   # [S, N]
+  tokens, count, slots, scores = decode_chunk(model, params, slots, active, steps=N, stop_tokens=...)   # [S, N]
   ... decode_chunk(model, params, slots, active, limit, ...)   # at most `limit` <= N of the steps, same program
-  ... decode_chunk(..., on_step=f)       # also calls f(token [S], drawing [S]) on the host after every step
+  ... decode_chunk(model, params, slots, active, limit, True, ...)   # also each token's logprob and top tokens
+  ... decode_chunk(..., on_step=f)       # also calls f(token [S], drawing [S], *scores) on the host every step
 
 Chunked prefill feeds long prompts in pieces to L prefill lanes, a Decoding of L rows apart from the slots (so decode
 chunks never touch a half-fed prompt), then places each fed lane into its row:
@@ -213,25 +214,50 @@ def place(slots: Slots, lanes: generation.Decoding, rows: jax.Array, key_data: j
   return rest._replace(decoding=rest.decoding._replace(state=state))
 
 
+MAX_LOGPROBS = 20  # The most alternatives a token's logprobs name (OpenAI's chat limit, vLLM's default).
+
+
+class Scores(NamedTuple):
+  """What a decode chunk's steps scored, per row and step: logprob [S, steps] float32, the drawn token's log
+  probability under the model's distribution (log_softmax of its logits, before temperature, top-k and top-p), and
+  the K = min(MAX_LOGPROBS, vocabulary) most likely tokens: ids [S, steps, K] int32 and their logprobs
+  [S, steps, K] float32, most likely first. Zeros where nothing was scored."""
+  logprob: jax.Array
+  ids: jax.Array
+  top: jax.Array
+
+
+def _score(logits: jax.Array, token: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(logprob [S] of token [S], top ids [S, k], their logprobs [S, k]) under logits [S, V]."""
+  lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  top, ids = jax.lax.top_k(lp, k)
+  return jnp.take_along_axis(lp, token[:, None], axis=-1)[:, 0], ids.astype(jnp.int32), top
+
+
 @functools.partial(jax.jit, static_argnames=("model", "steps", "stop_tokens", "on_step"), donate_argnames=("slots",))
-def decode_chunk(model: model_lib.LM, params, slots: Slots, active: jax.Array, limit: jax.Array | None = None, *,
-                 steps: int, stop_tokens: tuple[int, ...],
-                 on_step: Callable[[np.ndarray, np.ndarray], None] | None = None
-                 ) -> tuple[jax.Array, jax.Array, Slots]:
-  """Draws up to `steps` tokens in every row -> (tokens [S, steps] int32, steps run [] int32, slots after them).
-  `limit` (an int32 scalar, traced; None: `steps`) runs at most that many of the steps, so shorter chunks need no
-  program of their own.
+def decode_chunk(model: model_lib.LM, params, slots: Slots, active: jax.Array, limit: jax.Array | None = None,
+                 scored: jax.Array | bool = False, *, steps: int, stop_tokens: tuple[int, ...],
+                 on_step: Callable[..., None] | None = None) -> tuple[jax.Array, jax.Array, Slots, Scores]:
+  """Draws up to `steps` tokens in every row -> (tokens [S, steps] int32, steps run [] int32, slots after them,
+  `Scores`). `limit` (an int32 scalar, traced; None: `steps`) runs at most that many of the steps, so shorter chunks
+  need no program of their own. `scored` (a bool scalar, traced): whether the steps score their tokens (the top-k
+  over the vocabulary costs a sort a step); unscored, `Scores` are zeros, from the same program.
 
   Rows not `active` [S] are marked done first. A row is done once it draws a stop token or its budget runs out;
   a done row repeats its last token. The loop ends early once every row is done (then the columns past `count` are
   each row's last token). `on_step` (hashable; None: off) is called on the host, in step order, with each step's
-  tokens [S] int32 and which rows drew them [S] bool, while the loop goes on: tokens reach the host as they are
-  drawn, not once the chunk ends (for a few hundred microseconds of host round trip a step on CPU)."""
+  tokens [S] int32, which rows drew them [S] bool and the step's scores (logprob [S], ids [S, K], top [S, K]) while
+  the loop goes on: tokens reach the host as they are drawn, not once the chunk ends (for a few hundred
+  microseconds of host round trip a step on CPU)."""
   stops = jnp.asarray(stop_tokens, jnp.int32)
   slots = slots._replace(decoding=slots.decoding._replace(done=slots.decoding.done | ~active))
   params = generation.model_params(model, params)  # Once, ahead of the token loop (as generation.decode does).
+  rows, k = active.shape[0], min(MAX_LOGPROBS, slots.decoding.logits.shape[-1])
+  unscored = lambda logits, token: (jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, k), jnp.int32),
+                                    jnp.zeros((rows, k), jnp.float32))
 
-  def draw(s: Slots) -> tuple[Slots, jax.Array]:
+  def draw(carry) -> tuple[tuple, jax.Array]:
+    s, step, scores = carry
     d = s.decoding
     keys = jax.vmap(jax.random.fold_in)(s.keys, d.generated)
     token = sample_rows(keys, d.logits, s.temperature, s.top_k, s.top_p)
@@ -239,11 +265,18 @@ def decode_chunk(model: model_lib.LM, params, slots: Slots, active: jax.Array, l
     drawing = ~d.done
     budget = s.budget - drawing
     done = d.done | jnp.isin(token, stops) | (budget <= 0)
+    now = jax.lax.cond(scored, functools.partial(_score, k=k), unscored, d.logits, token)
     if on_step is not None:
-      io_callback(on_step, None, token, drawing, ordered=True)
-    return s._replace(decoding=generation.feed(model, params, d, token, done, s.latents, drawing), budget=budget), token
+      io_callback(on_step, None, token, drawing, *now, ordered=True)
+    scores = Scores(*(table.at[:, step].set(value) for table, value in zip(scores, now)))
+    s = s._replace(decoding=generation.feed(model, params, d, token, done, s.latents, drawing), budget=budget)
+    return (s, step + 1, scores), token
 
-  return generation.token_loop(draw, slots, steps, lambda s: s.decoding, limit)
+  empty = Scores(jnp.zeros((rows, steps), jnp.float32), jnp.zeros((rows, steps, k), jnp.int32),
+                 jnp.zeros((rows, steps, k), jnp.float32))
+  tokens, count, (slots, _, scores) = generation.token_loop(draw, (slots, jnp.zeros((), jnp.int32), empty), steps,
+                                                            lambda c: c[0].decoding, limit)
+  return tokens, count, slots, scores
 
 
 def host_key_data(seed: int) -> np.ndarray:

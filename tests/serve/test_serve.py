@@ -54,6 +54,7 @@ PROMPTS = ["", "a", "Hi", "The ", "def f(", "x = [1, 2", "import numpy", "Once u
            "print('hello world')\nprint(", "{\"key\": [1, 2, 3], \"other\": ", "abcabcabcabcabcabcabcabcabcabcabc",
            "In the beginning the Universe was cr"]
 DEADLINE = 60.0  # Seconds any wait below gives up after (a hang fails the test instead of stalling the suite).
+TOLERANCE = 1e-4  # Logprobs against float64: the decoding's float32 logits, a token at a time, against the forward's.
 
 
 def _wait_for(condition, what: str) -> None:
@@ -342,8 +343,10 @@ BAD_REQUESTS = [  # (body: a dict sent as JSON or raw bytes, the status, the fie
     ({"prompt": "hi", "n": 0}, 400, "n"),
     ({"prompt": "hi", "n": "2"}, 400, "n"),
     ({"prompt": "hi", "n": QUEUE + 1}, 400, "n"),
+    ({"prompt": "hi", "n": 10**9}, 400, "n"),
     ({"prompt": "hi", "n": 2, "best_of": 3}, 400, "best_of"),
-    ({"prompt": "hi", "logprobs": 3}, 400, "logprobs"),
+    ({"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ({"prompt": "hi", "logprobs": True}, 400, "logprobs"),
     ({"prompt": "hi", "frobnicate": 1}, 400, "frobnicate"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "model"),
     (b"{" + b" " * (1 << 20) + b"}", 413, None),
@@ -378,6 +381,13 @@ def test_the_openai_client_can_call_the_server(server, lm, expected):
   assert "".join(p.choices[0].text for p in pieces if p.choices) == answer.choices[0].text
   with pytest.raises(openai.BadRequestError, match="max_tokens"):
     client.completions.create(model=lm.config.name, prompt="x", max_tokens=0)
+  scored = client.completions.create(model=lm.config.name, prompt="def f(", max_tokens=4, temperature=0, n=2,
+                                     logprobs=2)
+  assert [c.index for c in scored.choices] == [0, 1] and scored.choices[0].text == expected["def f("][:4]
+  assert len(scored.choices[1].logprobs.token_logprobs) == 4 and len(scored.choices[1].logprobs.top_logprobs[0]) >= 2
+  chat = client.chat.completions.create(model=lm.config.name, messages=[{"role": "user", "content": "Hi"}],
+                                        max_tokens=4, logprobs=True, top_logprobs=2)
+  assert len(chat.choices[0].logprobs.content[0].top_logprobs) == 2
 
 
 def test_metrics_count_what_the_answers_say(server, client):
@@ -453,7 +463,7 @@ def test_pieces_queued_together_are_joined_into_one_event_before_the_finish():
 def test_static_batches_run_each_batch_to_completion_before_the_next(lm, expected):
   """Three greedy requests for two rows: the third waits for the whole first batch, including its longer request
   (continuous batching would give it the row of the shorter one); the longer answer is still `lm.generate`'s, with
-  text handed out at the chunks' ends (stream_steps off)."""
+  text handed out at the chunks' ends (stream_steps off), and its logprobs (asked for) are the float64 reference's."""
   engine = Engine(lm, max_batch=2, chunk=8, max_wait_ms=50, length_buckets=(16,), group_sizes=(2,), prefill_chunk=16,
                   prefill_lanes=1, static_batches=True, stream_steps=False)
   engine.start()
@@ -467,7 +477,7 @@ def test_static_batches_run_each_batch_to_completion_before_the_next(lm, expecte
 
   prompts, budgets = PROMPTS[3:6], (8, NEW, 8)
   try:
-    engine.submit([engine_lib.Request(lm.encode(p), n, emit(i), temperature=0.0)
+    engine.submit([engine_lib.Request(lm.encode(p), n, emit(i), temperature=0.0, logprobs=2 if i == 1 else None)
                    for i, (p, n) in enumerate(zip(prompts, budgets))])
     _wait_for(lambda: sum(isinstance(e, engine_lib.Finished) for _, e in events) == 3, "three requests to finish")
   finally:
@@ -476,6 +486,15 @@ def test_static_batches_run_each_batch_to_completion_before_the_next(lm, expecte
   last_of_first_batch = max(k for k, (i, e) in enumerate(events) if i in (0, 1) and isinstance(e, engine_lib.Finished))
   assert order.index(2) > last_of_first_batch, order
   assert texts[1] == expected[prompts[1]]
+  entries = [entry for i, e in events if i == 1 and isinstance(e, engine_lib.Piece) for entry in e.logprobs]
+  ids = _greedy_ids(lm, lm.encode(prompts[1]), len(entries))
+  (finished,) = [e for i, e in events if i == 1 and isinstance(e, engine_lib.Finished)]
+  assert [entry.token for entry in entries] == list(ids) and len(ids) == finished.completion_tokens
+  reference = _reference_logprobs(lm, lm.encode(prompts[1]), ids)
+  np.testing.assert_allclose([entry.logprob for entry in entries], reference[np.arange(len(ids)), ids],
+                             atol=TOLERANCE)
+  assert [[t for t, _ in entry.top] for entry in entries] == np.argsort(-reference)[:, :2].tolist()
+  assert not any(e.logprobs for i, e in events if i != 1 and isinstance(e, engine_lib.Piece))
 
 
 def test_requests_join_mid_decode_one_budget_of_prompt_tokens_per_round(lm, expected):
@@ -614,6 +633,10 @@ CHAT_BAD = [  # (messages, a part of the message)
     ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], "the last message"),
     ([{"role": "user", "content": "x" * CONTEXT}], "context"),
 ]
+CHAT_BAD_FIELDS = [  # (fields besides valid messages, the field blamed)
+    ({"n": 1.5}, "n"), ({"logprobs": 1}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+]
 
 
 def test_chat_messages_are_checked_and_put_in_the_documented_turn_format(server, client):
@@ -626,8 +649,9 @@ def test_chat_messages_are_checked_and_put_in_the_documented_turn_format(server,
     assert response.status_code == 400, (messages, response.text)
     error = response.json()["error"]
     assert part in error["message"] and "\n" not in error["message"] and error["param"] == "messages", error
-  response = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "n": 1.5})
-  assert response.status_code == 400 and response.json()["error"]["param"] == "n"
+  for fields, param in CHAT_BAD_FIELDS:
+    response = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], **fields})
+    assert response.status_code == 400 and response.json()["error"]["param"] == param, (fields, response.text)
 
 
 def test_chat_completions_answer_what_the_template_prompt_continues_to(server, lm, client):
@@ -754,3 +778,66 @@ def test_n_choices_each_sample_with_a_seed_of_their_own(server, lm, client):
   assert chat.status_code == 200, chat.text
   assert [c["index"] for c in chat.json()["choices"]] == [0, 1, 2]
   assert all(c["message"]["role"] == "assistant" for c in chat.json()["choices"])
+
+
+def _reference_logprobs(lm, prompt: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+  """log_softmax in float64 of the model's logits (its full forward pass over prompt + tokens) before each of
+  `tokens` -> [len(tokens), vocabulary]."""
+  logits = np.asarray(lm.forward(np.concatenate([prompt, tokens])[None]), np.float64)[0, len(prompt) - 1:-1]
+  logits = logits - logits.max(-1, keepdims=True)
+  return logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+
+
+def _greedy_ids(lm, prompt: np.ndarray, count: int) -> np.ndarray:
+  return lm.generate_tokens([prompt], NEW, key=jax.random.key(0), temperature=0.0)[0, :count]
+
+
+def test_completion_logprobs_are_the_models_log_softmax(server, lm, client):
+  """logprobs=5: each token's logprob and its five most likely alternatives are those of a float64 log_softmax of
+  the model's logits over the whole sequence (before temperature: the model's own distribution); the streamed
+  chunks carry the same, piece by piece."""
+  body = {"prompt": "The ", "max_tokens": NEW, "temperature": 0, "logprobs": 5}
+  answer = _complete(client, **body)
+  (choice,) = answer["choices"]
+  got = choice["logprobs"]
+  prompt = lm.encode("The ")
+  ids = _greedy_ids(lm, prompt, answer["usage"]["completion_tokens"])
+  reference = _reference_logprobs(lm, prompt, ids)
+  assert len(got["token_logprobs"]) == len(ids) == len(got["top_logprobs"]) == len(got["text_offset"]) > 0
+  np.testing.assert_allclose(got["token_logprobs"], reference[np.arange(len(ids)), ids], atol=TOLERANCE)
+  name = lambda token: protocol.token_text(lm.tokenizer.decode_bytes([token]), token, lm.tokenizer.eos_id)
+  assert got["tokens"] == [name(t) for t in ids]
+  for top, row, token in zip(got["top_logprobs"], reference, ids):
+    best = np.argsort(-row)[:5]
+    expected = {**{name(t): row[t] for t in best}, name(token): row[token]}
+    assert top.keys() == expected.keys()
+    np.testing.assert_allclose([top[k] for k in expected], list(expected.values()), atol=TOLERANCE)
+  assert got["text_offset"][0] == 0 and got["text_offset"] == sorted(got["text_offset"])
+  with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+    chunks = [json.loads(e)["choices"][0] for e in _sse(response.iter_lines())[:-1]]
+  streamed = [c["logprobs"] for c in chunks if c["logprobs"] is not None]
+  for key in got:
+    assert sum((part[key] for part in streamed), []) == got[key], key
+
+
+def test_chat_logprobs_of_a_sampled_reply_with_their_bytes(server, lm, client):
+  """Chat logprobs with top_logprobs=3 on a sampled reply (temperature 0.9): each token's bytes, logprob and three
+  most likely alternatives, against the float64 reference; without logprobs, none."""
+  body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 12, "temperature": 0.9, "seed": 3}
+  plain = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+  answer = client.post("/v1/chat/completions", json={**body, "logprobs": True, "top_logprobs": 3}).json()
+  (choice,) = answer["choices"]
+  assert plain["logprobs"] is None and choice["message"] == plain["message"]  # Scoring changes no token.
+  content = choice["logprobs"]["content"]
+  assert len(content) == answer["usage"]["completion_tokens"] > 0
+  as_id = lambda item: item["bytes"][0] if item["bytes"] else lm.tokenizer.eos_id  # Byte tokenizer: one byte each.
+  ids = np.array([as_id(item) for item in content])
+  assert bytes(sum((item["bytes"] for item in content), [])).decode("utf-8", "replace").lstrip() == \
+      choice["message"]["content"]
+  reference = _reference_logprobs(lm, lm.encode("User: Hi\n\nAssistant:"), ids)
+  np.testing.assert_allclose([item["logprob"] for item in content], reference[np.arange(len(ids)), ids],
+                             atol=TOLERANCE)
+  for item, row in zip(content, reference):
+    assert [as_id(top) for top in item["top_logprobs"]] == list(np.argsort(-row)[:3])
+    np.testing.assert_allclose([top["logprob"] for top in item["top_logprobs"]], np.sort(row)[::-1][:3],
+                               atol=TOLERANCE)
