@@ -26,6 +26,8 @@ LTM, PLAIN = "configs/ltm_code.py", "configs/ltm_code_plain.py"
 VARIANTS = {
     "plain": (PLAIN, [], "the windowed decoder (receptive field 125 bytes) without latents"),
     "ltm": (LTM, [], "latents: encoder proposal + 2 inner steps, continuation training"),
+    # The plain decoder's 2500 steps (20.5 M tokens) cost the training FLOPs of 1670 latent steps (ltm_jax.flops).
+    "ltm_equal_flops": (LTM, ["train.steps=1670"], "latents, trained for the plain decoder's training FLOPs"),
 }
 COLUMNS = ("model", "train_s", "train_tokens", "continuation_ppl", "vs_plain", "vs_plain_equal_tokens", "nll", "kl",
            "shuffled_cost", "prior_cost", "active_units")

@@ -5,8 +5,8 @@
 
 Every variant's jitted train step (AdamW update included) is compiled first; then the steps run round-robin, one
 step of each variant per round, so drift in the machine's speed (other jobs, clocks) falls on all of them alike.
-Reports the median step time of each and its ratio to the plain decoder's (latent.enabled=false), and writes
-benchmarks/results/<name>-<device>.json. Inputs are random tokens: the cost of a step does not depend on them.
+Reports the median step time of each and its ratio to the plain decoder's (latent.enabled=false) beside the ratio of
+their training FLOPs (`ltm_jax.flops`, what `ltm info` prints), and writes benchmarks/results/<name>-<device>.json. Inputs are random tokens: the cost of a step does not depend on them.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import common  # noqa: F401  (puts the checkout on sys.path)
 import jax
 
 from ltm_jax import config as config_lib
+from ltm_jax import flops
 from ltm_jax import model as model_lib
 from ltm_jax.train.optimizer import learning_rate, make_optimizer
 from ltm_jax.train.step import create_train_state, make_train_step
@@ -64,25 +65,26 @@ def main():
   runs = {}
   for variant in variants:
     cfg = config_lib.load_config(args.config, list(args.overrides) + [v for v in variant.split(",") if v])
-    runs[variant] = [*compiled_step(cfg), []]
+    runs[variant] = [*compiled_step(cfg), [], flops.flops_per_token(cfg.model, cfg.latent, cfg.train.seq_len)[1]]
     print(f"compiled {variant or '(as is)'} in {runs[variant][3]:.1f} s", flush=True)
   for round_ in range(args.rounds + 2):
     for variant, run in runs.items():
-      step, state, batch, _, times = run
+      step, state, batch, _, times, _ = run
       start = time.perf_counter()
       state, metrics = step(state, batch)
       jax.block_until_ready(metrics)
       run[1] = state
       if round_ >= 2:
         times.append(time.perf_counter() - start)
-  plain_ms = statistics.median(runs[PLAIN][4]) * 1e3
+  plain_ms, plain_flops = statistics.median(runs[PLAIN][4]) * 1e3, runs[PLAIN][5]
   rows = []
-  for variant, (_, _, batch, compile_s, times) in runs.items():
+  for variant, (_, _, batch, compile_s, times, train_flops) in runs.items():
     ms = statistics.median(times) * 1e3
     rows.append({"variant": variant, "batch": "x".join(map(str, batch["inputs"].shape)), "compile_s": compile_s,
                  "step_ms": ms, "step_ms_min": min(times) * 1e3, "step_ms_max": max(times) * 1e3,
-                 "vs_plain": ms / plain_ms})
-  common.print_table(rows, ["variant", "batch", "compile_s", "step_ms", "step_ms_min", "step_ms_max", "vs_plain"])
+                 "vs_plain": ms / plain_ms, "flops_per_token": train_flops, "flops_vs_plain": train_flops / plain_flops})
+  common.print_table(rows, ["variant", "batch", "compile_s", "step_ms", "step_ms_min", "step_ms_max", "vs_plain",
+                            "flops_vs_plain"])
   path = common.write_results(args.name, rows, config_file=args.config, overrides=args.overrides, rounds=args.rounds)
   print(f"wrote {path}")
 

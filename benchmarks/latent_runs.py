@@ -34,10 +34,11 @@ def trained(workdir: pathlib.Path) -> dict:
 
 
 def train_variant(name: str, cfg: config_lib.Config, root: pathlib.Path, stop_at: int | None = None,
-                  start_from: str | None = None) -> dict:
+                  start_from: str | None = None, allow_stop: bool = False) -> dict:
   """Trains `cfg` in root/name up to train.steps (or `stop_at`); returns {steps, train_s, train_tokens} of what the
   workdir holds, train_s summed over every call that trained it. With `start_from` (another variant's name), a new
-  workdir begins as a copy of root/start_from, whose training (steps, seconds, metrics) it then continues."""
+  workdir begins as a copy of root/start_from, whose training (steps, seconds, metrics) it then continues. A signal
+  that stops the training early ends the script, unless `allow_stop`: then what was trained is recorded."""
   workdir = root / name
   if start_from and not workdir.exists():
     source = root / start_from
@@ -50,7 +51,7 @@ def train_variant(name: str, cfg: config_lib.Config, root: pathlib.Path, stop_at
   if info["steps"] < target:
     started = time.time()
     result = train(cfg, workdir, progress=False, stop_at=target)
-    if result.step < target:
+    if result.step < target and not allow_stop:
       raise SystemExit(f"{name}: training stopped at step {result.step} (signal {result.interrupted_by}); rerun to "
                        "resume")
     info = {"steps": result.step, "train_s": info["train_s"] + time.time() - started}

@@ -5,9 +5,9 @@ document's chain is what z is for: fitted on the first half, it can carry the tr
 `benchmarks/latent_markov.py` scores the second halves against the oracle, the Bayes predictor from the whole prefix
 and the Bayes predictor from the last 61 symbols; `configs/ltm_markov_plain.py` is the decoder without latents.
 
-16 latent vectors per layer (one per state, if the decoder wants it so); semi-amortised inference: an encoder
-proposes the posterior's mean and 2 inner steps refine it; every sequence is trained on continuation (z fitted on a
-prefix, the rest scored)."""
+64 latent vectors (four per state, if the decoder wants it so), read by the top block only (the efficient latent
+step: the blocks below run once per train step); semi-amortised inference: an encoder proposes the posterior's mean
+and 2 inner steps refine it; every sequence is trained on continuation (z fitted on a prefix, the rest scored)."""
 
 from ltm_jax.config import Config, DataConfig, LatentConfig, ModelConfig, TrainConfig
 
@@ -19,6 +19,6 @@ def get_config() -> Config:
       data=DataConfig(source="markov", markov_symbols=16, markov_concentration=0.1),
       train=TrainConfig(steps=2000, batch_size=16, seq_len=256, lr=3e-3, warmup_steps=100, eval_every=250,
                         eval_batches=4, checkpoint_every=250, log_every=50),
-      latent=LatentConfig(enabled=True, n_per_layer=16, inner_steps=2, inner_lr=0.1, continuation_fraction=1.0,
-                          encoder=True),
+      latent=LatentConfig(enabled=True, n_per_layer=64, top_layers=1, inner_steps=2, inner_lr=0.1,
+                          continuation_fraction=1.0, encoder=True),
   )

@@ -3,11 +3,12 @@ FLOPs per token. `ltm_jax.info` reports them; the training loop's MFU and throug
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
+from ltm_jax import latent as latent_lib
 from ltm_jax import model as model_lib
 from ltm_jax.config import LatentConfig, ModelConfig
 
@@ -51,30 +52,100 @@ def param_leaves(m: ModelConfig, latent: LatentConfig | None) -> list[tuple[Any,
   return jax.tree_util.tree_flatten_with_path(shapes)[0]
 
 
-def flops_per_token(m: ModelConfig, latent: LatentConfig | None, seq_len: int,
-                    leaves: list[tuple[Any, jax.ShapeDtypeStruct]] | None = None) -> tuple[float, float]:
-  """(forward, training) FLOPs per token of rows of `seq_len` tokens; `leaves` are `param_leaves(m, latent)`
-  (computed here when None)."""
+class ForwardFlops(NamedTuple):
+  """Forward FLOPs per token of a model's parts: `trunk`, the blocks below the first that reads z (every block of a
+  plain decoder); `top`, the latent-reading blocks (their attention to z included) and the LM head (just the head for
+  a plain decoder); `encoder`, the latent encoder over each token it reads (0 without one)."""
+  trunk: float
+  top: float
+  encoder: float
+
+
+def _block_index(path) -> int | None:
+  """i of a separate block's parameter (`block_{i}` at the top level); None for the scanned stack and the rest."""
+  first = getattr(path[0], "key", "")
+  return int(first[6:]) if first.startswith("block_") else None
+
+
+def forward_flops(m: ModelConfig, latent: LatentConfig | None, seq_len: int,
+                  leaves: list[tuple[Any, jax.ShapeDtypeStruct]] | None = None) -> ForwardFlops:
+  """The forward FLOPs per token of rows of `seq_len` tokens, split as `ForwardFlops`; `leaves` are
+  `param_leaves(m, latent)` (computed here when None). 2 FLOPs per multiply-add; QK^T and AV each cost 2*d per
+  visible key."""
   if leaves is None:
     leaves = param_leaves(m, latent)
   latent = model_lib.uses_latents(latent)
-  # A scanned model's stacked parameters lead with the layer axis: a per-layer vector is not a matrix.
-  n_matmul = sum(int(np.prod(x.shape)) for path, x in leaves
-                 if len(x.shape) - model_lib.is_stacked(path) >= 2 and _per_token(path))
+  first = model_lib.first_latent_layer(m, latent)
+  trunk = top = encoder = 0.0
+  for path, x in leaves:
+    size = float(np.prod(x.shape))
+    if getattr(path[0], "key", None) == model_lib.ENCODER:
+      encoder += _encoder_flops(path, x)
+    elif len(x.shape) - model_lib.is_stacked(path) >= 2 and _per_token(path):
+      index = _block_index(path)
+      if index is not None and index < first:
+        trunk += 2 * size
+      else:  # The latent-reading blocks, the scanned stack (all of it reads z when latents are on), the head.
+        top += 2 * size
   if m.tie_embeddings:
-    n_matmul += m.padded_vocab_size * m.d_model
-  n_attention = sum(kind in ("attention", "titans_mal", "titans_mag") for kind in m.mixers)
-  n_memory = sum(kind in ("titans_mal", "titans_mag") for kind in m.mixers)
-  # Forward: 2 FLOPs per multiply-add; QK^T and AV each cost 2*d per visible key. Training = 3x forward.
-  attention_fwd = n_attention * 4 * m.d_model * _visible_keys(seq_len, m.window)
-  n_mmrec = sum(kind == "mmrec" for kind in m.mixers)
-  flops_fwd = 2 * n_matmul + attention_fwd + n_memory * _memory_flops(m) + n_mmrec * _mmrec_flops(m, seq_len)
-  # Training = 3x forward (forward, gradients of activations and of weights). With latents, each inner step is a
-  # forward and a backward to z only (~2x forward; no weight gradients), plus one forward scoring the fitted z.
-  flops_train = 3 * flops_fwd
-  if latent is not None:
-    flops_fwd += m.n_layers * 4 * m.d_model * latent.n_per_layer  # QK^T and AV against the latents.
-    flops_train = 3 * flops_fwd + (2 * latent.inner_steps + 1) * flops_fwd
-    if latent.decoder_objective == "iterates":  # Every iterate's backward also takes the weight gradients.
-      flops_train = 3 * (latent.inner_steps + 1) * flops_fwd
-  return flops_fwd, flops_train
+    top += 2 * m.padded_vocab_size * m.d_model
+  for index, kind in enumerate(m.mixers):
+    core = 0.0
+    if kind in ("attention", "titans_mal", "titans_mag"):
+      core += 4 * m.d_model * _visible_keys(seq_len, m.window)
+    if kind in ("titans_mal", "titans_mag"):
+      core += _memory_flops(m)
+    if kind == "mmrec":
+      core += _mmrec_flops(m, seq_len)
+    if index < first:
+      trunk += core
+    else:
+      top += core + (0.0 if latent is None else 4 * m.d_model * latent.n_per_layer)  # QK^T and AV against z.
+  return ForwardFlops(trunk, top, encoder)
+
+
+def _encoder_flops(path, x) -> float:
+  """Per-token forward FLOPs of one latent-encoder parameter: the token-wise projections (n-gram, token MLP, pooling
+  keys and values) multiply every token, the pooling queries score and read every token; the per-latent layers
+  after the pooling are negligible beside them."""
+  name = jax.tree_util.keystr(path)
+  if "['queries']" in name:
+    return 2 * 2 * float(np.prod(x.shape))
+  per_token = ("['ngram']", "['token_mlp_in']", "['token_mlp_out']", "['k']", "['v']")
+  return 2 * float(np.prod(x.shape)) if len(x.shape) >= 2 and any(p in name for p in per_token) else 0.0
+
+
+def latent_train_flops(parts: ForwardFlops, latent: LatentConfig, seq_len: int, one_pass: bool = False) -> float:
+  """Training FLOPs per token of a latent model's train step (`ltm_jax.train.step`), from its parts' forward FLOPs.
+  A backward pass costs 2 forwards with weight gradients, 1 without (the inner loop differentiates z only).
+
+  final objective: the trunk once (forward and backward); the top over the whole row under the fitted z; with
+  continuation rows, the top again over the prefix under the loop's start z_0 (the first split_bound(T) positions
+  when every row is one, else whole rows), unless `one_pass` (`ltm_jax.latent.one_pass_split`: z read by the last
+  block alone) scores both in one pass; each inner step a forward and a z-only backward of the top over the
+  fitted positions (with 0 steps, one such pass for the encoder's gradient); the encoder forward and backward over
+  the fitted positions. iterates: every one of the K + 1 iterates a forward and a full backward of the model."""
+  whole = parts.trunk + parts.top
+  if latent.decoder_objective == "iterates":
+    return 3 * (latent.inner_steps + 1) * whole + 3 * parts.encoder
+  fitted = latent_lib.split_bound(seq_len) / seq_len if latent.continuation_fraction == 1 else 1.0
+  flops = 3 * parts.trunk + 3 * parts.top
+  if latent.continuation_fraction > 0 and not one_pass:
+    flops += 3 * parts.top * fitted
+  z_passes = latent.inner_steps if latent.inner_steps or not latent.encoder else 1
+  flops += 2 * parts.top * fitted * z_passes
+  if latent.encoder:
+    flops += 3 * parts.encoder * fitted
+  return flops
+
+
+def flops_per_token(m: ModelConfig, latent: LatentConfig | None, seq_len: int,
+                    leaves: list[tuple[Any, jax.ShapeDtypeStruct]] | None = None) -> tuple[float, float]:
+  """(forward, training) FLOPs per token of rows of `seq_len` tokens; `leaves` are `param_leaves(m, latent)`
+  (computed here when None). The forward is the decoder's (the encoder left out); training is 3x the forward for
+  a plain decoder, `latent_train_flops` with latents."""
+  parts = forward_flops(m, latent, seq_len, leaves)
+  latent = model_lib.uses_latents(latent)
+  if latent is None:
+    return parts.trunk + parts.top, 3 * (parts.trunk + parts.top)
+  return parts.trunk + parts.top, latent_train_flops(parts, latent, seq_len, latent_lib.one_pass_split(m, latent))

@@ -21,6 +21,8 @@ def model_info(cfg: Config) -> dict[str, Any]:
   n_params = sum(int(np.prod(x.shape)) for _, x in leaves)
   n_embedding = sum(int(np.prod(x.shape)) for path, x in leaves if "['embed']" in jax.tree_util.keystr(path))
   flops_fwd, flops_train = flops.flops_per_token(m, cfg.latent, t.seq_len, leaves)
+  # What latents cost: the train step's FLOPs against the same decoder's without them.
+  plain_train = flops.flops_per_token(m, None, t.seq_len)[1] if latent is not None else flops_train
   tokens = t.batch_size * t.seq_len
   compute_bytes = 2 if m.dtype in ("bfloat16", "float16") else 4
   # Activations kept for the backward pass, per token and layer, in units of d_model-sized vectors (approximate).
@@ -51,6 +53,9 @@ def model_info(cfg: Config) -> dict[str, Any]:
       "flops_per_token_train": flops_train,
       "flops_per_step_train": flops_train * tokens,
       "latent_inner_steps": 0 if latent is None else latent.inner_steps,
+      "latent_layers": 0 if latent is None else model_lib.latent_layers(m, latent),
+      "latent_encoder": latent is not None and latent.encoder,
+      "latent_train_flops_vs_plain": flops_train / plain_train,
       "tokens_per_step": tokens,
       "param_bytes": 4 * n_params,
       "train_state_bytes": 16 * n_params,  # float32 params + grads + two Adam moments.
@@ -79,6 +84,9 @@ def format_info(info: dict[str, Any]) -> str:
            f"FLOPs/token (fwd)    {human(info['flops_per_token_forward'], 'FLOP')}",
            f"FLOPs/token (train)  {human(info['flops_per_token_train'], 'FLOP')}",
            f"FLOPs/step (train)   {human(info['flops_per_step_train'], 'FLOP')} for {info['tokens_per_step']:,} tokens",
+           *([f"latent step          {info['latent_train_flops_vs_plain']:.2f}x the plain decoder's training FLOPs "
+              f"(z read by {info['latent_layers']} block(s), {info['latent_inner_steps']} inner steps, "
+              f"{'an' if info['latent_encoder'] else 'no'} encoder)"] if info["latent_layers"] else []),
            f"train state memory   {human(info['train_state_bytes'], 'B')} (f32 params, grads, Adam moments)",
            f"activations (est.)   {human(info['activation_bytes_estimate'], 'B')} per micro-batch, no remat",
            f"total (est.)         {human(info['memory_bytes_estimate'], 'B')}"]

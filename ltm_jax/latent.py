@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import optax
 
 from ltm_jax import model as model_lib
+from ltm_jax.layers import SplitLatents
 from ltm_jax.layers.attention import token_positions
 from ltm_jax.config import LatentConfig
 
@@ -315,9 +316,9 @@ def split_bound(length: int) -> int:
 class DecoderTerms(NamedTuple):
   """What the decoder is trained on for one micro-batch of a latent model (`decoder_terms`).
 
-  scored: (z [B, ...], mask [B, T] or None, length or None) triples; the loss is the NLL of every triple's masked
-  targets given its z (held constant), read on the first `length` positions (None: all), summed over the triples and
-  divided by the number of scored targets. None with iterates_grad.
+  scored: (z [B, ...] or a `SplitLatents` pair, mask [B, T] or None, length or None) triples; the loss is the NLL of
+  every triple's masked targets given its z (held constant), read on the first `length` positions (None: all),
+  summed over the triples and divided by the number of scored targets. None with iterates_grad.
   iterates_grad: with latent.decoder_objective=iterates, the decoder's gradient itself (else None).
   encoder_grad: with latent.encoder, the gradient of the encoder's parameters (the ELBO per fitted token at its
   proposal), to add to theirs (else None).
@@ -338,7 +339,8 @@ def decoder_terms(model: nn.Module, params, batch, key: jax.Array,
   Continuation rows also score their prefix, under z_0 = the prior-like start (`initial_posterior` with the loop's
   noise, which carries no information), so the decoder learns from every token: what z fitted on text before the
   split adds to the rest, and how to do without it. When every row is a continuation row, the inner loop and the
-  prefix's scoring read only the positions before split_bound.
+  prefix's scoring read only the positions before split_bound. When only the last block reads z, one pass scores
+  both (`one_pass_split`).
   iterates: the decoder's gradient of the mean over the K + 1 iterates of the NLL per token, taken by the inner
   loop's own backward passes.
   With latent.encoder the loop starts from the encoder's proposal for the fitted targets. `trunk`: the model's trunk
@@ -375,4 +377,15 @@ def decoder_terms(model: nn.Module, params, batch, key: jax.Array,
     return DecoderTerms(((z, None, None),), None, encoder_grad, metrics)
   init_key = jax.random.split(fit_key)[0]  # As `infer` splits it: the loop's own symmetry-breaking draw.
   z_0 = initial_posterior(init_key, eps.shape, latent).sample(eps)
-  return DecoderTerms(((z, score_mask, None), (z_0, fit_mask & ~score_mask, prefix)), None, encoder_grad, metrics)
+  prefix_mask = fit_mask & ~score_mask
+  if one_pass_split(model.cfg, latent):
+    return DecoderTerms(((SplitLatents(z_0, z, prefix_mask), None, None),), None, encoder_grad, metrics)
+  return DecoderTerms(((z, score_mask, None), (z_0, prefix_mask, prefix)), None, encoder_grad, metrics)
+
+
+def one_pass_split(cfg, latent: LatentConfig) -> bool:
+  """Whether one pass can score a continuation row's prefix under z_0 and the rest under z (`SplitLatents`) with the
+  NLL of two separate passes: when z is read by the last block alone. Its cross-attention then feeds only its own
+  position's FFN and logits (the block's self-attention comes before it, on z-free inputs), so no position's output
+  depends on the latents another position read."""
+  return model_lib.latent_layers(cfg, latent) == 1 and not cfg.scan_layers

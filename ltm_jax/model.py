@@ -31,7 +31,7 @@ from jax import lax
 
 from ltm_jax import sublayers
 from ltm_jax.config import LatentConfig, ModelConfig
-from ltm_jax.layers import CrossAttention
+from ltm_jax.layers import CrossAttention, SplitLatents
 from ltm_jax.layers.common import init, norm
 from ltm_jax.layers import pattern as layer_pattern
 from ltm_jax.layers import pipeline
@@ -214,7 +214,8 @@ class LM(nn.Module):
 
   `latent`: None (or disabled) for the plain decoder; enabled adds a cross-attention sub-layer to every block of the
   top latent.top_layers (all by default), and `latents` [B, top layers, n_per_layer, d_model] (`latent_shape`) must
-  then be given. `positions` [B, T] are the tokens' absolute
+  then be given, or a `SplitLatents` pair of such z (each position reading one of them; not with scan_layers).
+  `positions` [B, T] are the tokens' absolute
   positions, needed only by latent RoPE when decoding past position 0 (default: 0..T-1).
 
   `state`: as `init_state` makes it: one BlockState per layer, or with scan_layers one per separate layer followed by
@@ -325,8 +326,10 @@ def _run_blocks(cfg: ModelConfig, x, state, latent, latents, positions, valid, c
   block_cls, new_state = _block_class(cfg, scanned=False), []
   for i in range(start, min(stop, layout.prefix_layers)):
     reads = latent is not None and i >= first
+    z = None if not reads else (
+        latents.layer(i - first) if isinstance(latents, SplitLatents) else latents[:, i - first])
     x, block_state, v_first = block_cls(cfg, i, latent if reads else None, capacity=capacity, name=f"block_{i}")(
-        x, None if state is None else state[i], latents[:, i - first] if reads else None, positions, v_first, valid)
+        x, None if state is None else state[i], z, positions, v_first, valid)
     new_state.append(block_state)
   if layout.scanned_units and stop == cfg.n_layers:
     if start > layout.prefix_layers or first:
@@ -345,6 +348,8 @@ def _scanned(cfg: ModelConfig, latent, capacity, layout: ScanLayout, x, v_first,
   start, units, period = layout.prefix_layers, layout.scanned_units, layout.period
   states = None if state is None else tuple(state[start:])
   z = None
+  if isinstance(latents, SplitLatents):
+    raise ValueError("SplitLatents (latents chosen per position) need model.scan_layers=false")
   if latents is not None:  # [B, n_layers, n, d] -> [units, B, period, n, d]: repeat u's blocks are its layers.
     z = latents[:, start:].reshape(latents.shape[0], units, period, *latents.shape[2:]).swapaxes(0, 1)
   n_stages = pipeline.stages()

@@ -247,6 +247,29 @@ def test_full_evaluation_of_latent_and_plain_models():
   assert plain["prior_nll"] is None and plain["active_units"] is None
 
 
+@pytest.mark.parametrize("pattern", ["RA", "W"])
+def test_the_top_blocks_from_the_trunk_are_the_whole_model(pattern):
+  # Blocks below the first that reads z run once (the trunk) and every z starts from their output: the same NLL as
+  # the whole model, also for RWKV-7, whose first layer's values ride along to the blocks above (v_first). The
+  # lower blocks have no cross-attention and z holds one layer.
+  cfg = micro_config(layer_pattern=pattern, rwkv7_head_size=16)
+  cfg = dataclasses.replace(cfg, latent=dataclasses.replace(LATENT, top_layers=1))
+  model = model_lib.LM(cfg.model, cfg.latent)
+  params = model_lib.init_params(cfg.model, jax.random.key(0), cfg.latent)
+  assert "cross_attention" not in params["block_0"] and "cross_attention" in params["block_1"]
+  tokens = jax.random.randint(jax.random.key(1), (3, 17), 0, 256)
+  z = jax.random.normal(jax.random.key(2), model_lib.latent_shape(cfg.model, cfg.latent, 3))
+  assert z.shape == (3, 1, 3, cfg.model.d_model)
+  whole = latent_lib.token_nll(model, params, tokens[:, :-1], tokens[:, 1:], z)
+  trunk = latent_lib.trunk_of(model, params, tokens[:, :-1])
+  assert (trunk.v_first is not None) == (pattern == "W")
+  np.testing.assert_allclose(latent_lib.token_nll(model, params, tokens[:, :-1], tokens[:, 1:], z, trunk=trunk),
+                             whole, rtol=1e-6, atol=1e-6)
+  # A prefix of the trunk scores the prefix, as the inner loop reads it.
+  np.testing.assert_allclose(latent_lib.token_nll(model, params, tokens[:, :9], tokens[:, 1:10], z,
+                                                  trunk=trunk.prefix(9)), whole[:, :9], rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("override, message", [
     ("latent.n_per_layer=0", "n_per_layer must be >= 1"),
     ("latent.inner_steps=-1", "inner_steps must be >= 0"),
@@ -257,6 +280,9 @@ def test_full_evaluation_of_latent_and_plain_models():
     ("latent.encoder_width=48", "encoder_width must be a positive multiple of 32, got 48"),
     ("latent.encoder_width=0", "encoder_width must be a positive multiple of 32, got 0"),
     ("latent.encoder_context=0", "encoder_context must be >= 1, got 0"),
+    ("latent.top_layers=0", r"top_layers must be in \[1, model.n_layers=2\] or None, got 0"),
+    ("latent.top_layers=3", r"top_layers must be in \[1, model.n_layers=2\] or None, got 3"),
+    ("latent.top_layers=1 model.scan_layers=true", "the layer scan cannot stack"),
 ])
 def test_bad_latent_settings_are_refused(override, message):
   with pytest.raises(ConfigError, match=message):

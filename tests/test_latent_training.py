@@ -23,6 +23,7 @@ from ltm_jax.config import LatentConfig
 from ltm_jax.train import train
 from ltm_jax.train.evaluation import full_evaluation
 from ltm_jax.latent import continuation_masks
+from ltm_jax.layers import SplitLatents
 from ltm_jax.train.step import create_train_state, make_train_step
 
 # Compile-bound: many tiny programs, each compiled once; the checks compare values (see conftest.fast_compile).
@@ -133,8 +134,8 @@ def test_continuation_rows_fit_z_without_the_scored_tokens():
 
 @pytest.mark.parametrize("fraction, top_layers", [(0.0, None), (0.5, None), (1.0, 1)])
 def test_final_decoder_gradient_is_the_scored_nll_with_z_frozen(fraction, top_layers):
-  # The step runs the trunk (the blocks below z) once and the latent-reading blocks per scored z; the expected
-  # gradient runs the whole model for every scored z.
+  # The step runs the trunk (the blocks below z) once and the latent-reading blocks per scored z (with z read by the
+  # last block alone, one pass under a SplitLatents pair); the expected gradient runs the whole model once per z.
   cfg, model, params, batch = _setup(continuation_fraction=fraction, top_layers=top_layers)
   optimizer = optax.sgd(1.0)
   state = create_train_state(params, optimizer, seed=7)
@@ -145,6 +146,10 @@ def test_final_decoder_gradient_is_the_scored_nll_with_z_frozen(fraction, top_la
   if fraction == 0:
     assert len(scored) == 1 and scored[0][1] is None  # Every target, under z fitted on the whole row.
   else:
+    if top_layers == 1:
+      ((split, mask, _),) = scored
+      assert isinstance(split, SplitLatents) and mask is None
+      scored = ((split.after, ~split.is_before, None), (split.before, split.is_before, None))
     (_, score, _), (z_0, prefix, _) = scored
     fit, expected_score = continuation_masks(jax.random.split(key, 3)[2], batch["targets"].shape, fraction)
     np.testing.assert_array_equal(score, expected_score)
@@ -159,6 +164,25 @@ def test_final_decoder_gradient_is_the_scored_nll_with_z_frozen(fraction, top_la
   value, expected = _scored_nll_grad(model, params, batch, scored)
   _assert_trees_close(jax.tree.map(jnp.subtract, params, new_state.params), expected)
   assert float(metrics["loss"]) == pytest.approx(float(value), rel=1e-6)
+
+
+def test_one_pass_under_split_latents_scores_each_position_as_its_own_pass():
+  # z read by the last block alone: each position's NLL under a SplitLatents pair equals its NLL in the pass that
+  # reads its own z throughout. With two latent-reading blocks it does not (positions after the split see, through
+  # the upper block's attention, states made under z_0), which is why the train step keeps two passes there.
+  for top_layers, exact in ((1, True), (2, False)):
+    cfg, model, params, batch = _setup(continuation_fraction=1.0, top_layers=top_layers,
+                                       model_overrides=dict(layer_pattern="A", window=8))
+    shape = model_lib.latent_shape(cfg.model, cfg.latent, 4)
+    z, z_0 = (jax.random.normal(jax.random.key(s), shape) for s in (1, 2))
+    before = jnp.arange(24)[None, :] < jnp.array([[6], [10], [13], [17]])
+    nll = jax.jit(lambda latents: latent_lib.token_nll(model, params, batch["inputs"], batch["targets"], latents))
+    split, after_only, before_only = nll(SplitLatents(z_0, z, before)), nll(z), nll(z_0)
+    np.testing.assert_allclose(jnp.where(before, split, 0.0), jnp.where(before, before_only, 0.0), rtol=1e-5,
+                               atol=1e-6)
+    gap = float(jnp.max(jnp.abs(jnp.where(before, 0.0, split - after_only))))
+    assert (gap < 1e-5) if exact else (gap > 1e-4), (top_layers, gap)
+    assert latent_lib.one_pass_split(cfg.model, cfg.latent) == exact
 
 
 def test_window_bounds_the_plain_decoder_and_z_reaches_past_it():

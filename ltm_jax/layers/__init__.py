@@ -2,7 +2,7 @@
 The RWKV-7 time-mix also takes and returns v_first, the first RWKV-7 layer's values (its value residual)."""
 
 from ltm_jax.layers.attention import Attention, KVCache
-from ltm_jax.layers.cross_attention import CrossAttention
+from ltm_jax.layers.cross_attention import CrossAttention, SplitLatents
 from ltm_jax.layers.ffn import SwiGLU
 from ltm_jax.layers.rwkv4 import ChannelMix, ChannelMixState, TimeMix, TimeMixState
 from ltm_jax.layers.rwkv7 import ChannelMix7, TimeMix7, TimeMix7State
