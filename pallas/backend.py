@@ -1,9 +1,14 @@
-"""The one place where kernels choose how Pallas lowers: Triton on NVIDIA GPUs, the interpreter everywhere else.
+"""The one place where kernels choose how Pallas lowers: Triton on NVIDIA GPUs while the installed jax has that
+lowering, the interpreter everywhere else, and which path `impl="auto"` may take on a GPU.
 
 Since jax 0.9 `pallas_call` lowers to Mosaic GPU by default on NVIDIA; our kernels are written for the Triton lowering
-(per-program blocks, `num_warps`/`num_stages`), which is selected by passing Triton `CompilerParams`. The Triton backend
-is deprecated from jax 0.11 but still present in 0.11.x/0.12; when it goes, this module is where a Mosaic GPU
-(`jax.experimental.pallas.mosaic_gpu.CompilerParams`) or jax-triton path replaces it, and no kernel changes its call.
+(per-program blocks, `num_warps`/`num_stages`), which is selected by passing Triton `CompilerParams`. It runs on
+sm_80 (A100) and sm_90 (H100/H200) alike. jax deprecates it from 0.11 (`TRITON_DEPRECATED_SINCE`) and warns on every
+kernel it lowers; `call` silences that warning and says once per process, in its place, what runs and what the user
+can do (`LoweringNotice`). A jax without the lowering (`jax.experimental.pallas.triton` gone) leaves the ops'
+`impl="auto"` on their XLA backends on GPU (`gpu_lowering`, applied by `ltm_jax.ops.backend`), again with one
+notice. Mosaic GPU kernels (sm_90 and newer only) are built by their own modules; `gpu_lowering` is where `auto`
+would pick one for an op (its `mosaic_gpu` argument).
 `jax.experimental.pallas.triton` is imported only when a compiled kernel is built, so the library (and the
 interpreted kernels) still import where that module is gone.
 
@@ -15,9 +20,13 @@ the compiled branch, which keeps CPU-only programs free of it (its custom VJPs a
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import importlib
 import importlib.util
 import pkgutil
+import re
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +45,103 @@ def may_compile_for_gpu() -> bool:
     return False
   import jax_plugins  # pylint: disable=g-import-not-at-top
   return any("cuda" in m.name or "rocm" in m.name for m in pkgutil.iter_modules(jax_plugins.__path__))
+
+
+# The first jax release whose Pallas Triton lowering warns that it is deprecated.
+TRITON_DEPRECATED_SINCE = (0, 11)
+# The first compute capability Mosaic GPU compiles for (Hopper, sm_90).
+MOSAIC_GPU_SINCE = (9, 0)
+# What jax's deprecation warning for the Triton lowering starts with (`jax._src.pallas.triton`, id jax-pallas-triton).
+_TRITON_DEPRECATION = "The Pallas Triton backend is deprecated"  # Also the filter's pattern: no special characters.
+
+
+class LoweringNotice(UserWarning):
+  """Which GPU lowering the Pallas kernels use, said once per process (`warnings.simplefilter("ignore",
+  LoweringNotice)` silences it)."""
+
+
+def jax_version(version: str | None = None) -> tuple[int, int]:
+  """(major, minor) of `version`, by default the installed jax's ("0.11.2" -> (0, 11))."""
+  major, minor = re.match(r"(\d+)\.(\d+)", version or jax.__version__).groups()
+  return int(major), int(minor)
+
+
+@functools.cache
+def has_triton_lowering() -> bool:
+  """Whether the installed jax has the Pallas Triton lowering (`jax.experimental.pallas.triton` imports)."""
+  try:
+    importlib.import_module("jax.experimental.pallas.triton")
+  except ImportError:
+    return False
+  return True
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuLowering:
+  """How an op's kernels run when compiled for a GPU.
+
+  name: "triton" (the Pallas Triton lowering), "mosaic_gpu" (the op's Mosaic GPU kernel) or "xla" (no kernel: the
+    op's `impl="auto"` takes its XLA backend).
+  notice: the one line to say once per process about it (`notice_once`), or None when there is nothing to say.
+  """
+
+  name: str
+  notice: str | None
+
+
+def gpu_lowering(*, version: tuple[int, int] | None = None, triton: bool | None = None,
+                 capability: tuple[int, int] | None = None, mosaic_gpu: bool = False) -> GpuLowering:
+  """The GPU path of an op's kernels. Defaults are this process's: the installed jax's `version` and whether it has
+  the Triton lowering (`triton`); `capability` is the target GPU's (major, minor), None when unknown (a deviceless
+  compilation).
+
+  An op with a Mosaic GPU kernel that `auto` may take (`mosaic_gpu`) gets it on sm_90 and newer. Otherwise the
+  Triton lowering while jax has it, on sm_80 and sm_90 alike; without it, the op's XLA backends.
+  """
+  version = jax_version() if version is None else version
+  triton = has_triton_lowering() if triton is None else triton
+  shown = ".".join(map(str, version))
+  if mosaic_gpu and capability is not None and tuple(capability) >= MOSAIC_GPU_SINCE:
+    return GpuLowering("mosaic_gpu", None)
+  if triton:
+    if version < TRITON_DEPRECATED_SINCE:
+      return GpuLowering("triton", None)
+    return GpuLowering("triton", (
+        f"ltm_pallas: the Pallas GPU kernels compile through Pallas' Triton lowering, which jax {shown} deprecates "
+        "(its per-kernel DeprecationWarning is silenced); it runs on sm_80 and sm_90. A jax without it makes "
+        "impl='auto' take the XLA backends on GPU (slower); to keep the kernels, keep a jax that has "
+        "jax.experimental.pallas.triton"))
+  return GpuLowering("xla", (
+      f"ltm_pallas: jax {shown} has no Pallas Triton lowering, so on GPU impl='auto' runs the ops' XLA backends "
+      "(slower, exact); a jax that has jax.experimental.pallas.triton brings the fused kernels back"))
+
+
+def notice_once(notice: str | None, said: set[str], *, stacklevel: int = 2) -> bool:
+  """Warns `notice` as a LoweringNotice unless it is None or in `said` (then records it); True when it warned.
+  Callers pass `SAID`, this process's record, so that each notice is said at most once per process."""
+  if notice is None or notice in said:
+    return False
+  said.add(notice)
+  warnings.warn(notice, LoweringNotice, stacklevel=stacklevel + 1)
+  return True
+
+
+# The notices this process has said (`notice_once`).
+SAID: set[str] = set()
+
+
+def quiet_triton_deprecation() -> None:
+  """Ignores jax's DeprecationWarning for the Pallas Triton lowering, which it raises for every kernel it lowers.
+
+  Called where a compiled kernel is built (trace time), just before jax lowers it: a filter installed once at import
+  would not survive test runners that reset the warning filters around each test.
+  """
+  for action, message, category, *_ in warnings.filters:  # The first filter that applies to the warning decides.
+    if issubclass(DeprecationWarning, category) and (message is None or message.match(_TRITON_DEPRECATION)):
+      if action == "ignore" and message is not None and message.pattern == _TRITON_DEPRECATION:
+        return
+      break
+  warnings.filterwarnings("ignore", message=_TRITON_DEPRECATION, category=DeprecationWarning)
 
 
 @functools.cache
@@ -91,6 +197,8 @@ def call(
       from jax.experimental.pallas import triton as pl_triton  # pylint: disable=g-import-not-at-top
       params = pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
       body = compiled_kernel or kernel
+      quiet_triton_deprecation()
+      notice_once(gpu_lowering(triton=True).notice, SAID, stacklevel=4)
     return pl.pallas_call(body, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs,
                           interpret=interpreted, compiler_params=params, name=name, **kwargs)
 
@@ -104,7 +212,9 @@ def call(
       compiled = build(False)
     except ImportError as e:  # A jax without the Triton lowering: nothing to compile with, interpreting still works.
       if jax.default_backend() == "gpu":
-        raise NotImplementedError(f"this jax has no Pallas Triton lowering ({e}); use the xla/scan backends") from e
+        raise NotImplementedError(
+            f"jax {jax.__version__} has no Pallas Triton lowering ({e}), so this kernel cannot compile for a GPU; "
+            "impl='auto' runs the op's XLA backend") from e
       return build(True)(*args)
     # Pallas has no CPU lowering: interpret there, compile everywhere else. Only the branch of the platform being
     # compiled for is lowered.

@@ -21,16 +21,33 @@ def platform() -> str:
   return jax.default_backend()
 
 
+def kernel_free(auto: Mapping[str, str], without_kernels: Mapping[str, str],
+                lowering: kernel_backend.GpuLowering | None = None) -> Mapping[str, str]:
+  """The `auto` table this process uses: `auto` where the Pallas kernels can compile for a GPU, else (`lowering` is
+  "xla": a jax without the Triton lowering) `auto` with `without_kernels`'s entries (platform -> a backend that runs
+  no Pallas kernel) in place, said once per process. `lowering` defaults to `ltm_pallas.backend.gpu_lowering()`."""
+  if not without_kernels:
+    return auto
+  lowering = kernel_backend.gpu_lowering() if lowering is None else lowering
+  if lowering.name != "xla":
+    return auto
+  kernel_backend.notice_once(lowering.notice, kernel_backend.SAID, stacklevel=4)
+  return {**auto, **without_kernels}
+
+
 def select(op: str, impl: str, backends: Mapping[str, Callable], auto: Mapping[str, str], *,
-           length: int | None = None) -> Callable:
+           length: int | None = None, without_kernels: Mapping[str, str] | None = None) -> Callable:
   """The backend function for `impl` (`backends` maps names to functions of the same signature, reference first).
 
   "auto" dispatches at lowering time through `auto` (platform -> backend name): each platform the computation is
   compiled for gets its entry, others the reference. A computation placed on the CPU of a GPU host therefore runs
   the CPU entry, and a deviceless GPU compilation the GPU one. A process that cannot compile for a GPU resolves
   statically by its platform (nothing else is traced). `length=1` (one decoding step) always gets the reference (see
-  `resolve`).
+  `resolve`). `without_kernels` (platform -> backend) replaces `auto`'s entries where this jax cannot compile the
+  Pallas kernels for a GPU (`kernel_free`).
   """
+  if impl == "auto" and kernel_backend.may_compile_for_gpu():
+    auto = kernel_free(auto, without_kernels or {})
   available = tuple(backends)
   name = resolve(op, impl, available, auto, length=length)
   if impl != "auto" or length == 1 or not kernel_backend.may_compile_for_gpu():
@@ -49,14 +66,16 @@ def select(op: str, impl: str, backends: Mapping[str, Callable], auto: Mapping[s
 
 
 def resolve(op: str, impl: str, available: Sequence[str], auto: Mapping[str, str], *,
-            length: int | None = None) -> str:
+            length: int | None = None, without_kernels: Mapping[str, str] | None = None) -> str:
   """Returns the concrete backend name for `impl`, or raises ValueError naming the valid choices.
 
   `auto` maps a platform to the backend measured fastest there (the benchmark that measured it is named beside each
   table); a platform missing from the table falls back to the first (reference) backend. A recurrence given
   `length=1` (one decoding step) always gets the reference under "auto": one step is a few elementwise ops that XLA
-  fuses, where a kernel would pad it to a whole chunk and pay a launch.
+  fuses, where a kernel would pad it to a whole chunk and pay a launch. `without_kernels` as in `select`.
   """
+  if impl == "auto" and platform() == "gpu":
+    auto = kernel_free(auto, without_kernels or {})
   if impl == "auto":
     return available[0] if length == 1 else auto.get(platform(), available[0])
   if impl not in available:

@@ -164,10 +164,16 @@ def mask_kind(causal: bool, window: int | None, s: int) -> str:
   return "causal" if causal else "full"
 
 
-def _auto_gpu(kind: str, head_dim: int, reasons) -> str:
-  """The `GPU_AUTO` choice for the shape class if it accepts the call, else the other fused backend, else xla."""
+def _auto_gpu(kind: str, head_dim: int, reasons, lowering: kernel_backend.GpuLowering | None = None) -> str:
+  """The `GPU_AUTO` choice for the shape class if it accepts the call, else the other fused backend, else xla.
+  Where this jax cannot compile the Pallas kernels (`lowering`, by default `ltm_pallas.backend.gpu_lowering()`, is
+  "xla") pallas is no candidate, which is said once per process."""
+  lowering = kernel_backend.gpu_lowering() if lowering is None else lowering
   preferred = GPU_AUTO.get((kind, head_dim), "cudnn")
   for name in (preferred, "pallas" if preferred == "cudnn" else "cudnn"):
+    if name == "pallas" and lowering.name == "xla":
+      kernel_backend.notice_once(lowering.notice, kernel_backend.SAID, stacklevel=4)
+      continue
     if reasons[name]() is None:
       return name
   return "xla"

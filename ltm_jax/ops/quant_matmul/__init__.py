@@ -25,6 +25,8 @@ _BACKENDS = {"xla": xla.quant_matmul, "pallas": pallas.quant_matmul}
 # converts them in registers, chosen by design for decoding (reading weights bounds it) and not yet timed on a GPU.
 # Shapes the kernel does not take (see `ltm_pallas.quant_matmul.supported`) get the reference under "auto".
 AUTO = {"cpu": "xla", "gpu": "pallas"}
+# On a GPU where this jax cannot compile the Pallas kernels (no Triton lowering, `ltm_pallas.backend.gpu_lowering`).
+AUTO_WITHOUT_KERNELS = {"gpu": "xla"}
 
 
 def quant_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, *, packed: bool, impl: str = "auto") -> jax.Array:
@@ -45,6 +47,7 @@ def quant_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, *, packed: b
   backends = {name: functools.partial(fn, packed=packed) for name, fn in _BACKENDS.items()}
   if impl == "auto" and not pallas.supported(k, n, groups, packed):
     backends = {"xla": backends["xla"]}
-  run = backend.select("quant_matmul", impl, backends, AUTO if "pallas" in backends else {})
+  run = backend.select("quant_matmul", impl, backends, AUTO if "pallas" in backends else {},
+                       without_kernels=AUTO_WITHOUT_KERNELS)
   flat = x.reshape(-1, k)
   return run(flat, values, scale).reshape(*x.shape[:-1], n)

@@ -36,6 +36,8 @@ _BACKENDS = {"scan": scan.wkv4, "associative": associative.wkv4, "pallas": palla
 # and 0.64 / 3.52 ms in bfloat16 against 4.9 / 30.3 (benchmarks/results/wkv4-unrolled-nvidia-h100-80gb-hbm3.json,
 # benchmarks/results/logs-h100-2026-11-25/wkv4.log).
 AUTO = {"cpu": "scan", "gpu": "pallas"}
+# On a GPU where this jax cannot compile the Pallas kernels (no Triton lowering, `ltm_pallas.backend.gpu_lowering`).
+AUTO_WITHOUT_KERNELS = {"gpu": "associative"}
 
 # On a GPU with few rows x channels, "auto" is associative instead. The kernels run one thread per (row, channel)
 # through the T tokens in order, so their time follows T whatever B·C is, while the associative scan's follows the
@@ -90,7 +92,8 @@ def wkv4(
   """
   few_channels = k.ndim == 3 and k.shape[0] * k.shape[2] < GPU_PALLAS_MIN_CHANNELS
   auto = {**AUTO, "gpu": "associative"} if few_channels else AUTO
-  run = backend.select("wkv4", impl, _BACKENDS, auto, length=k.shape[1] if k.ndim > 1 else None)
+  run = backend.select("wkv4", impl, _BACKENDS, auto, length=k.shape[1] if k.ndim > 1 else None,
+                       without_kernels=AUTO_WITHOUT_KERNELS)
   if k.ndim != 3 or v.shape != k.shape:
     raise ValueError(f"wkv4: k and v must both be [B, T, C]; got k {k.shape}, v {v.shape}")
   if not (jnp.issubdtype(k.dtype, jnp.floating) and jnp.issubdtype(v.dtype, jnp.floating)):

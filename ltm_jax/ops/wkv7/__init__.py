@@ -46,6 +46,9 @@ _BACKENDS = {"scan": scan.wkv7, "chunked": chunked.wkv7, "pallas": pallas.wkv7, 
 # within 2% of it at the other two shapes, where it runs the same kernels
 # (benchmarks/results/wkv7-segmented-nvidia-h100-80gb-hbm3.json).
 AUTO = {"cpu": "scan", "gpu": "pallas_segmented"}
+# On a GPU where this jax cannot compile the Pallas kernels (no Triton lowering, `ltm_pallas.backend.gpu_lowering`):
+# the chunked WY form in plain JAX, which keeps one state per chunk for its backward where scan keeps every token's.
+AUTO_WITHOUT_KERNELS = {"gpu": "chunked"}
 
 _NAMES = ("r", "w", "k", "v", "a", "b")
 
@@ -98,7 +101,8 @@ def wkv7(
   Raises:
     ValueError: on mismatched shapes, non-float inputs, or an unknown impl.
   """
-  run = backend.select("wkv7", impl, _BACKENDS, AUTO, length=k.shape[1] if k.ndim > 1 else None)
+  run = backend.select("wkv7", impl, _BACKENDS, AUTO, length=k.shape[1] if k.ndim > 1 else None,
+                       without_kernels=AUTO_WITHOUT_KERNELS)
   inputs = (r, w, k, v, a, b)
   if r.ndim != 4 or any(x.shape != r.shape for x in inputs):
     shapes = ", ".join(f"{n} {x.shape}" for n, x in zip(_NAMES, inputs))
@@ -106,7 +110,7 @@ def wkv7(
   if not all(jnp.issubdtype(x.dtype, jnp.floating) for x in inputs):
     raise ValueError(f"wkv7: inputs must be floating point; got {', '.join(str(x.dtype) for x in inputs)}")
   batch, length, heads, size = r.shape
-  if backend.resolve("wkv7", impl, AVAILABLE, AUTO, length=length) == "scan":
+  if backend.resolve("wkv7", impl, AVAILABLE, AUTO, length=length, without_kernels=AUTO_WITHOUT_KERNELS) == "scan":
     needed, limit = scan_backward_bytes(batch, length, heads, size), _device_bytes()
     if limit is not None and needed > limit:
       warnings.warn(f"wkv7: differentiating impl='scan' at (B, T, H, N) = {r.shape} keeps every token's state, "
