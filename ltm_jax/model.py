@@ -332,7 +332,7 @@ def _run_blocks(cfg: ModelConfig, x, state, latent, latents, positions, valid, c
         x, None if state is None else state[i], z, positions, v_first, valid)
     new_state.append(block_state)
   if layout.scanned_units and stop == cfg.n_layers:
-    if start > layout.prefix_layers or first:
+    if start > layout.prefix_layers or (latent is not None and first):
       raise ValueError("the layer scan runs every scanned repeat, each reading z: it cannot start part-way")
     x, v_first, scanned_state = _scanned(cfg, latent, capacity, layout, x, v_first, state, latents, positions, valid)
     new_state.extend(scanned_state)
