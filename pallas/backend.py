@@ -221,3 +221,32 @@ def call(
     return lax.platform_dependent(*args, cpu=build(True), default=compiled)
 
   return by_platform
+
+
+def mosaic_gpu_call(build: Callable[[bool], Callable[..., Any]], interpret: bool | None) -> Callable[..., Any]:
+  """A Mosaic GPU kernel (`build(interpreted)` returns it) compiled for a GPU and run in Mosaic GPU interpret mode
+  on the CPU (`interpret=None`, by the platform compiled for, as `call` does), or as `interpret` says.
+
+  Mosaic GPU compiles for sm_90 and newer only; on an older GPU it raises NotImplementedError (`require_mosaic_gpu`).
+  """
+  if interpret is not None:
+    return build(interpret)
+  if not may_compile_for_gpu():
+    return build(True)
+
+  def by_platform(*args):
+    require_mosaic_gpu()
+    return lax.platform_dependent(*args, cpu=build(True), default=build(False))
+
+  return by_platform
+
+
+def require_mosaic_gpu(capability: tuple[int, int] | None = None) -> None:
+  """Raises NotImplementedError where `capability` (by default the default device's, when it is a GPU; None for a
+  CPU or a deviceless compilation) is below MOSAIC_GPU_SINCE: Mosaic GPU kernels compile for sm_90 and newer."""
+  if capability is None and jax.default_backend() == "gpu":
+    capability = tuple(int(x) for x in jax.devices()[0].compute_capability.split("."))
+  if capability is not None and tuple(capability) < MOSAIC_GPU_SINCE:
+    raise NotImplementedError(
+        f"Mosaic GPU kernels need sm_90 or newer; this GPU is sm_{capability[0]}{capability[1]}: use the op's "
+        "Triton-lowered or XLA backends")

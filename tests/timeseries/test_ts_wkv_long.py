@@ -65,7 +65,9 @@ def test_wkv4_backends_over_3750_steps_with_extreme_decays(impl):
   _close(y, _wkv4_float64(w, u, k, v))
 
 
-@pytest.mark.parametrize("impl", WKV7_IMPLS)
+# pallas_mgpu (head sizes 64 and 128, bfloat16 products, jax >= 0.11) is held to the reference in
+# tests/ops/test_wkv7_mgpu.py.
+@pytest.mark.parametrize("impl", [impl for impl in WKV7_IMPLS if impl != "pallas_mgpu"])
 def test_wkv7_backends_over_3750_steps_with_extreme_decays(impl):
   rng = np.random.default_rng(2)
   shape = (2, T, 1, 4)

@@ -13,7 +13,9 @@ Backends: "scan" (the sequential reference), "chunked" (exact chunked WY form in
 (fused sequential forward and backward kernels, `pallas/wkv7.py`), "pallas_chunked" (the chunked WY form as
 tensor-core kernels, `pallas/wkv7_chunked.py`, with the sequential kernels for decays beyond its range) and
 "pallas_segmented" (the chunked kernels parallel over time, `pallas/wkv7_segmented.py`, for few rows and heads over
-long sequences; "pallas_chunked" at the shapes its rule leaves alone, `pallas_segmented.segments`).
+long sequences; "pallas_chunked" at the shapes its rule leaves alone, `pallas_segmented.segments`) and
+"pallas_mgpu" (the chunked forward as a Pallas Mosaic GPU kernel for sm_90+, `pallas/wkv7_mgpu.py`, differentiated
+through "chunked"; head sizes 64 and 128; not chosen by "auto": untimed on a GPU).
 """
 
 from __future__ import annotations
@@ -27,13 +29,14 @@ from ltm_jax.ops import backend, sharding
 from ltm_jax.ops.wkv7 import chunked
 from ltm_jax.ops.wkv7 import pallas
 from ltm_jax.ops.wkv7 import pallas_chunked
+from ltm_jax.ops.wkv7 import pallas_mgpu
 from ltm_jax.ops.wkv7 import pallas_segmented
 from ltm_jax.ops.wkv7 import scan
 
 # The first entry is the reference.
-AVAILABLE = ("scan", "chunked", "pallas", "pallas_chunked", "pallas_segmented")
+AVAILABLE = ("scan", "chunked", "pallas", "pallas_chunked", "pallas_segmented", "pallas_mgpu")
 _BACKENDS = {"scan": scan.wkv7, "chunked": chunked.wkv7, "pallas": pallas.wkv7, "pallas_chunked": pallas_chunked.wkv7,
-             "pallas_segmented": pallas_segmented.wkv7}
+             "pallas_segmented": pallas_segmented.wkv7, "pallas_mgpu": pallas_mgpu.wkv7}
 
 # Fastest backend per platform for training-like shapes, forward+backward under jit, as measured by
 # `python benchmarks/wkv7.py` (benchmarks/results/wkv7-<device>.json). cpu: scan, 1.2-2.6x faster than chunked

@@ -1,0 +1,112 @@
+"""The Mosaic GPU WKV-7 forward kernel (`ltm_pallas.wkv7_mgpu`, impl="pallas_mgpu") against the float64 reference.
+
+Platform: the kernel runs in Mosaic GPU interpret mode on the CPU, which needs jax >= 0.11 (Python 3.12): the AOT
+venv's (.venv-aot, built by `make test`/`make gpu-aot`). tests/ops/wkv7_mgpu_worker.py runs it there in a subprocess
+(about 25 s on 2 cores) and saves inputs and outputs; the references are computed here, in float64. Without
+.venv-aot the tests skip. Compiled runs on a Hopper GPU are not covered here.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import ROOT, cpu_only_env
+from wkv7_reference import wkv7_reference
+
+AOT_PYTHON = ROOT / ".venv-aot" / "bin" / "python"
+WORKER = ROOT / "tests" / "ops" / "wkv7_mgpu_worker.py"
+# Relative to max |expected| of each array. Every product takes bfloat16 operands (the decayed keys, the state, U, the
+# pair matrices and the powers of the [64, 64] inverse), float32 inputs included, with float32 accumulation; bfloat16
+# outputs add one rounding. Measured: y 3.9e-3 to 5.0e-3, final state 2.5e-3 to 3.9e-3 over these cases; this is
+# the chunked Triton kernels' bfloat16 tolerance (tests/ops/test_wkv7_chunked_pallas.py).
+RTOL = 2.0**-6
+# The strong-decay case runs the float32 "chunked" backend: float32 error only.
+F32_RTOL = 1e-5
+KERNEL_CASES = ("kernel_f32_ragged", "kernel_bf16", "kernel_f32_n128", "kernel_bf16_n128")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+  if not (ROOT / ".venv-aot" / ".installed").exists():
+    pytest.skip("needs .venv-aot (jax >= 0.11 for Mosaic GPU interpret mode; `make gpu-aot` builds it)")
+  out = tmp_path_factory.mktemp("wkv7_mgpu") / "results.npz"
+  proc = subprocess.run([str(AOT_PYTHON), str(WORKER), str(out)], cwd=ROOT, env=cpu_only_env(), capture_output=True,
+                        text=True, timeout=600)
+  assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
+  with np.load(out) as saved:
+    return dict(saved)
+
+
+def _case(results, name):
+  inputs = [results[f"{name}/in{i}"] for i in range(7)]
+  return inputs, results[f"{name}/y"], results[f"{name}/state"]
+
+
+def _reference(inputs):
+  with jax.enable_x64(True):
+    y, state = jax.jit(wkv7_reference)(*(jnp.asarray(x, jnp.float64) for x in inputs))
+    return np.asarray(y), np.asarray(state)
+
+
+def _assert_close(actual, expected, rtol, what):
+  assert np.all(np.isfinite(actual)), what
+  np.testing.assert_allclose(actual, expected, rtol=rtol, atol=rtol * np.max(np.abs(expected)), err_msg=what)
+
+
+@pytest.mark.parametrize("name", KERNEL_CASES)
+def test_kernel_matches_the_reference(results, name):
+  inputs, y, state = _case(results, name)
+  y_ref, state_ref = _reference(inputs)
+  assert y.shape == y_ref.shape and state.shape == state_ref.shape
+  assert str(results[f"{name}/y_dtype"]) == ("bfloat16" if "bf16" in name else "float32")
+  _assert_close(y, y_ref, RTOL, f"{name}: y")
+  _assert_close(state, state_ref, RTOL, f"{name}: final state")
+
+
+def test_the_tolerance_separates_the_kernel_from_a_wrong_result(results):
+  """The check above can fail: against the reference for r scaled by 1.05 (y is linear in r: 5% off everywhere), the
+  kernel's y is out of tolerance."""
+  inputs, y, _ = _case(results, "kernel_f32_ragged")
+  inputs[0] = inputs[0] * 1.05
+  y_off, _ = _reference(inputs)
+  with pytest.raises(AssertionError):
+    _assert_close(y, y_off, RTOL, "y against a perturbed reference")
+
+
+def test_op_values_and_gradients(results):
+  """impl="pallas_mgpu" through ops.wkv7: the kernel's forward, the "chunked" backend's gradients."""
+  name = "op_grad_f32"
+  inputs, y, state = _case(results, name)
+  cot = [results[f"{name}/cot{i}"] for i in range(2)]
+  y_ref, state_ref = _reference(inputs)
+  _assert_close(y, y_ref, RTOL, "y")
+  _assert_close(state, state_ref, RTOL, "final state")
+
+  def loss(*x):
+    y, s = wkv7_reference(*x)
+    return jnp.sum(jnp.asarray(cot[0], jnp.float64) * y) + jnp.sum(jnp.asarray(cot[1], jnp.float64) * s)
+
+  with jax.enable_x64(True):
+    grads_ref = jax.jit(jax.grad(loss, argnums=tuple(range(7))))(*(jnp.asarray(x, jnp.float64) for x in inputs))
+  for i, label in enumerate(("r", "w", "k", "v", "a", "b", "state")):
+    _assert_close(results[f"{name}/grad{i}"], np.asarray(grads_ref[i]), F32_RTOL * 10, f"grad {label}")
+
+
+def test_op_beyond_the_kernels_decay_range_runs_chunked(results):
+  inputs, y, state = _case(results, "op_strong_decay_f32")
+  assert inputs[1].min() == -2.0
+  y_ref, state_ref = _reference(inputs)
+  _assert_close(y, y_ref, F32_RTOL, "y")
+  _assert_close(state, state_ref, F32_RTOL, "final state")
+
+
+def test_op_refuses_other_head_sizes():
+  x = jnp.ones((1, 8, 1, 32), jnp.float32)
+  from ltm_jax.ops.wkv7 import wkv7  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ValueError, match="pallas_mgpu.*64, 128"):
+    wkv7(x, -x, x, x, x, x, impl="pallas_mgpu")
