@@ -158,3 +158,10 @@ print("ok")
 """
   out = _run(AOT_PYTHON, code, JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1")
   assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+def test_mosaic_gpu_kernels_refuse_gpus_before_hopper():
+  with pytest.raises(NotImplementedError, match="sm_90 or newer; this GPU is sm_80"):
+    backend.require_mosaic_gpu((8, 0))
+  backend.require_mosaic_gpu((9, 0))
+  backend.require_mosaic_gpu((10, 0))
