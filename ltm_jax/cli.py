@@ -213,10 +213,12 @@ def _convert_rwkv(args) -> int:
 
 
 def _serve(args) -> int:
+  from ltm_jax import compilation_cache
   from ltm_jax.api import load
   _check_quantize(args)
   _check_lm_workdir(args.workdir, "serve")
   _check_listen(args.host, args.port)
+  compilation_cache.use(args.compilation_cache)  # Before anything compiles: JAX sets its cache up once.
   try:
     from ltm_jax.serve import Engine
     from ltm_jax.serve.app import serve
@@ -571,6 +573,10 @@ def parser() -> argparse.ArgumentParser:
                         "to completion before the next one starts (no continuous batching)")
   srv.add_argument("--grace", type=_non_negative, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM before they are cancelled")
+  srv.add_argument("--compilation-cache", default=None, metavar="DIR",
+                   help="JAX's persistent compilation cache, so a restart loads the programs compiled before instead "
+                        "of compiling them again ('none': off; default: $JAX_COMPILATION_CACHE_DIR if set, else "
+                        "$XDG_CACHE_HOME/ltm_jax/jax-compilation-cache, ~/.cache/... without XDG_CACHE_HOME)")
   srv.add_argument("--log-level", choices=("debug", "info", "warning"), default="info",
                    help="the server's log lines on stderr: info writes one access line per request (debug adds "
                         "GET /health and /metrics), warning none")

@@ -34,7 +34,7 @@ import pytest
 import uvicorn
 
 from conftest import micro_config
-from ltm_jax import api, cli
+from ltm_jax import api, cli, compilation_cache
 from ltm_jax import model as model_lib
 from ltm_jax.config import LatentConfig
 from ltm_jax.serve import Engine, protocol
@@ -732,12 +732,17 @@ def test_each_request_gets_one_access_line_at_info(server, client, caplog):
   assert not any("/health" in line for line in lines())
 
 
-def test_the_start_line_names_the_weights_served(workdir, capsys, monkeypatch):
+def test_the_start_line_names_the_weights_served(workdir, capsys, monkeypatch, tmp_path):
   """`ltm serve --quantize int4` says so on its start line, with the group size, the weights kept at int8 and the
-  parameters' size (the engine's compilation and the server are stubbed out: the line is what is tested)."""
+  parameters' size; the compilation cache is set up (--compilation-cache, default None: JAX's folder or the user's
+  cache) before the model is loaded. The engine's compilation, the server and the cache's global setting are stubbed
+  out: the line and the order of the calls are what is tested."""
   monkeypatch.setattr(engine_lib.Engine, "start", lambda self: None)
-  served = []
-  monkeypatch.setattr(app_lib, "serve", lambda engine, **options: served.append((engine, options)) or 0)
+  calls = []
+  monkeypatch.setattr(app_lib, "serve", lambda engine, **options: calls.append(("serve", engine, options)) or 0)
+  monkeypatch.setattr(compilation_cache, "use", lambda folder: calls.append(("cache", folder)))
+  load = api.load
+  monkeypatch.setattr(api, "load", lambda *args: calls.append(("load",)) or load(*args))
   for flags, weights in ((["--quantize", "int4", "--quantize-group", "8", "--quantize-keep-int8", "head"],
                           r"int4 weights in groups of 8, head at int8, \d+\.\d\d MiB"),
                          (["--quantize", "int8"], r"int8 weights, \d+\.\d\d MiB"), ([], r"float weights, \d+\.\d\d MiB")):
@@ -745,8 +750,11 @@ def test_the_start_line_names_the_weights_served(workdir, capsys, monkeypatch):
     line = capsys.readouterr().err.strip()
     assert re.fullmatch(rf"serving micro \(step 0, {weights}\) on http://127\.0\.0\.1:0: 32 slots, \d+ programs "
                         r"compiled in 0\.0s", line), line
-  engine, options = served[0]
+  _, engine, options = calls[2]
   assert engine.model_name == "micro" and engine.lm.quantized and options["log_level"] == "info"
+  assert [c[:2] if c[0] == "cache" else c[:1] for c in calls[:3]] == [("cache", None), ("load",), ("serve",)]
+  assert cli.main(["serve", "--workdir", str(workdir), "--port", "0", "--compilation-cache", str(tmp_path)]) == 0
+  assert calls[-3] == ("cache", str(tmp_path))
 
 
 def test_n_choices_each_sample_with_a_seed_of_their_own(server, lm, client):
@@ -841,3 +849,4 @@ def test_chat_logprobs_of_a_sampled_reply_with_their_bytes(server, lm, client):
     assert [as_id(top) for top in item["top_logprobs"]] == list(np.argsort(-row)[:3])
     np.testing.assert_allclose([top["logprob"] for top in item["top_logprobs"]], np.sort(row)[::-1][:3],
                                atol=TOLERANCE)
+
