@@ -850,3 +850,12 @@ def test_chat_logprobs_of_a_sampled_reply_with_their_bytes(server, lm, client):
     np.testing.assert_allclose([top["logprob"] for top in item["top_logprobs"]], np.sort(row)[::-1][:3],
                                atol=TOLERANCE)
 
+
+@pytest.mark.parametrize("context, prefill_chunk, programs", [(256, 128, 19), (1024, 128, 19), (256, None, 21),
+                                                               (1024, None, 29)])
+def test_the_programs_compiled_are_those_the_docs_count(context, prefill_chunk, programs):
+  """docs/serving.md's counts for 32 rows: 19 at the default --prefill-chunk 128 for any context past 129 tokens (4
+  group sizes x 4 length buckets, the decode chunk, feed_lanes and place); with whole prompts, 21 for a context of
+  256 (4 x 5 + 1) and 29 for 1024 (4 x 7 + 1). Nothing is compiled here: the engine counts what `start` would."""
+  lm = api.LanguageModel(micro_config(max_seq_len=context), None)
+  assert Engine(lm, max_batch=32, prefill_chunk=prefill_chunk).programs == programs
