@@ -36,6 +36,7 @@ def test_help_shows_every_default(command):
 
 def test_defaults_are_shown_as_values():
   text = " ".join(_subcommands()["serve"].format_help().split())
-  assert "--port PORT default: 8000" in text
+  assert "--port PORT the port to listen on (0: any free one) (default: 8000)" in text
   assert "decoding rows (requests decoded together) (default: 32)" in text
   assert "(default: 128) (default" not in text
+  assert "--max-new-tokens MAX_NEW_TOKENS default: 200" in " ".join(_subcommands()["generate"].format_help().split())

@@ -5,4 +5,4 @@ it runs are in `slots`; `app` is the ASGI app (Starlette, run by uvicorn); `prot
 answers; `metrics` holds the Prometheus metrics. Needs the `serve` extra (starlette, uvicorn, prometheus-client).
 """
 
-from ltm_jax.serve.engine import Engine, Finished, Piece, QueueFull, Request, ShuttingDown
+from ltm_jax.serve.engine import Engine, Finished, Piece, QueueFull, Request, ShuttingDown, TokenLogprob
