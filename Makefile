@@ -1,6 +1,7 @@
 # Two entry points, each working on a fresh machine with Python 3.11+ and pip:
-#   make demo   creates .venv, trains the tiny model on the embedded corpus (~5 min on 2 CPU cores),
-#               prints validation bits-per-byte and a generated sample
+#   make demo   creates .venv, trains a tiny latent thought model on the embedded corpus (configs/tiny_ltm.py),
+#               prints its evaluation (what z is worth included) and a sample generated under z inferred from the
+#               prompt
 #   make test   creates .venv with the dev extras (and .venv-aot, see below) and runs the test suite
 # and one more:
 #   make gpu-aot  compiles every Pallas kernel and the models' train steps and generation for an H100 without a GPU
@@ -19,7 +20,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-WORKDIR ?= runs/tiny
+WORKDIR ?= runs/tiny-ltm
 PYTEST_WORKERS ?= 2
 # The converter test runs the official RWKV code, which needs torch: install a CPU build first so the `convert`
 # extra (torch>=2.4) is already satisfied and never pulls the multi-GB CUDA wheels. The pinned CPU wheel comes from a
@@ -59,7 +60,7 @@ $(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
 	touch $@ $(VENV)/.installed
 
 demo: $(VENV)/.installed
-	$(BIN)/ltm train --config configs/tiny.py --workdir $(WORKDIR)
+	$(BIN)/ltm train --config configs/tiny_ltm.py --workdir $(WORKDIR)
 	$(BIN)/ltm eval --workdir $(WORKDIR)
 	$(BIN)/ltm generate --workdir $(WORKDIR) --prompt "The list" --max-new-tokens 300 --temperature 0.8 --top-p 0.95
 

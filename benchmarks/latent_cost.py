@@ -1,6 +1,6 @@
 """What a latent train step costs against a plain step of the same decoder, measured side by side in one process.
 
-    python benchmarks/latent_cost.py                                     # configs/ltm_window.py and its levers
+    python benchmarks/latent_cost.py                                     # configs/ltm_code.py and its levers
     python benchmarks/latent_cost.py --config configs/ltm_markov.py --variant "latent.inner_steps=4" ...
 
 Every variant's jitted train step (AdamW update included) is compiled first; then the steps run round-robin, one
@@ -25,15 +25,18 @@ from ltm_jax.train.optimizer import learning_rate, make_optimizer
 from ltm_jax.train.step import create_train_state, make_train_step
 
 PLAIN = "latent.enabled=false"
-# The shipped latent config as trained before any lever, then the levers one by one and together.
+# configs/ltm_code.py (z in the top block, encoder + 2 inner steps on the prefix) and the levers that led to it, each
+# written as changes from that config.
+EVERY_BLOCK = "latent.top_layers=null,latent.n_per_layer=2"
 DEFAULT_VARIANTS = (
     PLAIN,
-    "latent.encoder=false,latent.inner_steps=8",
-    "latent.encoder=false,latent.inner_steps=8,latent.continuation_fraction=1",
-    "latent.encoder=false,latent.inner_steps=2,latent.continuation_fraction=1",
-    "latent.encoder=true,latent.inner_steps=2,latent.continuation_fraction=1",
-    "latent.encoder=true,latent.inner_steps=1,latent.continuation_fraction=1",
-    "latent.encoder=true,latent.inner_steps=0,latent.continuation_fraction=1",
+    f"{EVERY_BLOCK},latent.encoder=false,latent.inner_steps=8,latent.inner_lr=0.3,latent.continuation_fraction=0",
+    EVERY_BLOCK,
+    "latent.top_layers=2,latent.n_per_layer=4",
+    "",
+    "latent.inner_steps=1",
+    "latent.inner_steps=0",
+    "latent.encoder_width=64",
 )
 
 
@@ -51,7 +54,7 @@ def compiled_step(cfg: config_lib.Config):
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--config", default=str(common.ROOT / "configs" / "ltm_window.py"))
+  parser.add_argument("--config", default=str(common.ROOT / "configs" / "ltm_code.py"))
   parser.add_argument("--variant", action="append", default=None,
                       help=f"comma-separated key=value overrides; repeat for several (default: {len(DEFAULT_VARIANTS)}"
                            f" variants); '{PLAIN}' is the reference and is always measured")

@@ -10,8 +10,9 @@ Parts, run in order, each given its share of what is left of the deadline (--par
             window and Bayes references (`closed`, the fraction of the window-to-Bayes gap closed).
   code_gpu  the Python-source corpus at GPU scale (configs/ltm_paper.py and twin: 8 layers, d_model 512, bfloat16).
 
-Within a part the latent model trains first, for at most 55% of the part's time; where the deadline cuts it, it stops
-after the step it is on (a checkpoint, its validation) at a fraction f of its schedule. Then the plain twin trains for
+Within a part the latent model trains first, for at most its share of the part's time (the runs' shares follow their
+expected costs); where the deadline cuts it, it stops after the step it is on (a checkpoint, its validation) at a
+fraction f of its schedule. Then the plain twin trains for
 the same training FLOPs (`ltm_jax.flops`: the latent step's measured structure, what `ltm info` prints), its own
 schedule scaled by the FLOPs ratio and stopped at the same fraction f; and (code, markov) a plain twin at the latent
 model's tokens. Every run is evaluated by `ltm eval`'s full evaluation on the same validation windows. A part whose
@@ -60,7 +61,7 @@ class Part:
 PARTS = {
     "code": Part("configs/ltm_code.py", "configs/ltm_code_plain.py",
                  ("train.steps=2500", "train.eval_every=250", "train.checkpoint_every=100000", "train.log_every=250"),
-                 share=0.45),
+                 share=0.45, equal_tokens=False),  # The CPU record holds the plain twin at these tokens.
     "markov": Part("configs/ltm_markov.py", "configs/ltm_markov_plain.py",
                    ("train.batch_size=64", "train.steps=4000", "train.warmup_steps=200", "train.eval_every=500",
                     "train.checkpoint_every=100000", "train.log_every=500"), share=0.55, corpus=False),
@@ -73,7 +74,6 @@ TOY = ("model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.window=
        "train.eval_every=8", "train.eval_batches=1", "train.checkpoint_every=100000", "train.log_every=8")
 TOY_DATA = ("data.source=embedded",)
 EVAL_SHARE = 0.25  # Of a part's time, kept for the final evaluations.
-LTM_SHARE = 0.55  # Of the part's training time, the most its latent model may train (compiling included).
 EVAL_INNER_STEPS = 8
 COLUMNS = ("part", "model", "steps", "of_steps", "train_tokens", "train_pflops", "train_s", "continuation_ppl",
            "continuation_nll", "closed", "nll", "kl", "shuffled_nll", "prior_nll")
@@ -124,16 +124,21 @@ def run_part(name: str, part: Part, root: pathlib.Path, until: float, deadline: 
   tokens_per_step = ltm_cfg.train.batch_size * ltm_cfg.train.seq_len
   started = time.time()
   until = started + (1 - EVAL_SHARE) * (until - started)  # The rest is left to the evaluations.
-  ltm = deadline.train(ltm_cfg, root / "ltm", started + LTM_SHARE * (until - started))
+  # Each run's share of the training time, as its expected cost: the plain twin at equal FLOPs costs what the latent
+  # model does (at equal speed per FLOP), the one at equal tokens 1 / ratio of it.
+  weights = {"ltm": 1.0, "plain_flops": 1.0, **({"plain": 1 / ratio} if part.equal_tokens else {})}
+  share = lambda run: weights[run] / sum(w for name, w in weights.items() if name not in runs)
+  runs = {}
+  ltm = deadline.train(ltm_cfg, root / "ltm", started + share("ltm") * (until - started))
+  runs["ltm"] = (ltm_cfg, ltm)
   fraction = ltm["steps"] / ltm_cfg.train.steps
-  runs = {"ltm": (ltm_cfg, ltm)}
   plans = {"plain_flops": round(ltm_cfg.train.steps * ratio)}
   if part.equal_tokens:
     plans["plain"] = ltm_cfg.train.steps
   for run, steps in plans.items():
     cfg = dataclasses.replace(plain_cfg, train=dataclasses.replace(plain_cfg.train, steps=steps))
-    share = 0.7 if run == "plain_flops" and part.equal_tokens else 0.9
-    info = deadline.train(cfg, root / run, time.time() + share * (until - time.time()), max(1, round(fraction * steps)))
+    info = deadline.train(cfg, root / run, time.time() + share(run) * (until - time.time()),
+                          max(1, round(fraction * steps)))
     runs[run] = (cfg, info)
   refs = latent_markov.references(plain_cfg, eval_batches) if not part.corpus else None
   rows, curves = [], {}

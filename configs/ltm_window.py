@@ -3,7 +3,11 @@ window (32 bytes) is far shorter than its 512-byte sequences, so z (2 vectors pe
 every block) is the only route to anything further back. Trains in about 15 minutes on 2 CPU cores.
 
 RWKV layers are left out on purpose: their recurrence carries context past any window, which would give the decoder
-a second route around z. `configs/ltm_window_plain.py` is the same decoder without latents, the baseline."""
+a second route around z. `configs/ltm_window_plain.py` is the same decoder without latents, the baseline.
+
+It keeps the form of the windowed-regime studies (docs/latent-thoughts.md, `benchmarks/latent_window.py`, whose
+variants are changes from it): z in every block, 8 inner steps from the prior-like start on whole rows, 7.2x
+the plain step's training FLOPs. `configs/ltm_code.py` is the same decoder in the efficient form (1.5x)."""
 
 from ltm_jax.config import Config, DataConfig, LatentConfig, ModelConfig, TrainConfig
 
@@ -15,5 +19,6 @@ def get_config() -> Config:
       data=DataConfig(source="embedded"),
       train=TrainConfig(steps=250, batch_size=16, seq_len=512, lr=4e-3, warmup_steps=50, eval_every=50,
                         eval_batches=2, checkpoint_every=50, log_every=10),
-      latent=LatentConfig(enabled=True, n_per_layer=2, inner_steps=8, inner_lr=0.3, init_logvar=-5.0),
+      latent=LatentConfig(enabled=True, n_per_layer=2, top_layers=None, inner_steps=8, inner_lr=0.3, init_logvar=-5.0,
+                          encoder=False, continuation_fraction=0.0),
   )

@@ -61,7 +61,7 @@ def _eval(args) -> int:
 
   from ltm_jax import data as data_lib
   from ltm_jax.api import load
-  from ltm_jax.train.evaluation import full_evaluation
+  from ltm_jax.train.evaluation import full_evaluation, latent_worth
   _check_quantize(args)
   _check_lm_workdir(args.workdir, "eval")
   _check_out(args.out)
@@ -94,6 +94,9 @@ def _eval(args) -> int:
     if isinstance(v, dict):
       v = " ".join(f"{steps}:{x:.4g}" for steps, x in v.items())
     print(f"{k:24s} {v:.4f}{label}" if isinstance(v, float) else f"{k:24s} {v}{label}")
+  worth = latent_worth(evaluation)
+  if worth:
+    print(worth)
   print(f"wrote {out}")
   return 0
 

@@ -233,18 +233,23 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class LatentConfig:
-  """Latent thought vectors z [B, n_layers, n_per_layer, d_model] read by a cross-attention sub-layer in every block,
-  inferred per sequence by `inner_steps` of Adam on the posterior N(mu, exp(logvar)) (Kong et al., 2025)."""
+  """Latent thought vectors z [B, top_layers, n_per_layer, d_model] read by a cross-attention sub-layer in the top
+  blocks, inferred per sequence by `inner_steps` of Adam on the posterior N(mu, exp(logvar)) (Kong et al., 2025).
+
+  The defaults are the cheapest form that measured as well per token (docs/latent-thoughts.md): z read by the top
+  block alone, an encoder's proposal refined by 2 inner steps, every row trained on continuation; a train step then
+  costs about 1.5x a plain one's FLOPs (`ltm info` prints it). The published form is top_layers=None, encoder=False,
+  inner_steps=16, inner_lr=0.3, continuation_fraction=0, at about 7x."""
   enabled: bool = False  # false: the plain decoder (no cross-attention), the baseline of every comparison.
-  n_per_layer: int = 4
+  n_per_layer: int = 8
   # z is read by the top `top_layers` blocks only (None: every block), so z is [B, top_layers, n_per_layer, d_model].
   # The blocks below do not depend on z: a train step runs them once, and the inner loop's forward and backward
   # passes run through the top blocks alone, from the lower blocks' output.
-  top_layers: int | None = None
+  top_layers: int | None = 1
   rope: bool = False  # RoPE on the cross-attention, z_l's vectors placed evenly over the first rope_span positions.
   rope_span: int = 256
-  inner_steps: int = 16
-  inner_lr: float = 0.3
+  inner_steps: int = 2
+  inner_lr: float = 0.1
   inner_min_lr_ratio: float = 0.1  # The inner learning rate is cosine-decayed to inner_lr * this within the loop.
   inner_b1: float = 0.9
   inner_b2: float = 0.999
@@ -258,12 +263,12 @@ class LatentConfig:
   # The fraction of each training batch trained on continuation: z fitted on a prefix of the sequence (a random
   # split in [T/4, 3T/4)), the decoder scored on the rest, so z is read as a memory of text it has not seen. The
   # other sequences are trained as usual (z fitted on, and the decoder scored on, the whole sequence).
-  continuation_fraction: float = 0.0
+  continuation_fraction: float = 1.0
   # Semi-amortised inference: a small encoder (ltm_jax/layers/latent_encoder.py: local n-gram features of the tokens
   # z is fitted on, pooled by one learned query per latent vector) proposes the inner loop's starting mu, so fewer
   # inner steps reach a good posterior. It is trained on the ELBO at its own proposal, whose gradient is the one the
   # inner loop's first step computes anyway. Adds parameters: a checkpoint binds it.
-  encoder: bool = False
+  encoder: bool = True
   encoder_width: int = 128  # A multiple of 32 (its attention pooling has heads of 32 dimensions).
   encoder_context: int = 4  # Tokens each position's n-gram feature reads: itself and the context - 1 before it.
   # Also propose logvar (else the start's logvar is init_logvar). Learned widths tighten the ELBO by orders of
@@ -634,13 +639,13 @@ def validate(config: Config) -> Config:
   need(t.warmup_steps >= 0 and t.weight_decay >= 0 and t.grad_clip >= 0,
        "train.warmup_steps, weight_decay and grad_clip must be >= 0")
   need(0 <= t.b1 < 1 and 0 <= t.b2 < 1 and t.eps > 0, "train.b1 and train.b2 must be in [0, 1), train.eps > 0")
+  need(t.spike_factor >= 1 and t.spike_margin >= 0 and t.spike_steps >= 0,
+       f"train.spike_factor must be >= 1 (got {t.spike_factor}), train.spike_margin and train.spike_steps >= 0 (got "
+       f"{t.spike_margin}, {t.spike_steps})")
   need(t.qat in ("none", "int8", "int4"), f"train.qat={t.qat!r}: choose none, int8 or int4")
   need(t.qat_group >= 2 and t.qat_group % 2 == 0, f"train.qat_group must be even and >= 2, got {t.qat_group}")
   need(t.qat == "none" or not config.timeseries.enabled, "train.qat quantises a language model's weights; set "
        "train.qat=none for a time-series model")
-  need(t.spike_factor >= 1 and t.spike_margin >= 0 and t.spike_steps >= 0,
-       f"train.spike_factor must be >= 1 (got {t.spike_factor}), train.spike_margin and train.spike_steps >= 0 (got "
-       f"{t.spike_margin}, {t.spike_steps})")
   need(not t.memory_stats or bool(set("MG") & set(m.layer_pattern)),
        f"train.memory_stats needs a Titans memory layer (M or G) in model.layer_pattern={m.layer_pattern!r}")
   has_full_attention = bool(set(ATTENTION_LETTERS) & set(m.layer_pattern)) and m.window is None

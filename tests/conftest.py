@@ -12,7 +12,7 @@ import tempfile
 import jax
 import pytest
 
-from ltm_jax.config import Config, DataConfig, ModelConfig, TrainConfig, validate
+from ltm_jax.config import Config, DataConfig, LatentConfig, ModelConfig, TrainConfig, validate
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -98,6 +98,17 @@ def fast_compile():
   with `pytestmark = pytest.mark.usefixtures("fast_compile")`."""
   with without_expensive_passes():
     yield
+
+
+# Latents in every block, fitted from the prior-like start on whole rows: the form that the tests of the inner loop,
+# the decoder objectives and the model's plumbing are written against, whatever LatentConfig's defaults are.
+CLASSIC_LATENT = dict(enabled=True, top_layers=None, encoder=False, continuation_fraction=0.0)
+CLASSIC_OVERRIDES = ["latent.enabled=true", "latent.top_layers=null", "latent.encoder=false",
+                     "latent.continuation_fraction=0"]
+
+
+def classic_latent(**fields) -> LatentConfig:
+  return LatentConfig(**{**CLASSIC_LATENT, **fields})
 
 
 def micro_config(**model_overrides) -> Config:

@@ -12,11 +12,11 @@ import numpy as np
 import optax
 import pytest
 
-from conftest import ROOT, micro_config
+from conftest import ROOT, classic_latent, micro_config
 from ltm_jax import api, cli
 from ltm_jax import latent as latent_lib
 from ltm_jax import model as model_lib
-from ltm_jax.config import ConfigError, LatentConfig, apply_overrides, validate
+from ltm_jax.config import ConfigError, apply_overrides, validate
 from ltm_jax.train.evaluation import CURVE_STEPS, full_evaluation
 from ltm_jax.train.step import create_train_state, make_train_step
 
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.usefixtures("fast_compile")
 
 # Every test fits with STEPS inner steps on [3, 16] batches where it can, so jitted inner loops are compiled once.
 STEPS = 4
-LATENT = LatentConfig(enabled=True, n_per_layer=3, inner_steps=STEPS, inner_lr=0.3)
+LATENT = classic_latent(n_per_layer=3, inner_steps=STEPS, inner_lr=0.3)
 
 
 def _config(**latent_overrides):

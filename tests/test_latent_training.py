@@ -13,13 +13,12 @@ import numpy as np
 import optax
 import pytest
 
-from conftest import micro_config
+from conftest import classic_latent, micro_config
 from ltm_jax import cli
 from ltm_jax import data as data_lib
 from ltm_jax import latent as latent_lib
 from ltm_jax import model as model_lib
 from ltm_jax.api import load
-from ltm_jax.config import LatentConfig
 from ltm_jax.train import train
 from ltm_jax.train.evaluation import full_evaluation
 from ltm_jax.latent import continuation_masks
@@ -30,7 +29,7 @@ from ltm_jax.train.step import create_train_state, make_train_step
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
 STEPS = 3
-LATENT = LatentConfig(enabled=True, n_per_layer=2, inner_steps=STEPS, inner_lr=0.3)
+LATENT = classic_latent(n_per_layer=2, inner_steps=STEPS, inner_lr=0.3)
 
 
 def _setup(seed=0, model_overrides=None, **latent_overrides):
@@ -245,6 +244,11 @@ def test_ltm_eval_measures_the_elbo_curve_on_the_batches_it_is_asked_to(trained_
   assert cli.main(["eval", "--workdir", str(workdir), "--batches", "2", "--curve-steps", "0", "1",
                    "--curve-batches", "1"]) == 0
   metrics = json.loads((workdir / "eval.json").read_text())
+  # The line that says what z is worth reads the same numbers as eval.json.
+  worth = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("z is worth"))
+  assert f"continuation perplexity {metrics['continuation_ppl']:.3f}" in worth
+  assert f"costs {metrics['shuffled_nll'] - metrics['nll']:.3f} nats/token" in worth
+  assert f"{metrics['active_units']}/{metrics['latent_dims']} latent dimensions active" in worth
   assert set(metrics["elbo_ppl_by_inner_steps"]) == {"0", "1", str(STEPS)}
   assert metrics["curve_tokens"] == t.batch_size * t.seq_len and metrics["tokens"] == 2 * t.batch_size * t.seq_len
   # The curve at the trained steps over the first batch equals the main ELBO of that batch alone.

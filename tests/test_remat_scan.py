@@ -12,12 +12,12 @@ import numpy as np
 import optax
 import pytest
 
-from conftest import micro_config
+from conftest import classic_latent, micro_config
 from ltm_jax import model as model_lib
-from ltm_jax.config import REMAT_POLICIES, ConfigError, LatentConfig, apply_overrides, validate
+from ltm_jax.config import REMAT_POLICIES, ConfigError, apply_overrides, validate
 from ltm_jax.layers.common import LOGICAL_AXES
 
-LATENT = LatentConfig(enabled=True, n_per_layer=3, inner_steps=2)
+LATENT = classic_latent(n_per_layer=3, inner_steps=2)
 # Scanned and unrolled layers run the same float32 ops, fused differently by XLA.
 FLOAT32_ATOL = 2e-5
 

@@ -159,6 +159,20 @@ def full_evaluation(model: model_lib.LM, params, batches: Iterable[dict[str, Any
   return metrics
 
 
+def latent_worth(metrics: dict[str, Any]) -> str | None:
+  """What z is worth in a full evaluation of a latent model, as one line a person reads (None for a plain decoder):
+  continuation perplexity, what z fitted on another sequence and z from the prior cost against each sequence's own z,
+  and the active latent dimensions."""
+  if metrics.get("shuffled_nll") is None:
+    return None
+  active = f"; {metrics['active_units']}/{metrics['latent_dims']} latent dimensions active" if (
+      metrics.get("active_units") is not None) else ""
+  return (f"z is worth: continuation perplexity {metrics['continuation_ppl']:.3f} (z fitted on each sequence's first "
+          f"half, the second half scored); z from another sequence costs "
+          f"{metrics['shuffled_nll'] - metrics['nll']:.3f} nats/token, z from the prior "
+          f"{metrics['prior_nll'] - metrics['nll']:.3f}{active}")
+
+
 def _ppl(nll_per_token: float) -> float:
   """exp(NLL per token); infinity where that overflows a float (a diverged model's NLL), instead of an OverflowError."""
   try:

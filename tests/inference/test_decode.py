@@ -15,10 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import micro_config
+from conftest import classic_latent, micro_config
 from ltm_jax import api
 from ltm_jax import model as model_lib
-from ltm_jax.config import LatentConfig
 from ltm_jax.inference import decode, left_pad, prefill
 
 ATOL = 1e-4
@@ -40,7 +39,7 @@ VARIANTS = {
 def _model(variant: str) -> api.LanguageModel:
   cfg = micro_config(**VARIANTS[variant])
   if variant == "latent_scanned":
-    cfg = dataclasses.replace(cfg, latent=LatentConfig(enabled=True, n_per_layer=2, rope=True, rope_span=16))
+    cfg = dataclasses.replace(cfg, latent=classic_latent(n_per_layer=2, rope=True, rope_span=16))
   lm = api.build(cfg, seed=1)
   # Random init gives near-uniform logits; spread them so greedy choices are not decided by rounding.
   head = "head" if "head" in lm.params else "embed"

@@ -10,16 +10,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import micro_config
+from conftest import classic_latent, micro_config
 from ltm_jax import model as model_lib
-from ltm_jax.config import LatentConfig
 from ltm_jax.inference.quantize import Int4Weight, Int8Weight, dequantize_params, has_int8_weights
 from ltm_jax.inference.quantize import fake_quantize_params, has_quantized_weights, param_bytes, quantization_error
 from ltm_jax.inference import quantize as quantize_lib
 from ltm_jax.inference.quantize import quantization_plan, quantize_params
 
 ROUNDING = 0.5 / 127  # The worst relative (to the channel's max|W|) error of rounding to 255 symmetric levels.
-LATENT = LatentConfig(enabled=True, n_per_layer=2)
+LATENT = classic_latent(n_per_layer=2)
 KINDS = {  # name: (model overrides, latent)
     "rwkv4_attention_untied": ({"layer_pattern": "RA", "tie_embeddings": False}, None),
     "rwkv7_scanned_tied": ({"layer_pattern": "W", "rwkv7_head_size": 16, "n_layers": 3, "scan_layers": True,

@@ -23,7 +23,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from conftest import micro_config, without_expensive_passes  # noqa: E402
+from conftest import CLASSIC_OVERRIDES, micro_config, without_expensive_passes  # noqa: E402
 
 from ltm_jax import config as config_lib  # noqa: E402
 from ltm_jax import model as model_lib  # noqa: E402
@@ -239,8 +239,8 @@ def scanned_latent_remat():
   2x2x2 mesh against one device. The kernel's custom VJP runs per shard inside remat inside the layer scan and the
   latent inner loop's scan (see ops.sharding.inside_shard_map)."""
   base = _config(MESHES["mixed"], layer_pattern="R", scan_layers=True, remat="full", wkv_impl="pallas")
-  base = config_lib.validate(config_lib.apply_overrides(base, ["latent.enabled=true", "latent.n_per_layer=2",
-                                                               "latent.inner_steps=2"]))
+  base = config_lib.validate(config_lib.apply_overrides(base, CLASSIC_OVERRIDES + ["latent.n_per_layer=2",
+                                                                                   "latent.inner_steps=2"]))
   optimizer = make_optimizer(base.train)
   host_state = jax.device_get(create_train_state(
       model_lib.init_params(base.model, jax.random.key(0), base.latent), optimizer, 0))

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import micro_config
+from conftest import CLASSIC_LATENT, micro_config
 from ltm_jax import cli
 from ltm_jax import model as model_lib
 from ltm_jax.api import load
@@ -31,8 +31,8 @@ COLLECT = dict(sequences=20, heldout_fraction=0.2, batch_size=4, shard_size=8)
 def _decoder_workdir(path, n_per_layer=2, latents=True):
   """A workdir holding a freshly initialised latent decoder at step 0 (training it is not what is tested here)."""
   cfg = micro_config(layer_pattern="A", n_layers=2)
-  cfg = validate(dataclasses.replace(cfg, latent=LatentConfig(enabled=latents, n_per_layer=n_per_layer,
-                                                                inner_steps=2)))
+  cfg = validate(dataclasses.replace(cfg, latent=LatentConfig(**{**CLASSIC_LATENT, "enabled": latents},
+                                                                n_per_layer=n_per_layer, inner_steps=2)))
   state = create_train_state(model_lib.init_params(cfg.model, jax.random.key(1), cfg.latent),
                              make_optimizer(cfg.train), 0)
   checkpointer = ckpt_lib.Checkpointer(path, keep=1, async_save=False)
