@@ -63,31 +63,64 @@ def _layer(module: str) -> int:
                if module == name or module.startswith(name + ".")), len(LAYERS))
 
 
-def _ltm_jax_imports(path: pathlib.Path) -> set[str]:
-  """The ltm_jax modules a file imports when it runs (`from a import b` counts as a.b where b is a module); imports
-  under `if TYPE_CHECKING:` never run and are left out."""
-  tree = ast.parse(path.read_text(), str(path))
-  typing_only = {id(inner) for node in ast.walk(tree)
-                 if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-                 for statement in node.body for inner in ast.walk(statement)}
+def _ltm_jax_imports(path: pathlib.Path, root: pathlib.Path = ROOT, package: str = "ltm_jax") -> set[str]:
+  """The modules of `package` (a folder under `root`) a file imports, at any depth of its code, imports under
+  `if TYPE_CHECKING:` included (`from a import b` counts as a.b where b is a module)."""
   found = set()
-  for node in ast.walk(tree):
-    if id(node) in typing_only:
-      continue
+  for node in ast.walk(ast.parse(path.read_text(), str(path))):
     if isinstance(node, ast.Import):
       found.update(alias.name for alias in node.names)
     elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
       for alias in node.names:
-        submodule = ROOT.joinpath(*f"{node.module}.{alias.name}".split("."))
+        submodule = root.joinpath(*f"{node.module}.{alias.name}".split("."))
         is_module = submodule.with_suffix(".py").exists() or (submodule / "__init__.py").exists()
         found.add(f"{node.module}.{alias.name}" if is_module else node.module)
-  return {m for m in found if m.split(".")[0] == "ltm_jax"}
+  return {m for m in found if m.split(".")[0] == package}
+
+
+def _import_graph(root: pathlib.Path, package: str) -> dict[str, set[str]]:
+  """Module -> the modules of the package it imports, TYPE_CHECKING and function-level imports included."""
+  graph = {}
+  for path in sorted((root / package).rglob("*.py")):
+    parts = path.relative_to(root).with_suffix("").parts
+    graph[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = _ltm_jax_imports(path, root, package)
+  return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+  """The import circles of a graph: each strongly connected set of two or more modules (or a module importing
+  itself), sorted."""
+  order, low, stack, on_stack, circles = {}, {}, [], set(), []
+
+  def visit(v):
+    order[v] = low[v] = len(order)
+    stack.append(v)
+    on_stack.add(v)
+    for w in sorted(graph[v] & graph.keys()):
+      if w not in order:
+        visit(w)
+        low[v] = min(low[v], low[w])
+      elif w in on_stack:
+        low[v] = min(low[v], order[w])
+    if low[v] == order[v]:
+      component = []
+      while not component or component[-1] != v:
+        component.append(stack.pop())
+        on_stack.discard(component[-1])
+      if len(component) > 1 or v in graph[v]:
+        circles.append(sorted(component))
+
+  for v in sorted(graph):
+    if v not in order:
+      visit(v)
+  return sorted(circles)
 
 
 def test_ltm_jax_imports_run_down_the_layers():
   """errors <- ops <- layers <- mesh checks <- config <- model: config imports nothing of the model, training or
-  parallel beyond the mesh checks. Importing the mesh checks runs ltm_jax/parallel/__init__.py first, whose names
-  would import the model (and so the config being validated): it imports nothing when it loads."""
+  parallel beyond the mesh checks, and nothing below imports from above, not even for a type annotation under
+  `if TYPE_CHECKING:`. Importing the mesh checks runs ltm_jax/parallel/__init__.py first, whose names would import
+  the model (and so the config being validated): it imports nothing when it loads."""
   reaching_up = {}
   for path in sorted((ROOT / "ltm_jax").rglob("*.py")):
     parts = path.relative_to(ROOT).with_suffix("").parts
@@ -97,3 +130,27 @@ def test_ltm_jax_imports_run_down_the_layers():
       reaching_up[module] = above
   assert not reaching_up
   assert not _ltm_jax_imports(ROOT / "ltm_jax" / "parallel" / "__init__.py")
+
+
+def test_ltm_jax_has_no_import_circle():
+  """No module of ltm_jax imports, through any chain of imports, a module that imports it: TYPE_CHECKING imports
+  (which close a circle for a type checker and for a reader, though never at run time) and imports inside functions
+  count."""
+  graph = _import_graph(ROOT, "ltm_jax")
+  assert len(graph) > 50 and graph["ltm_jax.config"]  # The graph is read: every module, with its imports.
+  assert _circles(graph) == []
+
+
+def test_a_type_checking_import_that_closes_a_circle_is_found(tmp_path):
+  """The circle check on a package where `low` imports `high` for an annotation only and `high` imports `low`."""
+  package = tmp_path / "pkg"
+  package.mkdir()
+  (package / "__init__.py").write_text("")
+  (package / "low.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n  from pkg.high import Thing\n")
+  (package / "high.py").write_text("from pkg import low\n\ndef f():\n  from pkg import other\n")
+  (package / "other.py").write_text("")
+  graph = _import_graph(tmp_path, "pkg")
+  assert graph == {"pkg": set(), "pkg.low": {"pkg.high"}, "pkg.high": {"pkg.low", "pkg.other"}, "pkg.other": set()}
+  assert _circles(graph) == [["pkg.high", "pkg.low"]]
+  (package / "low.py").write_text("")
+  assert _circles(_import_graph(tmp_path, "pkg")) == []

@@ -1,17 +1,101 @@
 """The mesh's axes and the checks that a config's mesh section fits its model: sizes, rule syntax, a pipeline that
 splits the layer stack and the batch, and mesh axes that divide the dimensions they shard. Config validation runs
-these, so this module imports nothing of the model or of the rest of this package."""
+these, so this module imports nothing of the config, the model or the rest of this package: the checks read a config
+through the protocols below, which name the fields and properties they use (`ltm_jax.config.Config` has them all)."""
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ltm_jax.errors import ConfigError
 from ltm_jax.layers.pattern import ATTENTION_LETTERS
 
-if TYPE_CHECKING:
-  from ltm_jax.config import Config
+
+class MeshSection(Protocol):
+  """What the checks read of a config's mesh section: its sizes, its logical-axis rules (each rule's mesh axes are
+  also read as the attribute of the rule's name) and the stacked-layer axis. Members are read-only, as the frozen
+  config's fields are."""
+
+  @property
+  def layers(self) -> str | None: ...
+
+  def sizes(self) -> dict[str, int]: ...
+
+  def rules(self) -> tuple[tuple[str, str | tuple[str, ...] | None], ...]: ...
+
+
+class ModelSection(Protocol):
+  """What the checks read of a config's model section: the dimensions a mesh axis may split."""
+
+  @property
+  def layer_pattern(self) -> str: ...
+
+  @property
+  def n_layers(self) -> int: ...
+
+  @property
+  def d_model(self) -> int: ...
+
+  @property
+  def n_heads(self) -> int: ...
+
+  @property
+  def kv_heads(self) -> int: ...
+
+  @property
+  def rwkv7_head_size(self) -> int: ...
+
+  @property
+  def padded_vocab_size(self) -> int: ...
+
+  @property
+  def mixers(self) -> tuple[str, ...]: ...
+
+  @property
+  def scan_layers(self) -> bool: ...
+
+  @property
+  def scanned_units(self) -> int: ...
+
+  @property
+  def pipeline_micro_batches(self) -> int: ...
+
+  def ffn_kind(self, mixer: str) -> str: ...
+
+  def ffn_dim(self, kind: str) -> int: ...
+
+
+class TrainSection(Protocol):
+
+  @property
+  def batch_size(self) -> int: ...
+
+  @property
+  def grad_accum(self) -> int: ...
+
+
+class LatentSection(Protocol):
+
+  @property
+  def enabled(self) -> bool: ...
+
+
+class MeshedConfig(Protocol):
+  """The sections of a config that the mesh checks read."""
+
+  @property
+  def mesh(self) -> MeshSection: ...
+
+  @property
+  def model(self) -> ModelSection: ...
+
+  @property
+  def train(self) -> TrainSection: ...
+
+  @property
+  def latent(self) -> LatentSection: ...
+
 
 # The pipeline axis leads: jax.make_mesh keeps the last axes within a host, and stages exchange only activations.
 MESH_AXES = ("pipeline", "data", "fsdp", "tensor")
@@ -22,7 +106,7 @@ def mesh_axes_of(rule: str | None) -> tuple[str, ...]:
   return () if rule is None else tuple(a.strip() for a in rule.split(",") if a.strip())
 
 
-def validate_mesh(config: Config) -> None:
+def validate_mesh(config: MeshedConfig) -> None:
   """The mesh section on its own: sizes, rule syntax, and the divisibility checks whose sizes are already known."""
   mesh = config.mesh
   sizes = mesh.sizes()
@@ -42,7 +126,7 @@ def validate_mesh(config: Config) -> None:
   check_mesh_fits(config, sizes)
 
 
-def model_dims(config: Config, stages: int = 1) -> dict[str, list[tuple[str, int]]]:
+def model_dims(config: MeshedConfig, stages: int = 1) -> dict[str, list[tuple[str, int]]]:
   """Logical axis -> [(what, size), ...]: the model and batch dimensions each logical axis shards, for the checks;
   with `stages` > 1 the batch a stage runs is a pipeline micro-batch."""
   m, t = config.model, config.train
@@ -71,7 +155,7 @@ def model_dims(config: Config, stages: int = 1) -> dict[str, list[tuple[str, int
   return dims
 
 
-def check_mesh_fits(config: Config, sizes: dict[str, int]) -> None:
+def check_mesh_fits(config: MeshedConfig, sizes: dict[str, int]) -> None:
   """Raises ConfigError when a mesh axis size does not divide the dimension it shards (heads, FFN width, channels,
   vocabulary, d_model, micro-batch). Sizes of -1 (not yet resolved against the device count) are skipped."""
   mesh = config.mesh
@@ -90,7 +174,7 @@ def check_mesh_fits(config: Config, sizes: dict[str, int]) -> None:
                           f"(mesh.{name}={getattr(mesh, name)})")
 
 
-def check_pipeline(config: Config, stages: int) -> None:
+def check_pipeline(config: MeshedConfig, stages: int) -> None:
   """Raises ConfigError when `stages` pipeline stages cannot split the scanned layer stack evenly, or the
   pipeline micro-batches cannot split the batch a forward pass sees (train.batch_size / train.grad_accum)."""
   m, t = config.model, config.train

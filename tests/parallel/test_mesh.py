@@ -158,3 +158,15 @@ def test_single_device_layout_is_trivial():
   layout = parallel.make_layout(cfg, make_optimizer(cfg.train))
   assert layout.mesh.size == jax.device_count() == 1
   assert parallel.sharded_if_multi_device(layout) is None
+
+
+def test_the_config_has_every_member_the_mesh_checks_read():
+  """The mesh checks read a config through protocols (they import nothing of ltm_jax.config): every member those
+  name is a field, property or method of the config's sections."""
+  from ltm_jax.parallel import mesh_checks  # pylint: disable=g-import-not-at-top
+  cfg = micro_config()
+  sections = {mesh_checks.MeshedConfig: cfg, mesh_checks.MeshSection: cfg.mesh, mesh_checks.ModelSection: cfg.model,
+              mesh_checks.TrainSection: cfg.train, mesh_checks.LatentSection: cfg.latent}
+  for protocol, section in sections.items():
+    members = [name for name in vars(protocol) if not name.startswith("_")]
+    assert members and not [name for name in members if not hasattr(section, name)], (protocol, members)
