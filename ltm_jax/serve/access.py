@@ -60,10 +60,12 @@ def line(scope: dict, status: int | None, seconds: float) -> str:
 
 
 def configure(level: str) -> None:
-  """Writes the server's logs (`ltm_jax.serve.*`) at `level` and above to stderr, one line each."""
+  """Writes the server's logs (`ltm_jax.serve.*`) at `level` and above to stderr, one line each, through a handler
+  of their own only (not also through the root logger's, which a library may have configured)."""
   logger = logging.getLogger("ltm_jax.serve")
   if not logger.handlers:
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
     logger.addHandler(handler)
   logger.setLevel(level.upper())
+  logger.propagate = False

@@ -859,3 +859,17 @@ def test_the_programs_compiled_are_those_the_docs_count(context, prefill_chunk, 
   256 (4 x 5 + 1) and 29 for 1024 (4 x 7 + 1). Nothing is compiled here: the engine counts what `start` would."""
   lm = api.LanguageModel(micro_config(max_seq_len=context), None)
   assert Engine(lm, max_batch=32, prefill_chunk=prefill_chunk).programs == programs
+
+
+def test_the_access_lines_are_written_once_on_stderr(capsys, monkeypatch):
+  """`serve`'s logging set-up writes each access line once on stderr, even where the root logger has a handler of
+  its own (as some library may have set up)."""
+  logger = logging.getLogger("ltm_jax.serve")
+  monkeypatch.setattr(logger, "handlers", [])
+  monkeypatch.setattr(logger, "propagate", True)
+  monkeypatch.setattr(logger, "level", logger.level)
+  monkeypatch.setattr(logging.getLogger(), "handlers", [logging.StreamHandler()])  # Binds stderr as captured.
+  from ltm_jax.serve import access
+  access.configure("info")
+  access.LOGGER.info('127.0.0.1:1 "POST /v1/completions" 200 0.001s')
+  assert capsys.readouterr().err.count('"POST /v1/completions" 200') == 1
