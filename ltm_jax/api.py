@@ -35,7 +35,7 @@ from ltm_jax.train.optimizer import make_optimizer
 class LanguageModel:
   """Config + parameters + tokenizer, with `forward`, `init_state`/`step`, `generate` and `stream_tokens`.
 
-  A latent model (config.latent.enabled) reads latent thought vectors z [B, n_layers, n_per_layer, d_model]:
+  A latent model (config.latent.enabled) reads latent thought vectors z [B, latent layers, n_per_layer, d_model]:
   `fit_latents` infers them from tokens with the inner loop, `prior_latents` draws them from N(0, I), and `forward`,
   `step` and the generation methods take them explicitly, so decoding and the full forward pass can be compared under
   one z. `quantize("int8")` gives the same model with int8 matmul weights, dequantised inside every jitted call."""
@@ -97,7 +97,7 @@ class LanguageModel:
       raise LtmError("this model has no latent thought vectors (latent.enabled=false)")
 
   def prior_latents(self, batch: int, seed: int = 0) -> jax.Array:
-    """z ~ p(z) = N(0, I): [B, n_layers, n_per_layer, d_model] float32."""
+    """z ~ p(z) = N(0, I): [B, latent layers, n_per_layer, d_model] float32."""
     return jax.random.normal(inputs.key(seed), self.latent_shape(batch), jnp.float32)
 
   @property
@@ -124,7 +124,7 @@ class LanguageModel:
 
   def dit_latents(self, batch: int, seed: int = 0, *, sampler: str | None = None,
                   steps: int | None = None) -> jax.Array:
-    """z from the learned prior (`prior`): [B, n_layers, n_per_layer, d_model] float32, drawn by `sampler`
+    """z from the learned prior (`prior`): [B, latent layers, n_per_layer, d_model] float32, drawn by `sampler`
     ("dpm++" or "ddpm"; default prior.sampler) in `steps` denoiser evaluations (default prior.sampler_steps)."""
     inputs.check_int("batch", batch, low=1)
     return self.prior.sample(batch, inputs.key(seed), sampler, steps)
@@ -182,7 +182,7 @@ class LanguageModel:
   def forward(self, tokens, latents=None, *, seed: int = 0) -> jax.Array:
     """tokens [B, T] (or [T]) int -> float32 logits [B, T, vocab_size] (or [T, vocab_size]).
 
-    Latent models need `latents`: z [B, n_layers, n_per_layer, d_model] (without B for a single sequence),
+    Latent models need `latents`: z [B, latent layers, n_per_layer, d_model] (without B for a single sequence),
     "posterior" (the posterior mean fitted to these tokens, using `seed`), "prior" (a draw from N(0, I)) or "dit"
     (a draw from the learned prior, `dit_latents`)."""
     tokens = inputs.token_ids(tokens, self.config.model.vocab_size, "forward")
@@ -259,7 +259,7 @@ class LanguageModel:
 
     Latent models condition on `latents`: "posterior" (z inferred from each prompt by the inner loop; the default
     when every prompt has 2+ tokens), "prior" (z ~ N(0, I): unconditional), "dit" (z from the learned prior:
-    unconditional) or an array z [B, n_layers, n_per_layer, d_model], e.g. `fit_latents(other_text).posterior.mu`
+    unconditional) or an array z [B, latent layers, n_per_layer, d_model], e.g. `fit_latents(other_text).posterior.mu`
     to continue a prompt under another text's thoughts."""
     rows, single = self._prompt_rows(prompt, "generate")
     stops = text_lib.stop_strings(stop)
@@ -327,7 +327,7 @@ class LanguageModel:
     on-device loop. A row ends at its first stop token (eos when stop_at_eos, and any of `stop_tokens`) and repeats
     it after; the loop ends once every row has ended.
 
-    `latents` (latent models only): an array z [B, n_layers, n_per_layer, d_model], "posterior" (the posterior mean
+    `latents` (latent models only): an array z [B, latent layers, n_per_layer, d_model], "posterior" (the posterior mean
     fitted to each prompt), "prior" (a draw from N(0, I)) or "dit" (a draw from the learned prior); None picks "posterior" when every prompt has 2+
     tokens."""
     chunks = list(self.stream_tokens(prompt, max_new_tokens, key=key, chunk=max_new_tokens, temperature=temperature,

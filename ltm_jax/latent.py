@@ -1,7 +1,7 @@
 """Posterior inference of latent thought vectors: the fast, per-sequence inner loop of Latent Thought Models.
 
 Prior p(z) = N(0, I); posterior q(z|x) = N(mu, diag(exp(logvar))) with its own (mu, logvar) for every sequence
-(local parameters, shaped like z: [B, n_layers, n_per_layer, d_model]). `fit` runs Adam on (mu, logvar) to lower each
+(local parameters, shaped like z: [B, latent layers, n_per_layer, d_model]). `fit` runs Adam on (mu, logvar) to lower each
 sequence's negative ELBO, sum_t NLL(x_t | z, x_<t) + KL(q || p), with z = mu + exp(logvar / 2) * eps for one noise
 draw eps held fixed across the steps, and a learning rate cosine-decayed within the loop.
 
@@ -33,7 +33,7 @@ from ltm_jax.config import LatentConfig
 
 
 class Posterior(NamedTuple):
-  """q(z|x) = N(mu, diag(exp(logvar))); both [B, n_layers, n_per_layer, d_model] float32."""
+  """q(z|x) = N(mu, diag(exp(logvar))); both [B, latent layers, n_per_layer, d_model] float32."""
   mu: jax.Array
   logvar: jax.Array
 

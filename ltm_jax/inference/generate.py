@@ -85,7 +85,7 @@ def prefill(model: nn.Module, params, tokens: jax.Array, lengths: jax.Array, lat
             kernels_as_stored: tuple[str, ...] | None = None) -> Decoding:
   """Runs left-padded prompts tokens [B, T] (row b's last lengths[b] tokens are its prompt) through the model's
   parallel path, from empty states. `model.cache_capacity` sizes full-attention caches, which must cover prompt and
-  generation. `latents` [B, n_layers, n_per_layer, d_model] for latent models, else None. `kernels_as_stored`: see
+  generation. `latents` [B, latent layers, n_per_layer, d_model] for latent models, else None. `kernels_as_stored`: see
   `model_params`."""
   batch, length = tokens.shape
   valid, positions = prompt_mask(lengths, length)

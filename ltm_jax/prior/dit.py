@@ -1,7 +1,7 @@
 """A diffusion transformer (DiT, Peebles & Xie, 2023) over latent thoughts: one token per latent slot.
 
-z [B, n_layers, n_per_layer, d_latent] becomes n_layers * n_per_layer tokens of `width`, each tagged with a learned
-embedding of its layer and of its slot within the layer, so attention between slots sees which decoder layer each
+z [B, layers, n_per_layer, d_latent] (one entry per latent-reading layer) becomes layers * n_per_layer tokens of
+`width`, each tagged with a learned embedding of its layer and of its slot within the layer, so attention between slots sees which decoder layer each
 vector feeds. The diffusion time conditions every block through adaLN-Zero: a zero-initialised linear map of the
 time embedding gives each block's shift, scale and residual gate, so every block starts as the identity and the
 untrained network predicts eps = 0. The output is the predicted noise, shaped like z.

@@ -27,7 +27,7 @@ def folder_of(workdir: str | pathlib.Path) -> pathlib.Path:
 
 
 class PriorState(NamedTuple):
-  """What a prior checkpoint holds. mean, std: float32 [n_layers, n_per_layer, d_model]."""
+  """What a prior checkpoint holds. mean, std: float32 [latent layers, n_per_layer, d_model]."""
   params: Any
   ema: Any
   opt_state: Any
@@ -48,7 +48,7 @@ def init_params(cfg: PriorConfig, latent_shape: tuple[int, int, int], key: jax.A
 
 
 class LatentPrior:
-  """p(z) learned by diffusion: `sample(batch, key)` draws z [batch, n_layers, n_per_layer, d_model]."""
+  """p(z) learned by diffusion: `sample(batch, key)` draws z [batch, latent layers, n_per_layer, d_model]."""
 
   def __init__(self, cfg: PriorConfig, params, mean: jax.Array, std: jax.Array, step: int = 0):
     self.cfg, self.params, self.step = cfg, params, step

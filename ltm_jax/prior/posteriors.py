@@ -2,7 +2,7 @@
 
 `collect` runs the inner loop (latent.inner_steps, as in training) over training windows taken in an order drawn from
 `seed`, and writes WORKDIR/prior/posteriors/shard-NNNNN.array_record: one record per window, the .npy bytes of a
-float32 [3, n_layers, n_per_layer, d_model] array stacking a posterior sample z = mu + sigma * eps, mu and logvar.
+float32 [3, latent layers, n_per_layer, d_model] array stacking a posterior sample z = mu + sigma * eps, mu and logvar.
 ArrayRecord (the format grain reads with random access) because the set is read shuffled by the prior's training
 loader and may outgrow memory; a shard is written under a temporary name and renamed, then listed in manifest.json,
 so an interrupted run resumes at the first unlisted shard and, every shard being a pure function of (decoder, seed,
@@ -61,7 +61,7 @@ def encode_record(z: np.ndarray, mu: np.ndarray, logvar: np.ndarray) -> bytes:
 
 
 def decode_record(record: bytes) -> np.ndarray:
-  """float32 [3, n_layers, n_per_layer, d_model]: z, mu, logvar."""
+  """float32 [3, latent layers, n_per_layer, d_model]: z, mu, logvar."""
   return np.load(io.BytesIO(record), allow_pickle=False)
 
 
@@ -204,7 +204,7 @@ class PosteriorSet:
       self.mean, self.std = moments["mean"], moments["std"]
 
   def read(self, indices) -> np.ndarray:
-    """float32 [N, 3, n_layers, n_per_layer, d_model] (z, mu, logvar) of the records at `indices`."""
+    """float32 [N, 3, latent layers, n_per_layer, d_model] (z, mu, logvar) of the records at `indices`."""
     return np.stack([decode_record(r) for r in self.source.__getitems__(list(indices))])
 
   def heldout(self) -> np.ndarray:

@@ -48,7 +48,7 @@ class Slots(NamedTuple):
   the `model.init_state` layout, next-token logits, positions, last tokens, done [S] for rows that stopped or are
   free), with generated [S] int32 per row, the tokens it drew since it was admitted (the index of its next key);
   budget [S] int32, tokens it may still draw; keys [S] PRNG keys; temperature [S] float32 (0: greedy); top_k [S]
-  int32 (0: off); top_p [S] float32 (1: off); latents [S, n_layers, n_per_layer, d_model] for latent models, else
+  int32 (0: off); top_p [S] float32 (1: off); latents [S, latent layers, n_per_layer, d_model] for latent models, else
   None."""
   decoding: generation.Decoding
   budget: jax.Array
@@ -140,7 +140,7 @@ def _put_rows(table, new, rows: jax.Array, axes=0):
 
 
 def _fit_latents(model: model_lib.LM, params, tokens: jax.Array, lengths: jax.Array, keys: jax.Array) -> jax.Array:
-  """z [Bp, n_layers, n_per_layer, d_model] for left-padded prompts [Bp, T]: the posterior mean the inner loop fits to
+  """z [Bp, latent layers, n_per_layer, d_model] for left-padded prompts [Bp, T]: the posterior mean the inner loop fits to
   each prompt with its own key (a prompt of one token has no target to fit: z ~ N(0, I) from that key instead), so a
   prompt's z does not depend on the prompts it is prefilled with."""
   latent_shape = model_lib.latent_shape(model.cfg, model.latent, 1)
