@@ -30,6 +30,7 @@ from ltm_jax.layers.common import (
   token_shift,
 )
 from ltm_jax.layers.rwkv4 import ChannelMixState
+from ltm_jax.ops.rwkv7_out import rwkv7_out
 from ltm_jax.ops.wkv7 import empty_state as wkv7_empty_state
 from ltm_jax.ops.wkv7 import wkv7
 
@@ -94,6 +95,7 @@ class TimeMix7(nn.Module):
   gate_lora: int = 32
   first: bool = True
   impl: str = "auto"
+  out_impl: str = "auto"  # The output stage's backend (ltm_jax.ops.rwkv7_out): group norm, bonus and gate.
   dtype: str = "float32"
   fp8: bool = False  # Its projections multiply in FP8 (ltm_jax.ops.fp8); the model sets it from model.fp8.
 
@@ -172,12 +174,14 @@ class TimeMix7(nn.Module):
     y, wkv_state = wkv7(to_heads(r), to_heads(log_decay), to_heads(k), to_heads(v), -kk, kk * to_heads(iclr),
                         state.wkv, impl=self.impl)
 
-    y = _group_norm(self, y, self.dtype)  # [B, T, H, N] -> normalised per head, scaled per channel.
+    # Per-head group norm of y with a per-channel affine, plus the r.k bonus times v, times the gate (ops.rwkv7_out).
+    norm_scale = self.param("out_norm_scale", nn.with_logical_partitioning(nn.initializers.ones, ("wkv",)), (d,))
+    norm_bias = self.param("out_norm_bias", nn.with_logical_partitioning(nn.initializers.zeros, ("wkv",)), (d,))
     bonus = vector("bonus", np.full(d, -0.04)).astype(x.dtype)  # [C], official r_k [H, N]; a vector: no decay.
-    rk = jnp.sum(to_heads(r * k * bonus), axis=-1, keepdims=True, dtype=jnp.float32)
-    y = y + (rk * to_heads(v).astype(jnp.float32)).astype(y.dtype)
+    rk = jnp.sum(to_heads(r * k * bonus), axis=-1, dtype=jnp.float32)  # [B, T, H]
+    y = rwkv7_out(y, rk, v, gate, norm_scale, norm_bias, eps=GROUP_NORM_EPS, impl=self.out_impl)
     out = _projection(d, nn.with_logical_partitioning(nn.initializers.zeros, ("wkv", "embed")), self.dtype,
-                      "output", self.fp8)(y.reshape(batch, length, d) * gate)
+                      "output", self.fp8)(y)
     return out, TimeMix7State(wkv_state, x[:, -1].astype(jnp.float32)), v_first
 
 
@@ -201,18 +205,6 @@ def _shifted_loras(x, last, loras):
     start += down.shape[1]
     outs.append((h_i if act is None else act(h_i)) @ up.astype(dtype))
   return outs
-
-
-def _group_norm(module: nn.Module, y, dtype):
-  """Per-head LayerNorm of y [B, T, H, N] (eps 64e-5, in float32), then a per-channel affine; out [B, T, H, N]."""
-  _, _, heads, n = y.shape
-  scale = module.param("out_norm_scale", nn.with_logical_partitioning(nn.initializers.ones, ("wkv",)), (heads * n,))
-  bias = module.param("out_norm_bias", nn.with_logical_partitioning(nn.initializers.zeros, ("wkv",)), (heads * n,))
-  y = y.astype(jnp.float32)
-  mean = jnp.mean(y, axis=-1, keepdims=True)
-  var = jnp.mean(jnp.square(y - mean), axis=-1, keepdims=True)
-  y = (y - mean) * jax.lax.rsqrt(var + GROUP_NORM_EPS)
-  return (y * scale.reshape(heads, n) + bias.reshape(heads, n)).astype(dtype)
 
 
 class ChannelMix7(nn.Module):
