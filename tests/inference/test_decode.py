@@ -24,6 +24,10 @@ ATOL = 1e-4
 PROMPTS = ([72, 101, 108, 108, 111], [65, 66], [33, 34, 35, 36, 37, 38, 39])  # Ragged: 5, 2 and 7 tokens.
 NEW = 6  # Decoded tokens; with the 7-token prompt, 13 positions: past the 4-token window.
 
+# Compile-bound: each variant compiles its prefill, decode and forward programs and compares the logits and tokens
+# they give (conftest.fast_compile).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
 VARIANTS = {
     "attention": dict(layer_pattern="A"),
     "attention_window_gqa": dict(layer_pattern="A", window=4, n_kv_heads=2),
@@ -70,10 +74,14 @@ def decoded(request):
 
 def test_prefill_and_decode_equal_the_forward_pass_of_each_prompt_alone(decoded):
   lm, latents, generated, logits, _ = decoded
+  # Each finished sequence alone, from position 0, in a buffer of the longest one's length (one compiled forward
+  # pass): the zeros after its end come later than every logit read, which a causal model never lets them change.
+  width = max(len(p) for p in PROMPTS) + NEW
   for row, prompt in enumerate(PROMPTS):
-    sequence = np.concatenate([prompt, generated[row]])[None]
+    sequence = np.zeros((1, width), np.int32)
+    sequence[0, :len(prompt) + NEW] = np.concatenate([prompt, generated[row]])
     z = None if latents is None else latents[row:row + 1]
-    reference = np.asarray(lm.forward(sequence, z))[0, len(prompt) - 1:]  # The logits that chose each new token.
+    reference = np.asarray(lm.forward(sequence, z))[0, len(prompt) - 1:len(prompt) + NEW]  # Chose each new token.
     np.testing.assert_allclose(logits[row], reference, atol=ATOL, rtol=0, err_msg=f"row {row}")
     np.testing.assert_array_equal(generated[row], reference[:-1].argmax(-1))
 
