@@ -2,7 +2,10 @@
 #   make demo   creates .venv, trains a tiny latent thought model on the embedded corpus (configs/tiny_ltm.py),
 #               prints its evaluation (what z is worth included) and a sample generated under z inferred from the
 #               prompt
-#   make test   creates .venv with the dev extras (and .venv-aot, see below) and runs the test suite
+#   make test   creates .venv with the dev extras (and .venv-aot, see below) and runs the test suite but the tests
+#               marked `long` (notebooks, benchmark dry runs, several processes, simulated devices: a minute or
+#               more each on 2 cores)
+#   make test-long  runs the `long` tests; .ci/run runs `make test` and then this
 # and one more:
 #   make gpu-aot  compiles every Pallas kernel and the models' train steps and generation for an H100 without a GPU
 #                 (benchmarks/gpu_aot.py) and writes benchmarks/results/gpu-aot-h100.json
@@ -44,7 +47,7 @@ endif
 AOT_NVCC ?= nvidia-cuda-nvcc==13.0.88
 AOT_PIP := $(AOT_VENV)/bin/python -m pip install -q --retries 1 --timeout 30
 
-.PHONY: demo test test-gpu gpu-aot bench-gpu clean
+.PHONY: demo test test-long test-gpu gpu-aot bench-gpu clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -75,7 +78,10 @@ $(AOT_VENV)/.installed: pyproject.toml
 	  || { rm -rf $(AOT_VENV); echo "$(AOT_VENV) could not be built (see $(AOT_VENV).log): the GPU AOT test will skip"; }
 
 test: $(VENV)/.installed-dev $(AOT_VENV)/.installed
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --durations=60
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --durations=60 -m "not long"
+
+test-long: $(VENV)/.installed-dev
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --durations=20 -m long
 
 GPU_PYTHON ?= python3
 GPU_VENV ?= .venv-gpu

@@ -31,6 +31,7 @@ def _sweep(tmp_path, *argv, fail: str = ""):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_quick_sweep_records_a_failure_and_runs_the_rest(tmp_path):
   began = time.time()
   archive = tmp_path / "out" / "sweep.tar.gz"

@@ -16,6 +16,7 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 COMPILE_BOUND = {"02_latent_thoughts.ipynb"}
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs(path, monkeypatch):
   monkeypatch.setenv("LTM_NOTEBOOK_STEPS", "12")

@@ -31,6 +31,7 @@ def run_checks(*checks: str) -> dict:
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.long
 def test_meshes_match_one_device():
   """One train step (grad_accum 2, RWKV-4 + attention, vocabulary 1000, the loss in chunks of 8 positions) on data=8,
   fsdp=8, tensor=4 x data=2 and 2x2x2 meshes.
@@ -67,6 +68,7 @@ def test_meshes_match_one_device():
     assert result[name]["vocab_shapes"] == [], (name, result[name]["vocab_shapes"])
 
 
+@pytest.mark.long
 def test_kernels_init_and_checkpoints_across_meshes(tmp_path):
   result = run_checks("kernels_under_mesh", "init_matches", f"checkpoint_across_meshes:{tmp_path / 'run'}",
                       "scanned_latent_remat")

@@ -29,6 +29,7 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+@pytest.mark.long
 def test_two_processes_train_like_one(tmp_path):
   """`ltm train` as 2 processes x 1 CPU device (mesh data=2: each process loads and runs 2 of the 4 rows) against the
   same run as 1 process. Loss and gradient norm agree to float32 reassociation (1e-5 relative); only process 0

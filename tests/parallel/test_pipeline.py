@@ -106,6 +106,7 @@ def _run_checks(*checks: str) -> dict:
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.long
 def test_pipelined_step_matches_one_device_and_checkpoints_move_across_stage_counts(tmp_path):
   """One train step (grad_accum 2, four scanned attention layers) on 2 stages x data 2 x tensor 2 (2 pipeline
   micro-batches) and 4 stages x data 2 (4 micro-batches) against one device, with test_mesh.py's tolerances: loss

@@ -99,6 +99,7 @@ def test_process_cpu_seconds_agree_with_the_processes_own_clock():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_quick_run_loses_no_request_and_survives_the_malformed_ones(tmp_path):
   env = {**os.environ, "LTM_BENCH_RESULTS": str(tmp_path)}
   done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve_load.py"), "--quick"], env=env, cwd=ROOT,

@@ -30,6 +30,7 @@ def _train(capsys, workdir, *overrides) -> tuple[int, str, str]:
   return code, out.out, out.err
 
 
+@pytest.mark.long
 def test_the_shipped_config_trains_checkpoints_and_resumes_to_the_same_numbers(tmp_path, capsys):
   pytest.importorskip("aeon")
   code, out, _ = _train(capsys, tmp_path / "whole", "train.steps=4")
