@@ -165,6 +165,7 @@ def test_rwkv7_segments_with_carried_state_equal_whole_sequence():
   chex.assert_trees_all_close(state, whole_state, atol=FLOAT32_ATOL * scale, rtol=1e-5)
 
 
+@pytest.mark.usefixtures("fast_compile")  # Compile-bound; compares the values of runs of one program.
 def test_rwkv7_future_tokens_never_change_earlier_logits_and_v_first_reaches_later_layers():
   cfg, model, params = _rwkv7_setup()
   apply = jax.jit(model.apply)
