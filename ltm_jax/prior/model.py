@@ -42,6 +42,7 @@ def denoiser(cfg: PriorConfig, params) -> Denoiser:
   return lambda x, t: model.apply({"params": params}, x, t)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))  # One program: flax's eager init compiles op by op.
 def init_params(cfg: PriorConfig, latent_shape: tuple[int, int, int], key: jax.Array):
   x = jnp.ones((1, *latent_shape), jnp.float32)
   return DiT(cfg).init(key, x, jnp.ones((1,), jnp.float32))["params"]
