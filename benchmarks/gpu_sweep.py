@@ -106,13 +106,12 @@ BENCHMARKS = (
     # The shipped WKV-7 backend (auto) beside the sequential kernels, measured in one process.
     _train("small_rwkv7", 3, 130, variants=("", "model.wkv7_impl=pallas")),
     _train("small", 3, 100),
-    # What a latent step costs against a plain step of the same decoder (configs/ltm_window.py): its 8-step inner
-    # loop, and the semi-amortised inference that configs/ltm_code.py and ltm_markov.py use (encoder + 2 steps).
+    # What a latent step costs against a plain step of the same decoder (configs/ltm_code.py): as shipped (z in the
+    # top block, encoder + 2 inner steps) and with z in every block.
     Bench("latent-cost", "latent_cost.py",
-          ("--variant", "latent.encoder=false,latent.inner_steps=8",
-           "--variant", "latent.encoder=true,latent.inner_steps=2,latent.continuation_fraction=1", "--rounds", "30"),
+          ("--variant", "", "--variant", "latent.top_layers=null,latent.n_per_layer=2", "--rounds", "30"),
           ("--config", "configs/tiny.py", "--variant", "latent.enabled=true,latent.inner_steps=1", "--rounds", "1",
-           "--name", "latent-cost-quick"), "latent-cost", "latent-cost-quick", 5, 150),
+           "--name", "latent-cost-quick"), "latent-cost-code", "latent-cost-quick", 5, 150),
     # `scan` (the sequential reference, ~30x slower than pallas on a GPU) stays the error baseline but is not timed:
     # timing it at 65536 tokens ran the H100 sweep of 2026-11-25 out of time.
     Bench("wkv4", "wkv.py", ("--shapes", "gpu", "--impls", "associative", "pallas"), ("--quick",), "wkv4",

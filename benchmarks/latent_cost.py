@@ -59,7 +59,7 @@ def main():
                       help=f"comma-separated key=value overrides; repeat for several (default: {len(DEFAULT_VARIANTS)}"
                            f" variants); '{PLAIN}' is the reference and is always measured")
   parser.add_argument("--rounds", type=int, default=10, help="steps of every variant, after 2 warm-up rounds")
-  parser.add_argument("--name", default="latent-cost", help="results file benchmarks/results/<name>-<device>.json")
+  parser.add_argument("--name", default="latent-cost-code", help="results file benchmarks/results/<name>-<device>.json")
   parser.add_argument("overrides", nargs="*", metavar="key=value", help="applied to every variant")
   args = parser.parse_args()
   variants = list(args.variant or DEFAULT_VARIANTS)
