@@ -47,7 +47,7 @@ endif
 AOT_NVCC ?= nvidia-cuda-nvcc==13.0.88
 AOT_PIP := $(AOT_VENV)/bin/python -m pip install -q --retries 1 --timeout 30
 
-.PHONY: demo test test-long test-gpu gpu-aot bench-gpu clean
+.PHONY: demo test test-long test-gpu test-gpu-venv gpu-aot bench-gpu clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -92,10 +92,15 @@ GPU_PIP := $(GPU_VENV)/bin/python -m pip install -q --no-index --no-deps --no-co
 
 # The venv is made over GPU_PYTHON's own site-packages (a .pth file: GPU_PYTHON may itself be a venv's, whose
 # packages --system-site-packages would not see); what it installs comes first. Every xdist worker shares the GPU,
-# so none preallocates its memory.
+# so none preallocates its memory. `make test-gpu-venv` is the offline install alone, which needs no GPU.
 test-gpu:
 	@backend=$$($(GPU_PYTHON) -c 'import jax; print(jax.default_backend())' 2>/dev/null); \
 	  [ "$$backend" = gpu ] || { echo "test-gpu: no GPU here ($(GPU_PYTHON)'s jax backend: $${backend:-none, jax does not import}); run it on a GPU machine"; exit 1; }
+	@$(MAKE) --no-print-directory test-gpu-venv
+	XLA_PYTHON_CLIENT_PREALLOCATE=false $(GPU_VENV)/bin/python -m pytest -q -n $(GPU_WORKERS) --durations=15 \
+	  $(GPU_PYTEST_ARGS)
+
+test-gpu-venv:
 	rm -rf $(GPU_VENV)
 	$(GPU_PYTHON) -m venv $(GPU_VENV)
 	$(GPU_PYTHON) -c 'import site; print("\n".join(site.getsitepackages()))' \
@@ -103,8 +108,6 @@ test-gpu:
 	@if ls $(WHEELS_DIR)/*.whl >/dev/null 2>&1; then $(GPU_PIP) $(WHEELS_DIR)/*.whl; \
 	  else echo "test-gpu: no wheels in $(WHEELS_DIR): tests that import what the image lacks will fail"; fi
 	$(GPU_PIP) --no-build-isolation -e .
-	XLA_PYTHON_CLIENT_PREALLOCATE=false $(GPU_VENV)/bin/python -m pytest -q -n $(GPU_WORKERS) --durations=15 \
-	  $(GPU_PYTEST_ARGS)
 
 gpu-aot: $(AOT_VENV)/.installed
 	@test -f $(AOT_VENV)/.installed || { echo "gpu-aot: no $(AOT_VENV); see $(AOT_VENV).log"; exit 1; }
