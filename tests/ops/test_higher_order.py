@@ -14,6 +14,7 @@ from ltm_jax import ops
 from ltm_jax.ops.attention import cudnn
 from ltm_jax.ops.mdi import mdi
 from ltm_jax.ops.quant_matmul import quant_matmul
+from ltm_jax.ops.rwkv7_out import rwkv7_out
 
 
 def _normal(seed: int, shape) -> jax.Array:
@@ -42,6 +43,10 @@ REFUSED = {
     "wkv7_pallas_chunked": (lambda x: ops.wkv7(x, -0.5 * jax.nn.sigmoid(x), x, -x, x, x * x,
                                                impl="pallas_chunked")[0], (1, 16, 1, 16),
                             ("wkv7: impl='pallas' and impl='pallas_chunked'", "impl='scan'", "impl='chunked'")),
+    # y [B, T, H, N] with the bonus sums, values, gate and affine all drawn from it, so every input is differentiated.
+    "rwkv7_out_pallas": (lambda y: rwkv7_out(y, y[..., 0], jnp.sin(y).reshape(1, 16, 16), y.reshape(1, 16, 16) * 0.5,
+                                             y[0, 0, 0], y[0, 1, 0], eps=64e-5, impl="pallas"), (1, 16, 1, 16),
+                         ("rwkv7_out: impl='pallas'", "impl='xla'")),
 }
 
 
