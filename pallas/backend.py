@@ -241,6 +241,17 @@ def mosaic_gpu_call(build: Callable[[bool], Callable[..., Any]], interpret: bool
   return by_platform
 
 
+def device_capability() -> tuple[int, int] | None:
+  """(major, minor) compute capability of the default device when it is a CUDA GPU; None on a CPU (a deviceless
+  compilation included) or a GPU without one (ROCm)."""
+  if jax.default_backend() != "gpu":
+    return None
+  parts = str(getattr(jax.devices()[0], "compute_capability", "")).split(".")
+  if len(parts) != 2 or not all(p.isdigit() for p in parts):
+    return None
+  return int(parts[0]), int(parts[1])
+
+
 def require_mosaic_gpu(capability: tuple[int, int] | None = None) -> None:
   """Raises NotImplementedError where `capability` (by default the default device's, when it is a GPU; None for a
   CPU or a deviceless compilation) is below MOSAIC_GPU_SINCE: Mosaic GPU kernels compile for sm_90 and newer."""

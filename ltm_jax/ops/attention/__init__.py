@@ -3,10 +3,12 @@ explicit positions for key/value caches.
 
 Backends: "xla" (reference, any platform, every option; sliding windows much shorter than the sequence run
 blockwise in O(T * window), `xla.local_attention`), "cudnn" (fused flash attention on NVIDIA GPUs, for the
-calls `cudnn.unsupported_reason` accepts) and "pallas" (the flash-attention kernels of `ltm_pallas`, the
-pallas/ folder: every option but explicit positions; interpreted, so slow, off GPU). `impl="auto"` is xla off GPU; on GPU it
-picks per shape class from `GPU_AUTO` among the fused backends that accept the call, and xla when neither does
-(explicit positions, which only xla takes; float64).
+calls `cudnn.unsupported_reason` accepts), "tokamax" (tokamax's Pallas Mosaic GPU flash attention for Hopper,
+forward and backward kernels without Triton, for the calls `tokamax_mgpu.unsupported_reason` accepts; needs the
+optional tokamax package) and "pallas" (the flash-attention kernels of `ltm_pallas`, the pallas/ folder, through
+the Triton lowering: every option but explicit positions; interpreted, so slow, off GPU). `impl="auto"` is xla off
+GPU; on GPU it picks per shape class from `GPU_AUTO` among the fused backends that accept the call (tokamax only on
+sm_90 and newer), and xla when none does (explicit positions, which only xla takes; float64).
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ import jax
 import jax.numpy as jnp
 
 from ltm_jax.ops import backend, sharding
-from ltm_jax.ops.attention import cudnn, pallas, xla
+from ltm_jax.ops.attention import cudnn, pallas, tokamax_mgpu, xla
 from ltm_pallas import backend as kernel_backend
 
-IMPLS = ("xla", "cudnn", "pallas")
+IMPLS = ("xla", "cudnn", "pallas", "tokamax")
 # Compiled for a GPU, "auto" resolves per call through `GPU_AUTO` (see `_auto_gpu`); elsewhere it is the xla
 # reference.
 
@@ -30,6 +32,8 @@ IMPLS = ("xla", "cudnn", "pallas")
 # 1.9-2.6x cuDNN's time under a causal mask at D=64, 1.4-2.0x at D=128, and 0.9-1.6x under a 256-token window, so
 # cuDNN is preferred wherever it takes the call; pallas serves what cuDNN refuses (segment ids, causal T != S,
 # float32, head dims that are not a multiple of 8 or too large).
+# Where cuDNN refuses a call, tokamax's Mosaic GPU kernels come next on sm_90 and newer (when installed), then the
+# Triton-lowered Pallas kernels (`FALLBACK_ORDER`): neither is timed on a GPU yet.
 # `python benchmarks/attention.py` on a GPU prints this table from its forward+backward timings ("suggested
 # GPU_AUTO"); paste that here together with the results file it names.
 GPU_AUTO = {
@@ -40,6 +44,9 @@ GPU_AUTO = {
     ("full", 64): "cudnn",
     ("full", 128): "cudnn",
 }
+
+# The fused backends `_auto_gpu` tries, in this order, after the shape class's `GPU_AUTO` choice.
+FALLBACK_ORDER = ("cudnn", "tokamax", "pallas")
 
 SegmentIds = jax.Array | tuple[jax.Array, jax.Array]
 
@@ -82,8 +89,10 @@ def attention(
     q_positions: [B, T] int; given together with kv_positions, and only with causal=True.
     kv_positions: [B, S] int.
     scale: a static Python float multiplying the logits; None means D ** -0.5.
-    impl: "auto", "xla", "cudnn" or "pallas". An explicit "cudnn" or "pallas" that cannot run the call raises
-      ValueError (pallas refuses explicit positions, dtypes other than float16/bfloat16/float32 and head dims > 256).
+    impl: "auto", "xla", "cudnn", "pallas" or "tokamax". An explicit fused backend that cannot run the call raises
+      ValueError (pallas refuses explicit positions, dtypes other than float16/bfloat16/float32 and head dims > 256;
+      tokamax refuses explicit positions, float32, head dims other than 64 and 128, and runs only where tokamax is
+      installed).
 
   Returns:
     [B, T, Hq, D] in q's dtype.
@@ -100,6 +109,9 @@ def attention(
   reasons = {
       "cudnn": lambda: _cudnn_unsupported_reason(q, k, causal, has_positions, q_segment_ids is not None),
       "pallas": lambda: pallas.unsupported_reason(d, q.dtype, has_positions=has_positions),
+      "tokamax": lambda: tokamax_mgpu.unsupported_reason(q.shape, k.shape, q.dtype, causal=causal,
+                                                         has_positions=has_positions,
+                                                         missing=tokamax_mgpu.missing_reason()),
   }
   if impl == "auto":  # xla unless compiled for a GPU, where the shape class picks (see _auto_gpu).
     # The shape-class choice (device queries included) only where a GPU compilation can happen.
@@ -132,6 +144,9 @@ def _run_backend(name: str, q, k, v, *, causal, window, scale, q_segment_ids=Non
   """The chosen backend on (a shard of) checked inputs."""
   if name == "cudnn":
     return cudnn.attention(q, k, v, causal=causal, window=window, scale=scale)
+  if name == "tokamax":
+    return tokamax_mgpu.attention(q, k, v, causal=causal, window=window, scale=scale, q_segment_ids=q_segment_ids,
+                                  kv_segment_ids=kv_segment_ids)
   if name == "pallas":
     return pallas.attention(q, k, v, causal=causal, window=window, q_segment_ids=q_segment_ids,
                             kv_segment_ids=kv_segment_ids, scale=scale)
@@ -164,13 +179,21 @@ def mask_kind(causal: bool, window: int | None, s: int) -> str:
   return "causal" if causal else "full"
 
 
-def _auto_gpu(kind: str, head_dim: int, reasons, lowering: kernel_backend.GpuLowering | None = None) -> str:
-  """The `GPU_AUTO` choice for the shape class if it accepts the call, else the other fused backend, else xla.
-  Where this jax cannot compile the Pallas kernels (`lowering`, by default `ltm_pallas.backend.gpu_lowering()`, is
-  "xla") pallas is no candidate, which is said once per process."""
+def _auto_gpu(kind: str, head_dim: int, reasons, lowering: kernel_backend.GpuLowering | None = None,
+              capability: tuple[int, int] | None = None) -> str:
+  """The `GPU_AUTO` choice for the shape class if it accepts the call, else the first of `FALLBACK_ORDER` that
+  does, else xla. tokamax is a candidate only on a target of sm_90 or newer (`capability`, by default the default
+  device's: `ltm_pallas.backend.gpu_lowering(mosaic_gpu=True, ...)` says "mosaic_gpu"); a deviceless compilation,
+  whose target is unknown, does not take it. Where this jax cannot compile the Triton-lowered Pallas kernels
+  (`lowering`, by default `ltm_pallas.backend.gpu_lowering()`, is "xla") pallas is no candidate, which is said once
+  per process."""
   lowering = kernel_backend.gpu_lowering() if lowering is None else lowering
+  capability = kernel_backend.device_capability() if capability is None else capability
+  mosaic_gpu = kernel_backend.gpu_lowering(mosaic_gpu=True, capability=capability).name == "mosaic_gpu"
   preferred = GPU_AUTO.get((kind, head_dim), "cudnn")
-  for name in (preferred, "pallas" if preferred == "cudnn" else "cudnn"):
+  for name in (preferred, *(n for n in FALLBACK_ORDER if n != preferred)):
+    if name == "tokamax" and not mosaic_gpu:
+      continue
     if name == "pallas" and lowering.name == "xla":
       kernel_backend.notice_once(lowering.notice, kernel_backend.SAID, stacklevel=4)
       continue

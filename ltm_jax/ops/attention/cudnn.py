@@ -114,27 +114,28 @@ def attention(
   """
   kwargs = dot_product_attention_kwargs(causal=causal, window=window, s=k.shape[1])
   call = functools.partial(jax.nn.dot_product_attention, scale=scale, implementation=implementation, **kwargs)
-  return _first_order(call)(q, k, v)
+  return first_order(call, _SECOND_ORDER)(q, k, v)
 
 
 _SECOND_ORDER = ("attention: impl='cudnn' (cuDNN flash attention) has no second derivative; impl='xla' is "
                  "differentiable to any order")
 
 
-def _first_order(call):
-  """`call` (q, k, v) -> o, differentiable once: its derivative is `call`'s own (cuDNN's backward kernel), and a
-  second derivative raises NotImplementedError naming the op and the backends that have one (cuDNN's kernels have
-  no derivative rules of their own, and JAX's error would name neither)."""
+def first_order(call, message: str):
+  """`call` (arrays) -> o, differentiable once: its derivative is `call`'s own (a fused backward kernel), and a
+  second derivative raises NotImplementedError(`message`), which names the op and the backends that have one (the
+  kernels have no derivative rules of their own, and JAX's error would name neither). Integer arguments (segment
+  ids) pass through without a tangent."""
 
   @jax.custom_vjp
-  def run(q, k, v):
-    return call(q, k, v)
+  def run(*arrays):
+    return call(*arrays)
 
-  def run_fwd(q, k, v):
-    return jax.vjp(call, *first_order_only(_SECOND_ORDER, q, k, v))
+  def run_fwd(*arrays):
+    return jax.vjp(call, *first_order_only(message, *arrays))
 
   def run_bwd(pullback, do):
-    pullback, do = first_order_only(_SECOND_ORDER, pullback, do)
+    pullback, do = first_order_only(message, pullback, do)
     return pullback(do)
 
   run.defvjp(run_fwd, run_bwd)

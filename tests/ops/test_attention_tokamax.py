@@ -1,0 +1,180 @@
+"""The tokamax attention backend (impl="tokamax", `ltm_jax.ops.attention.tokamax_mgpu`): its support check, where
+`auto` takes it, and our masks mapped onto tokamax's arguments against the float64 reference.
+
+tokamax needs jax >= 0.11.1 (Python 3.12), so the mapping and compile checks run in a subprocess
+(tests/ops/attention_tokamax_worker.py) under a Python that has it: $LTM_TOKAMAX_PYTHON, else .venv-aot's. Without
+one they skip, naming what to install. The mapping runs through tokamax's XLA implementation, which takes the same
+arguments as its Mosaic GPU kernels; the kernels themselves cannot run here (jax 0.11.2's Mosaic GPU interpret mode
+has no rule for `run_state`, which tokamax's kernels use), so they are only compiled for sm_90a.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attention_reference import reference_mask
+from attention_reference import reference_value_and_grads
+from conftest import ROOT, cpu_only_env
+from ltm_jax.ops.attention import _auto_gpu, attention, tokamax_mgpu
+from ltm_pallas import backend as kernel_backend
+from ltm_pallas.backend import GpuLowering
+
+WORKER = ROOT / "tests" / "ops" / "attention_tokamax_worker.py"
+# float32 through tokamax's XLA implementation against float64, relative to max |expected|: float32 rounding only
+# (measured: outputs up to 4.7e-7, gradients up to 6.0e-7); a window one key short moves the output by 0.70.
+RTOL = 1e-5
+TRITON = GpuLowering("triton", None)
+
+
+def _tokamax_python() -> str:
+  python = os.environ.get("LTM_TOKAMAX_PYTHON", str(ROOT / ".venv-aot" / "bin" / "python"))
+  if not os.path.exists(python):
+    pytest.skip(f"needs a Python with tokamax: {tokamax_mgpu.INSTALL} into .venv-aot or set LTM_TOKAMAX_PYTHON")
+  probe = subprocess.run([python, "-c", "import tokamax"], env=cpu_only_env(), capture_output=True, timeout=120)
+  if probe.returncode:
+    pytest.skip(f"{python} has no tokamax: {tokamax_mgpu.INSTALL}, or set LTM_TOKAMAX_PYTHON")
+  return python
+
+
+def _run_worker(mode: str, out) -> None:
+  proc = subprocess.run([_tokamax_python(), str(WORKER), mode, str(out)], cwd=ROOT, env=cpu_only_env(),
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
+
+
+@pytest.fixture(scope="module")
+def mapping(tmp_path_factory):
+  out = tmp_path_factory.mktemp("tokamax") / "mapping.npz"
+  _run_worker("mapping", out)
+  with np.load(out) as saved:
+    return dict(saved)
+
+
+def _case(mapping, name):
+  b, t, s, _, _, d, causal, window, segments = _MAPPING_CASES[name]
+  ids = mapping.get(f"{name}/ids")
+  mask = reference_mask(b, t, s, causal=causal, window=window, q_seg=ids, kv_seg=ids)
+  ref_out, ref_grads = reference_value_and_grads(mapping[f"{name}/q"], mapping[f"{name}/k"], mapping[f"{name}/v"],
+                                                 mask, d**-0.5, mapping[f"{name}/cot"])
+  assert mask.any(-1).all(), "every query sees a key (tokamax's XLA form does not give such rows zeros)"
+  return ref_out, ref_grads
+
+
+def _assert_close(actual, expected, what):
+  np.testing.assert_allclose(actual, expected, rtol=RTOL, atol=RTOL * np.max(np.abs(expected)), err_msg=what)
+
+
+# The worker's cases, repeated here because the worker runs in another venv: (B, T, S, Hq, Hkv, D, causal, window,
+# segments).
+_MAPPING_CASES = {
+    "window_gqa": (2, 96, 96, 4, 2, 64, True, 20, False),
+    "causal_mqa": (1, 64, 64, 4, 1, 64, True, None, False),
+    "window_covers_all": (1, 40, 40, 2, 1, 64, True, 40, False),
+    "end_aligned_window": (1, 24, 80, 2, 1, 64, True, 30, False),
+    "end_aligned_causal": (2, 24, 80, 4, 2, 64, True, None, False),
+    "segments_window": (2, 64, 64, 4, 2, 64, True, 16, True),
+    "non_causal_cross": (1, 24, 40, 2, 2, 64, False, None, False),
+}
+
+
+@pytest.mark.parametrize("name", list(_MAPPING_CASES))
+def test_mapping_matches_the_reference(mapping, name):
+  ref_out, ref_grads = _case(mapping, name)
+  _assert_close(mapping[f"{name}/out"], ref_out, f"{name}: out")
+  for label, ref in zip(("dq", "dk", "dv"), ref_grads):
+    _assert_close(mapping[f"{name}/{label}"], ref, f"{name}: {label}")
+
+
+def test_the_tolerance_separates_a_window_one_key_off(mapping):
+  """The check above can fail: against the reference for a window one key shorter, the mapped output is out of
+  tolerance."""
+  name = "window_gqa"
+  b, t, s, _, _, d, _, window, _ = _MAPPING_CASES[name]
+  mask = reference_mask(b, t, s, causal=True, window=window - 1)
+  off, _ = reference_value_and_grads(mapping[f"{name}/q"], mapping[f"{name}/k"], mapping[f"{name}/v"], mask,
+                                     d**-0.5, mapping[f"{name}/cot"])
+  with pytest.raises(AssertionError):
+    _assert_close(mapping[f"{name}/out"], off, "out against a window of W - 1")
+
+
+def test_kernels_compile_for_sm90a(tmp_path):
+  """tokamax's forward and backward Mosaic GPU kernels compile for an H100 at the models' training shapes
+  (window and GQA at head dims 64 and 128, plain causal, segment ids under a window): a train step's attention is
+  three Mosaic GPU kernels and no Triton one."""
+  if not (ROOT / ".venv-aot" / ".installed").exists() and "LTM_TOKAMAX_PYTHON" not in os.environ:
+    pytest.skip("needs .venv-aot (the CUDA plugin's deviceless compile; `make gpu-aot` builds it)")
+  out = tmp_path / "compile.json"
+  _run_worker("compile", out)
+  results = json.loads(out.read_text())
+  assert results and all(r["ok"] for r in results.values()), results
+  for name, result in results.items():
+    # The forward, dq and dk/dv kernels, and nothing lowered through Triton.
+    kernels = [c for c in result["custom_calls"] if c.startswith("mosaic_gpu")]
+    assert len(kernels) == 3, (name, result["custom_calls"])
+    assert not any("triton" in c for c in result["custom_calls"]), (name, result["custom_calls"])
+
+
+def test_local_window_mapping():
+  # T == S: keys i - (W - 1) <= j <= i.
+  assert tokamax_mgpu.local_window(causal=True, window=8, t=32, s=32) == (7, 0)
+  # End-aligned T < S: queries at positions S - T + i; a window shorter than S - T gives a negative `before`.
+  assert tokamax_mgpu.local_window(causal=True, window=4, t=8, s=32) == (4 - 1 - 24, 24)
+  assert tokamax_mgpu.local_window(causal=True, window=None, t=8, s=32) == (40, 24)
+  assert tokamax_mgpu.local_window(causal=False, window=None, t=8, s=32) is None
+
+
+_SUPPORTED = dict(q_shape=(2, 64, 8, 128), kv_shape=(2, 64, 2, 128), dtype=jnp.bfloat16, causal=True,
+                  has_positions=False, missing=None)
+
+
+@pytest.mark.parametrize("change, fragment", [
+    ({}, None),
+    ({"dtype": jnp.float16}, None),
+    ({"q_shape": (2, 16, 8, 64), "kv_shape": (2, 64, 2, 64)}, None),
+    ({"missing": "tokamax is not installed; pip install tokamax"}, "pip install tokamax"),
+    ({"dtype": jnp.float32}, "float16 or bfloat16"),
+    ({"has_positions": True}, "q_positions"),
+    ({"q_shape": (2, 64, 8, 96), "kv_shape": (2, 64, 2, 96)}, "head dims"),
+    ({"q_shape": (2, 64, 8, 128), "kv_shape": (2, 16, 2, 128)}, "T > S"),
+])
+def test_unsupported_reason(change, fragment):
+  args = {**_SUPPORTED, **change}
+  reason = tokamax_mgpu.unsupported_reason(args.pop("q_shape"), args.pop("kv_shape"), args.pop("dtype"), **args)
+  assert reason is None if fragment is None else fragment in reason
+
+
+def test_explicit_tokamax_says_what_to_install_where_it_cannot_run():
+  x = jnp.ones((1, 8, 2, 64), jnp.bfloat16)
+  if tokamax_mgpu.missing_reason() is None:
+    pytest.skip("tokamax is installed here")
+  with pytest.raises(ValueError, match="impl='tokamax'.*pip install tokamax"):
+    attention(x, x, x, impl="tokamax")
+
+
+@pytest.mark.parametrize("capability, cudnn_ok, tokamax_ok, expected", [
+    ((9, 0), True, True, "cudnn"),  # cuDNN serves: it stays.
+    ((9, 0), False, True, "tokamax"),  # cuDNN refuses on Hopper: tokamax before the Triton kernels.
+    ((10, 0), False, True, "tokamax"),
+    ((9, 0), False, False, "pallas"),  # tokamax refuses (missing, float32, positions): the Triton kernels.
+    ((8, 0), False, True, "pallas"),  # No Mosaic GPU before sm_90.
+    (None, False, True, "pallas"),  # A deviceless compilation: the target is unknown.
+])
+def test_auto_takes_tokamax_on_hopper_where_cudnn_refuses(capability, cudnn_ok, tokamax_ok, expected, monkeypatch):
+  # capability None is asked of the default device: make it the CPU of a deviceless compilation on every host.
+  monkeypatch.setattr(kernel_backend, "device_capability", lambda: None)
+  reason = lambda ok: (lambda: None if ok else "refused")
+  reasons = {"cudnn": reason(cudnn_ok), "tokamax": reason(tokamax_ok), "pallas": reason(True)}
+  assert _auto_gpu("window", 64, reasons, TRITON, capability) == expected
+
+
+def test_auto_without_triton_takes_tokamax_or_xla():
+  reasons = {"cudnn": lambda: "refused", "tokamax": lambda: None, "pallas": lambda: None}
+  without = GpuLowering("xla", None)
+  assert _auto_gpu("causal", 128, reasons, without, (9, 0)) == "tokamax"
+  assert _auto_gpu("causal", 128, {**reasons, "tokamax": lambda: "missing"}, without, (9, 0)) == "xla"
