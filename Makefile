@@ -90,9 +90,10 @@ GPU_WORKERS ?= 8
 GPU_PYTEST_ARGS ?=
 GPU_PIP := $(GPU_VENV)/bin/python -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check
 
-# The venv is made over GPU_PYTHON's own site-packages (a .pth file: GPU_PYTHON may itself be a venv's, whose
-# packages --system-site-packages would not see); what it installs comes first. Every xdist worker shares the GPU,
-# so none preallocates its memory. `make test-gpu-venv` is the offline install alone, which needs no GPU.
+# The venv is made over every site-packages folder on GPU_PYTHON's path (a .pth file: GPU_PYTHON may itself be a
+# venv's, whose packages --system-site-packages would not see, over others named in .pth files); what it installs
+# comes first. Every xdist worker shares the GPU, so none preallocates its memory. `make test-gpu-venv` is the
+# offline install alone, which needs no GPU.
 test-gpu:
 	@backend=$$($(GPU_PYTHON) -c 'import jax; print(jax.default_backend())' 2>/dev/null); \
 	  [ "$$backend" = gpu ] || { echo "test-gpu: no GPU here ($(GPU_PYTHON)'s jax backend: $${backend:-none, jax does not import}); run it on a GPU machine"; exit 1; }
@@ -103,7 +104,7 @@ test-gpu:
 test-gpu-venv:
 	rm -rf $(GPU_VENV)
 	$(GPU_PYTHON) -m venv $(GPU_VENV)
-	$(GPU_PYTHON) -c 'import site; print("\n".join(site.getsitepackages()))' \
+	$(GPU_PYTHON) -c 'import sys; print("\n".join(p for p in sys.path if p.endswith(("site-packages", "dist-packages"))))' \
 	  > $$($(GPU_VENV)/bin/python -c 'import site; print(site.getsitepackages()[0])')/gpu-image.pth
 	@if ls $(WHEELS_DIR)/*.whl >/dev/null 2>&1; then $(GPU_PIP) $(WHEELS_DIR)/*.whl; \
 	  else echo "test-gpu: no wheels in $(WHEELS_DIR): tests that import what the image lacks will fail"; fi

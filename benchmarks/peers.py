@@ -59,17 +59,15 @@ PEERS = {
 # that the image lacks (`make test-gpu`: the dev extra's packages and the closure of their Requires-Dist, less the
 # image's own packages). Pinned, so that a sweep on one day compares against the same peers as the next, and one
 # version of each (two stop the install). rwkv-ops is left out: it needs keras, which the image lacks too.
-WHEELS = (
-    # ltm_jax
-    "grain==0.2.18", "array-record==0.8.6", "portpicker==1.6.0", "tensorboardx==2.6.5",
-    # peers
-    "rwkv==0.8.32", "fla-core==0.6.0", "jax-linear-attention==0.1.0", "tokamax==0.0.17",
-    # tokamax's imports (xprof, through tokamax._src.benchmarking, is 32 MB of the ~45 MB)
-    "einshape==1.0", "qwix==0.1.8", "immutabledict==4.3.1", "pydantic==2.14.3", "pydantic-core==2.50.4",
-    "annotated-types==0.8.0", "typing-inspection==0.4.5", "typing-extensions==4.16.0", "xprof==2.24.2",
-    "fire==0.7.1", "termcolor==3.3.0",
-    # the test suite (`make test-gpu`): the serve extra and its clients, notebooks, aeon, and their dependencies;
-    # setuptools for the editable install without build isolation (the project needs >= 77).
+# Wheels for the GPU image (CPython 3.12), which lacks them, in sets: ltm_jax's own dependencies and `rwkv` (the
+# converter test's and the peers'; the image has torch); pydantic (openai's and tokamax's); what the rest of the test
+# suite needs (the serve extra and the clients its tests talk to it with, notebooks, aeon, their dependencies, and
+# setuptools for the editable install without build isolation: the project needs >= 77); the benchmarks' other peers
+# and their imports (xprof, through tokamax._src.benchmarking, is 32 MB).
+_OWN = ("grain==0.2.18", "array-record==0.8.6", "portpicker==1.6.0", "tensorboardx==2.6.5", "rwkv==0.8.32")
+_PYDANTIC = ("pydantic==2.14.3", "pydantic-core==2.50.4", "annotated-types==0.8.0", "typing-inspection==0.4.5",
+             "typing-extensions==4.16.0")
+_TESTS = (
     "starlette==1.10.0", "uvicorn==0.54.0", "openai==3.57.0", "httpx2==2.16.2", "httpcore2==2.16.2", "jiter==0.19.0",
     "sniffio==1.3.1", "truststore==0.10.5", "nbclient==0.11.0", "nbformat==5.11.1", "fastjsonschema==2.22.3",
     "jsonschema==4.26.0", "jsonschema-specifications==2025.9.1", "referencing==0.37.0", "rpds-py==2026.9.1",
@@ -80,6 +78,11 @@ WHEELS = (
     "asttokens==3.0.2", "executing==2.3.0", "pure-eval==0.2.4", "aeon==1.6.0", "deprecated==1.3.1",
     "setuptools==84.2.1",
 )
+_PEERS = ("fla-core==0.6.0", "jax-linear-attention==0.1.0", "tokamax==0.0.17", "einshape==1.0", "qwix==0.1.8",
+          "immutabledict==4.3.1", "xprof==2.24.2", "fire==0.7.1", "termcolor==3.3.0")
+# `suite`: what `make test-gpu` needs; `peers`: what the benchmarks need; `all` is over the device tool's 64 MiB carry
+# limit (about 68 MiB), so a session carries one of the other two.
+WHEELS = {"suite": _OWN + _PYDANTIC + _TESTS, "peers": _OWN + _PYDANTIC + _PEERS, "all": _OWN + _PYDANTIC + _TESTS + _PEERS}
 WHEEL_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
                    "manylinux2014_x86_64", "manylinux1_x86_64")
 
@@ -129,8 +132,8 @@ def versions(names: Iterable[str]) -> dict[str, str | None]:
   return {name: installed_version(PEERS[name].dists) for name in names}
 
 
-def download(folder: pathlib.Path, wheels: Iterable[str] = WHEELS) -> int:
-  """pip-downloads `wheels` (no dependencies: WHEELS names each one needed) for the GPU image into `folder`."""
+def download(folder: pathlib.Path, wheels: Iterable[str] = WHEELS["all"]) -> int:
+  """pip-downloads `wheels` (no dependencies: each set names every wheel it needs) for the GPU image into `folder`."""
   platforms = [arg for platform in WHEEL_PLATFORMS for arg in ("--platform", platform)]
   command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
              "--implementation", "cp", *platforms, "-d", str(folder), *wheels]
@@ -141,10 +144,13 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--json", action="store_true", help="print the status as JSON")
   parser.add_argument("--no-import", action="store_true", help="find the modules without importing them")
-  parser.add_argument("--download", type=pathlib.Path, metavar="DIR", help="download WHEELS for the GPU image")
+  parser.add_argument("--download", type=pathlib.Path, metavar="DIR", help="download wheels for the GPU image")
+  parser.add_argument("--wheels", choices=sorted(WHEELS), default="all",
+                      help="which wheels: what make test-gpu needs (suite), the benchmarks' peers with ltm_jax's own "
+                           "dependencies (peers), or both (all, over the device tool's carry limit)")
   args = parser.parse_args()
   if args.download is not None:
-    sys.exit(download(args.download))
+    sys.exit(download(args.download, WHEELS[args.wheels]))
   result = status(import_modules=not args.no_import)
   if args.json:
     print(json.dumps(result))
