@@ -13,6 +13,7 @@ from ltm_jax import latent as latent_lib
 from ltm_jax import loss_scale as loss_scale_lib
 from ltm_jax import model as model_lib
 from ltm_jax.state import TrainState, create_train_state, run_keys  # noqa: F401  (re-exported)
+from ltm_jax.train.optimizer import global_norm
 
 if TYPE_CHECKING:
   from ltm_jax.parallel import Layout
@@ -130,7 +131,7 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, s
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {k: v.mean() for k, v in micro_metrics.items()}
-    grad_norm, loss_scale = optax.tree.norm(grads), state.loss_scale
+    grad_norm, loss_scale = global_norm(grads), state.loss_scale  # The clip's own norm: XLA computes it once.
     if scaled:
       finite = loss_scale_lib.all_finite(grads)
       params, opt_state = loss_scale_lib.select(finite, (params, opt_state), (state.params, state.opt_state))
