@@ -17,7 +17,7 @@
 #                 install step, since the GPU machines have no network and .venv holds CPU jax.
 #   make test-gpu  the test suite on this machine's GPU, offline: a venv over the GPU image's Python (GPU_PYTHON,
 #                 which holds CUDA jax; the image's packages stay visible) with the wheels of WHEELS_DIR for what the
-#                 image lacks (`python benchmarks/peers.py --download .whl` on a machine with network, then carry
+#                 image lacks (`python benchmarks/peers.py --download .whl --wheels suite` with network, then carry
 #                 .whl/ there) and the project installed editable, then pytest (the `gpu` marker's tests run the
 #                 compiled kernels). GPU_PYTEST_ARGS narrows it, e.g. "-m gpu". Without a GPU it says so and fails.
 PYTHON ?= python3

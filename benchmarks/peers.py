@@ -3,8 +3,8 @@
 
   python benchmarks/peers.py                  # one line per peer: importable or why not, version, benchmarks
   python benchmarks/peers.py --json           # the same as JSON
-  python benchmarks/peers.py --download .whl  # WHEELS for the GPU image (CPython 3.12, x86-64 manylinux) into .whl/;
-                                              # carry the folder there and run gpu_sweep.py --wheels .whl
+  python benchmarks/peers.py --download .whl --wheels peers  # the peers' wheels for the GPU image (CPython 3.12,
+      # x86-64) into .whl/: carry the folder there and run gpu_sweep.py --wheels .whl; `--wheels suite` for make test-gpu
 
 Peer code is only ever imported from its installed package, never copied here. This module imports no JAX, so the
 sweep driver can use it without touching the accelerator.
