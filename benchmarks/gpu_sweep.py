@@ -108,9 +108,9 @@ BENCHMARKS = (
     _train("small", 3, 100),
     # What a latent step costs against a plain step of the same decoder (configs/ltm_code.py): as shipped (z in the
     # top block, encoder + 2 inner steps) and with z in every block.
-    Bench("latent-cost", "latent_cost.py",
-          ("--variant", "", "--variant", "latent.top_layers=null,latent.n_per_layer=2", "--rounds", "30"),
-          ("--config", "configs/tiny.py", "--variant", "latent.enabled=true,latent.inner_steps=1", "--rounds", "1",
+    Bench("latent-cost", "latent.py",
+          ("cost", "--variant", "", "--variant", "latent.top_layers=null,latent.n_per_layer=2", "--rounds", "30"),
+          ("cost", "--config", "configs/tiny.py", "--variant", "latent.enabled=true,latent.inner_steps=1", "--rounds", "1",
            "--name", "latent-cost-quick"), "latent-cost-code", "latent-cost-quick", 5, 150),
     # `scan` (the sequential reference, ~30x slower than pallas on a GPU) stays the error baseline but is not timed:
     # timing it at 65536 tokens ran the H100 sweep of 2026-11-25 out of time.

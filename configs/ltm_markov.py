@@ -2,7 +2,7 @@
 random Markov chain over 16 states (Dirichlet(0.1) transition rows; ltm_jax/data/markov.py), read by an
 attention-only decoder with a 16-token sliding window over 4 layers, so a logit sees the last 61 symbols. A
 document's chain is what z is for: fitted on the first half, it can carry the transition counts the window has lost.
-`benchmarks/latent_markov.py` scores the second halves against the oracle, the Bayes predictor from the whole prefix
+`benchmarks/latent.py markov` scores the second halves against the oracle, the Bayes predictor from the whole prefix
 and the Bayes predictor from the last 61 symbols; `configs/ltm_markov_plain.py` is the decoder without latents.
 
 64 latent vectors (four per state, if the decoder wants it so), read by the top block only (the efficient latent

@@ -5,7 +5,7 @@ inner steps, trained on continuation. The published LTM setting (8 vectors in ev
 prior, about 7x the training FLOPs of the plain twin) is `latent.top_layers=null latent.n_per_layer=8
 latent.encoder=false latent.inner_steps=16 latent.inner_lr=0.3`. The data is the Python-source corpus that `ltm build-corpus --out
 runs/corpus-py` writes (about 113 MB). `configs/ltm_paper_plain.py` is the same decoder without latents, and
-`benchmarks/latent_recipe.py` trains the two at equal tokens in pieces that each fit a time limit."""
+`benchmarks/latent.py recipe` trains the two at equal tokens in pieces that each fit a time limit."""
 
 from ltm_jax.config import Config, DataConfig, LatentConfig, ModelConfig, TrainConfig
 

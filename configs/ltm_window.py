@@ -5,7 +5,7 @@ every block) is the only route to anything further back. Trains in about 15 minu
 RWKV layers are left out on purpose: their recurrence carries context past any window, which would give the decoder
 a second route around z. `configs/ltm_window_plain.py` is the same decoder without latents, the baseline.
 
-It keeps the form of the windowed-regime studies (docs/latent-thoughts.md, `benchmarks/latent_window.py`, whose
+It keeps the form of the windowed-regime studies (docs/latent-thoughts.md, `benchmarks/latent.py window`, whose
 variants are changes from it): z in every block, 8 inner steps from the prior-like start on whole rows, 7.2x
 the plain step's training FLOPs. `configs/ltm_code.py` is the same decoder in the efficient form (1.5x)."""
 

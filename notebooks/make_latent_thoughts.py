@@ -35,7 +35,7 @@ STEPS = [f"train.steps={os.environ['LTM_NOTEBOOK_STEPS']}", "train.eval_every=12
          "train.eval_batches=1", "train.seq_len=128", "model.n_layers=1", "latent.inner_steps=2"] if TESTING else []
 ltm_cfg = ltm_jax.load_config(ROOT / "configs" / "ltm_window.py", LATENT + STEPS)
 plain_cfg = ltm_jax.load_config(ROOT / "configs" / "ltm_window_plain.py", STEPS)
-# The workdirs of `python benchmarks/latent_window.py` (variants "plain" and "ltm_cont100"): finished runs are reused.
+# The workdirs of `python benchmarks/latent.py window` (variants "plain" and "ltm_cont100"): finished runs are reused.
 RUNS = pathlib.Path(tempfile.mkdtemp()) if TESTING else ROOT / "runs" / "latent-window"
 print(ltm_cfg.latent)
 print("receptive field without z:", ltm_cfg.model.receptive_field, "bytes of", ltm_cfg.train.seq_len)"""),
@@ -113,9 +113,9 @@ The decoder was trained against the prior N(0, I), but the posteriors it learned
 aggregate has a standard deviation near 0.27 per coordinate), so z drawn from N(0, I) is unlike anything it was
 trained on. A learned prior is a second stage on the frozen decoder: `ltm fit-prior` stores the posteriors of its
 training windows, `ltm train-prior` fits a DiT to them by denoising, and `latents="dit"` samples z from it
-(DPM-Solver++, 20 steps). `benchmarks/latent_prior.py` measures how close each source of z comes to held-out
+(DPM-Solver++, 20 steps). `benchmarks/latent.py prior` measures how close each source of z comes to held-out
 posteriors; here are unconditional samples (no prompt) under each, same sampling seed."""),
-    ("code", """# The decoder and prior of `benchmarks/latent_prior.py`; without them (and in the test), a prior for `lm` is trained here.
+    ("code", """# The decoder and prior of `benchmarks/latent.py prior`; without them (and in the test), a prior for `lm` is trained here.
 prior_run = RUNS / "ltm_cont100_500"
 if TESTING or not (prior_run / "prior" / "checkpoints").is_dir():
   from ltm_jax.prior import posteriors
