@@ -38,8 +38,8 @@ MAPPING_CASES = {
 COMPILE_CASES = {
     "window_gqa_d64": (2, 2048, 8, 2, 64, 256, False),
     "window_gqa_d128": (2, 2048, 8, 2, 128, 512, False),
-    "causal_gqa_d128": (2, 2048, 8, 2, 128, None, False),
     "segments_window_d64": (2, 1024, 8, 2, 64, 256, True),
+    "ragged_window_d64": (1, 1000, 4, 2, 64, 256, False),
 }
 
 

@@ -14,12 +14,14 @@ import json
 import os
 import subprocess
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from attention_reference import reference_mask
 from attention_reference import reference_value_and_grads
+from attention_reference import value_and_grads
 from conftest import ROOT, cpu_only_env
 from ltm_jax.ops.attention import _auto_gpu, attention, tokamax_mgpu
 from ltm_pallas import backend as kernel_backend
@@ -105,7 +107,7 @@ def test_the_tolerance_separates_a_window_one_key_off(mapping):
 
 def test_kernels_compile_for_sm90a(tmp_path):
   """tokamax's forward and backward Mosaic GPU kernels compile for an H100 at the models' training shapes
-  (window and GQA at head dims 64 and 128, plain causal, segment ids under a window): a train step's attention is
+  (window and GQA at head dims 64 and 128, segment ids under a window, a ragged length): a train step's attention is
   three Mosaic GPU kernels and no Triton one."""
   if not (ROOT / ".venv-aot" / ".installed").exists() and "LTM_TOKAMAX_PYTHON" not in os.environ:
     pytest.skip("needs .venv-aot (the CUDA plugin's deviceless compile; `make gpu-aot` builds it)")
@@ -178,3 +180,65 @@ def test_auto_without_triton_takes_tokamax_or_xla():
   without = GpuLowering("xla", None)
   assert _auto_gpu("causal", 128, reasons, without, (9, 0)) == "tokamax"
   assert _auto_gpu("causal", 128, {**reasons, "tokamax": lambda: "missing"}, without, (9, 0)) == "xla"
+
+
+# --- The compiled kernels on a Hopper GPU (`pytest -m gpu`; skips elsewhere). ---
+
+# (B, T, S, Hq, Hkv, D), causal, window, segment ids (two packed sequences per row).
+GPU_CASES = {
+    "window_gqa_d64": ((2, 256, 256, 8, 2, 64), True, 64, False),
+    "causal_gqa_d128": ((2, 256, 256, 8, 2, 128), True, None, False),
+    "end_aligned_window": ((1, 128, 384, 4, 1, 64), True, 200, False),
+    "segments_window": ((2, 256, 256, 4, 2, 64), True, 96, True),
+    "non_causal_cross": ((2, 128, 256, 4, 4, 128), False, None, False),
+    "ragged_window": ((1, 200, 200, 4, 2, 64), True, 50, False),
+}
+# The custom call of a Pallas kernel lowered through Triton (XLA's own Triton fusions are not custom calls).
+PALLAS_TRITON_CALL = "__gpu$xla.gpu.triton"
+# bfloat16 kernels against float64 on the same rounded inputs, relative to max |expected| (tests/ops/test_gpu_kernels.py).
+BF16_RTOL = 2.0**-5
+
+
+def _on_hopper_with_tokamax() -> str | None:
+  capability = kernel_backend.device_capability()
+  if capability is None or capability < kernel_backend.MOSAIC_GPU_SINCE:
+    return f"needs an sm_90+ GPU, the default device is {jax.devices()[0].device_kind}"
+  return tokamax_mgpu.missing_reason()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(GPU_CASES))
+def test_compiled_kernels_match_float64_on_hopper(name):
+  reason = _on_hopper_with_tokamax()
+  if reason:
+    pytest.skip(reason)
+  (b, t, s, hq, hkv, d), causal, window, segmented = GPU_CASES[name]
+  rng = np.random.default_rng(7)
+  q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+             for shape in ((b, t, hq, d), (b, s, hkv, d), (b, s, hkv, d)))
+  cotangent = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
+  ids = np.where(np.arange(t)[None] < rng.integers(t // 4, 3 * t // 4, (b, 1)), 0, 1).astype(np.int32)
+  segments = jnp.asarray(ids) if segmented else None
+  mask = reference_mask(b, t, s, causal=causal, window=window, q_seg=ids if segmented else None,
+                        kv_seg=ids if segmented else None)
+  fn = lambda q, k, v: attention(q, k, v, causal=causal, window=window, segment_ids=segments, impl="tokamax")
+  compiled = jax.jit(lambda q, k, v, c: jax.vjp(fn, q, k, v)[1](c)).lower(q, k, v, cotangent).compile().as_text()
+  assert "mosaic_gpu" in compiled and PALLAS_TRITON_CALL not in compiled
+  out, grads = value_and_grads(fn, q, k, v, cotangent)
+  ref, ref_grads = reference_value_and_grads(q, k, v, mask, d**-0.5, cotangent)
+  for what, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads)):
+    got = np.asarray(got, np.float64)
+    assert np.all(np.isfinite(got)), f"{name} {what}"
+    np.testing.assert_allclose(got, want, rtol=0, atol=BF16_RTOL * np.max(np.abs(want)), err_msg=f"{name} {what}")
+
+
+@pytest.mark.gpu
+def test_auto_takes_tokamax_for_segment_ids_on_hopper():
+  """Segment ids, which cuDNN refuses: on sm_90+ with tokamax, `auto` compiles Mosaic GPU kernels, no Triton."""
+  reason = _on_hopper_with_tokamax()
+  if reason:
+    pytest.skip(reason)
+  x = jnp.ones((1, 128, 4, 64), jnp.bfloat16)
+  ids = jnp.zeros((1, 128), jnp.int32)
+  compiled = jax.jit(lambda x: attention(x, x, x, segment_ids=ids)).lower(x).compile().as_text()
+  assert "mosaic_gpu" in compiled and PALLAS_TRITON_CALL not in compiled

@@ -16,6 +16,7 @@ Like every fused backend it is differentiable once.
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
 from typing import Any
 
@@ -43,6 +44,10 @@ def missing_reason() -> str | None:
     return f"tokamax needs jax >= 0.11.1, this is jax {jax.__version__}; {INSTALL}"
   if importlib.util.find_spec("tokamax") is None:
     return f"tokamax is not installed; {INSTALL}"
+  try:  # Installed is not enough: a dependency it needs may be missing.
+    importlib.import_module("tokamax")
+  except ImportError as e:
+    return f"tokamax does not import ({e}); {INSTALL}"
   return None
 
 
