@@ -33,13 +33,17 @@ MAPPING_CASES = {
     "end_aligned_causal": (2, 24, 80, 4, 2, 64, True, None, False),
     "segments_window": (2, 64, 64, 4, 2, 64, True, 16, True),
     "non_causal_cross": (1, 24, 40, 2, 2, 64, False, None, False),
+    # Blocked (`tokamax_mgpu.uses_blocks`): blocks of 128 and 256 queries, the last one ragged.
+    "blocked_window_gqa": (1, 600, 600, 4, 2, 64, True, 100, False),
+    "blocked_segments_window": (2, 520, 520, 2, 1, 64, True, 130, True),
 }
-# name -> (B, T, Hq, Hkv, D, window, segments): training shapes of the models' attention layers.
+# name -> (B, T, Hq, Hkv, D, window, segments): training shapes of the models' attention layers; all but the
+# last run blocked (`tokamax_mgpu.uses_blocks`).
 COMPILE_CASES = {
     "window_gqa_d64": (2, 2048, 8, 2, 64, 256, False),
     "window_gqa_d128": (2, 2048, 8, 2, 128, 512, False),
     "segments_window_d64": (2, 1024, 8, 2, 64, 256, True),
-    "ragged_window_d64": (1, 1000, 4, 2, 64, 256, False),
+    "whole_window_d64": (1, 1024, 8, 2, 64, 512, False),
 }
 
 

@@ -8,7 +8,8 @@ device (sm_80, sm_90 or sm_100), so they run where that device is the GPU being 
 Masks map onto tokamax's `local_window_size=(before, after)`, which keeps keys i - before <= j <= i + after for
 query index i: ours keep j <= i + S - T (causal, end-aligned) and j > i + S - T - W (window W). Segment ids become a
 dense [B, 1, T, S] boolean mask, which the kernels read tile by tile: O(B T S) bytes of memory traffic and storage,
-where the index masks cost nothing. Explicit positions (key/value caches) and float32 inputs are not taken (the
+where the index masks cost nothing. Windows much shorter than the sequence run blocked (`uses_blocks`): tokamax's
+backward does not skip key blocks outside a window. Explicit positions (key/value caches) and float32 inputs are not taken (the
 kernels' backward takes float16/bfloat16 only); head dims are those compiled for sm_90a (`HEAD_DIMS`).
 Like every fused backend it is differentiable once.
 """
@@ -23,12 +24,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ltm_jax.ops.attention import cudnn
+from ltm_jax.ops.attention import cudnn, xla
 from ltm_pallas import backend as kernel_backend
 
 _DTYPES = (jnp.float16, jnp.bfloat16)
 # The head dims whose forward and backward kernels were compiled for sm_90a (docs/kernels.md, attention on Hopper).
 HEAD_DIMS = (64, 128)
+# Queries per program of tokamax's sm_90 forward kernel (two compute warpgroups of 64 rows).
+QUERY_TILE = 128
 # tokamax 0.0.17 declares jax >= 0.11.1.
 MIN_JAX = (0, 11)
 INSTALL = "pip install tokamax (needs jax >= 0.11.1 and Python >= 3.12)"
@@ -91,6 +94,23 @@ def local_window(*, causal: bool, window: int | None, t: int, s: int) -> tuple[i
   return before, after
 
 
+def block_size(window: int) -> int:
+  """The query block of the blocked form (`uses_blocks`): the window rounded up to a multiple of QUERY_TILE."""
+  return -(-window // QUERY_TILE) * QUERY_TILE
+
+
+def uses_blocks(causal: bool, window: int | None, t: int, s: int) -> bool:
+  """Whether a call runs blocked: causal self-attention (T == S) whose window is short enough that two key blocks
+  per query block are fewer keys than the whole sequence.
+
+  Why: tokamax 0.0.17's backward kernels narrow their loops only for its plain causal mask, so under a window they
+  visit every key block of every query block, O(T S) work. Cut into query blocks of c >= W positions, each reading
+  only its own and the previous key block (as `xla.local_attention` does), a call does O(T c) work forward and
+  backward, at the cost of a second copy of k and v (and a dense segment mask of [T, 2c] instead of [T, S]).
+  """
+  return causal and window is not None and t == s and 2 * block_size(window) < s
+
+
 def attention(
     q: jax.Array,
     k: jax.Array,
@@ -118,22 +138,49 @@ def attention(
   Returns:
     [B, T, Hq, D] in q's dtype.
   """
+  t, s = q.shape[1], k.shape[1]
+  run = functools.partial(_blocked if uses_blocks(causal, window, t, s) else _whole, causal=causal, window=window,
+                          scale=scale, implementation=implementation)
+  segments = () if q_segment_ids is None else (q_segment_ids, kv_segment_ids)
+  return cudnn.first_order(run, _SECOND_ORDER)(q, k, v, *segments)
+
+
+def _call(q, k, v, mask, *, causal, window, scale, implementation):
+  """`tokamax.dot_product_attention` with our causal/window mask on [B, T, ...] x [B, S, ...] and `mask` ([B, 1, T
+  or 1, S] bool or None) on top."""
   import tokamax  # pylint: disable=g-import-not-at-top
 
   t, s = q.shape[1], k.shape[1]
-  window_size = local_window(causal=causal, window=window, t=t, s=s)
   # T == S without a window is tokamax's plain causal mask, for which its kernels skip blocks past the diagonal
   # without per-row bounds.
   plain_causal = causal and t == s and (window is None or window >= s)
-  kwargs = dict(scale=scale, is_causal=plain_causal, local_window_size=None if plain_causal else window_size,
-                implementation=implementation)
+  window_size = None if plain_causal else local_window(causal=causal, window=window, t=t, s=s)
+  return tokamax.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=plain_causal,
+                                       local_window_size=window_size, implementation=implementation)
 
-  def call(q, k, v, *segments):
-    mask = None
-    if segments:
-      q_ids, kv_ids = segments
-      mask = (q_ids[:, :, None] == kv_ids[:, None, :])[:, None]
-    return tokamax.dot_product_attention(q, k, v, mask=mask, **kwargs)
 
-  segments = () if q_segment_ids is None else (q_segment_ids, kv_segment_ids)
-  return cudnn.first_order(call, _SECOND_ORDER)(q, k, v, *segments)
+def _whole(q, k, v, *segments, **kwargs):
+  mask = None
+  if segments:
+    q_ids, kv_ids = segments
+    mask = (q_ids[:, :, None] == kv_ids[:, None, :])[:, None]
+  return _call(q, k, v, mask, **kwargs)
+
+
+def _blocked(q, k, v, *segments, causal, window, scale, implementation):
+  """`uses_blocks`' form: query block i of c positions against key blocks i - 1 and i, as a batch of B n calls
+  with T = c, S = 2c; the end-aligned causal/window mapping then places query j of a block at position c + j."""
+  b, t, hq, d = q.shape
+  c = block_size(window)
+  n = -(-t // c)
+  blocks = lambda x: xla.split_blocks(x, c)
+  flat = lambda x: x.reshape(b * n, *x.shape[2:])
+  # Block 0's previous block lies before the sequence: its keys are hidden by a mask broadcast over the queries.
+  before_start = (jnp.arange(n) == 0)[:, None] & (jnp.arange(2 * c) < c)[None, :]  # [n, 2c]
+  mask = jnp.broadcast_to(~before_start[:, None, :], (b, n, 1, 2 * c))
+  if segments:
+    q_ids, kv_ids = segments
+    mask = mask & (blocks(q_ids)[..., :, None] == xla.with_previous(blocks(kv_ids))[..., None, :])
+  out = _call(flat(blocks(q)), flat(xla.with_previous(blocks(k))), flat(xla.with_previous(blocks(v))),
+              flat(mask)[:, None], causal=causal, window=window, scale=scale, implementation=implementation)
+  return out.reshape(b, n * c, hq, d)[:, :t]

@@ -91,6 +91,21 @@ def local_block_size(window: int) -> int:
   return -(-window // 16) * 16
 
 
+def split_blocks(x: jax.Array, c: int) -> jax.Array:
+  """[B, T, ...] -> [B, n, c, ...] with n = ceil(T / c), zero-padded at the end (for causal attention padded keys
+  lie in every query's future)."""
+  b, t = x.shape[:2]
+  n = -(-t // c)
+  x = jnp.pad(x, [(0, 0), (0, n * c - t)] + [(0, 0)] * (x.ndim - 2))
+  return x.reshape(b, n, c, *x.shape[2:])
+
+
+def with_previous(x: jax.Array) -> jax.Array:
+  """[B, n, c, ...] -> [B, n, 2c, ...]: block i - 1 then block i (zeros before block 0)."""
+  previous = jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], axis=1)
+  return jnp.concatenate([previous, x], axis=2)
+
+
 def local_attention(
     q: jax.Array,
     k: jax.Array,
@@ -119,14 +134,7 @@ def local_attention(
   b, t, hq, d = q.shape
   c = local_block_size(window)
   n = -(-t // c)
-
-  def blocks(x):  # [B, T, ...] -> [B, n, c, ...], zero-padded at the end (padded keys lie in every query's future).
-    x = jnp.pad(x, [(0, 0), (0, n * c - t)] + [(0, 0)] * (x.ndim - 2))
-    return x.reshape(b, n, c, *x.shape[2:])
-
-  def with_previous(x):  # [B, n, c, ...] -> [B, n, 2c, ...]: block i - 1 then block i (zeros before block 0).
-    previous = jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], axis=1)
-    return jnp.concatenate([previous, x], axis=2)
+  blocks = lambda x: split_blocks(x, c)
 
   q_pos = jnp.arange(n)[:, None] * c + jnp.arange(c)[None, :]  # [n, c]
   kv_pos = q_pos[:, :1] - c + jnp.arange(2 * c)[None, :]  # [n, 2c]; negative before the sequence.
