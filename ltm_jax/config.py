@@ -67,6 +67,9 @@ class ModelConfig:
   norm: str = "rmsnorm"
   norm_eps: float = 1e-5
   dtype: str = "float32"  # Compute dtype; parameters stay float32.
+  # The residual stream between blocks: "float32" (sub-layer outputs added in float32, as PyTorch autocast does) or,
+  # with dtype bfloat16, "bfloat16" (half the stream's bytes; more rounding in the sum).
+  residual_dtype: str = "float32"
   # Float32 matmuls inside the model: "highest" is IEEE float32 everywhere (what the Pallas kernels and the CPU
   # compute, so every backend agrees to float32 rounding); "default" lets XLA use TF32 tensor cores on GPU (faster,
   # ~1e-3 relative). No effect on bfloat16/float16 operands.
@@ -593,6 +596,8 @@ def validate(config: Config) -> Config:
        f"model.window={m.window} is longer than train.seq_len={config.train.seq_len}, so it limits nothing; "
        "use model.window=none for full attention")
   need(m.rope_theta > 0 and m.norm_eps > 0 and m.init_std > 0, "model.rope_theta, norm_eps, init_std must be > 0")
+  need(m.residual_dtype in ("float32", m.dtype) and m.residual_dtype in ("float32", "bfloat16"),
+       f"model.residual_dtype={m.residual_dtype!r} must be float32, or bfloat16 with model.dtype=bfloat16")
   for key, choices in (("ffn", FFNS), ("norm", NORMS), ("dtype", DTYPES), ("remat", REMAT_POLICIES),
                        ("wkv_impl", WKV_IMPLS), ("attention_impl", ATTENTION_IMPLS), ("wkv7_impl", WKV7_IMPLS),
                        ("memory_impl", MEMORY_IMPLS), ("mmrec_impl", MMREC_IMPLS), ("mmrec_remat", MMREC_REMAT)):

@@ -208,9 +208,10 @@ class LM(nn.Module):
   """tokens [B, T] int -> (logits [B, T, vocab_size] float32, state). The LM head is padded to a multiple of 128
   for fast matmuls; the padded columns are sliced off the logits. With `targets` [B, T] int the call returns the
   token NLL [B, T] float32 instead of the logits (`ops.cross_entropy.token_nll`): model.loss_chunk positions at a
-  time, the padded columns masked out of the softmax rather than sliced off. The residual stream stays
-  float32 whatever `dtype` is (sub-layers compute in `dtype` and their outputs are added in float32), as PyTorch
-  autocast does, so deep bfloat16 models do not accumulate rounding in the residual sum.
+  time, the padded columns masked out of the softmax rather than sliced off. The residual stream is
+  model.residual_dtype: float32 by default whatever `dtype` is (sub-layers compute in `dtype` and their outputs are
+  added in float32), as PyTorch autocast does, so deep bfloat16 models do not accumulate rounding in the residual sum;
+  bfloat16 halves the stream's bytes.
 
   `latent`: None (or disabled) for the plain decoder; enabled adds a cross-attention sub-layer to every block of the
   top latent.top_layers (all by default), and `latents` [B, top layers, n_per_layer, d_model] (`latent_shape`) must
@@ -264,6 +265,7 @@ class LM(nn.Module):
       x = embed(tokens)
       if cfg.ln0:  # In float32: it feeds the residual stream.
         x = norm(cfg.norm, cfg.norm_eps, jnp.float32, "embed_norm")(x)
+      x = x.astype(cfg.residual_dtype)  # Every block adds its sub-layers' outputs in this dtype.
       if trunk_only:
         x, _, v_first = _run_blocks(cfg, x, None, latent, None, positions, valid, self.cache_capacity, 0, first)
         return Trunk(x, v_first)
