@@ -108,16 +108,18 @@ COLUMNS = {
 }
 
 
-def compare(args, variants: dict, columns, title: str, *, row_fn=None, overrides=(), start_from=None,
-            earlier=None, references=None) -> tuple[pathlib.Path, dict]:
+def compare(args, variants: dict, columns, title: str, *, row_fn=None, overrides=(), steps_of=None,
+            start_from=None, earlier=None, references=None) -> tuple[pathlib.Path, dict]:
   """The comparison every subcommand of this module runs: trains and evaluates args.only of `variants` (plus the
   --eval-inner-steps rows), adds vs_plain and vs_plain_equal_tokens, prints the table, writes the results file and
-  the plot. `earlier` is (rows, curves) of runs read from an earlier results file, compared as if run here;
-  `references` (name -> perplexity) are drawn as horizontal lines. Returns (results path, curves)."""
+  the plot. `steps_of` (name -> steps) replaces --steps for those variants; `earlier` is (rows, curves) of runs read
+  from an earlier results file, compared as if run here; `references` (name -> perplexity) are drawn as horizontal
+  lines. Returns (results path, curves)."""
   root = pathlib.Path(args.root)
   rows, curves = latent_runs.run_variants(variants, args.only or list(variants), root, eval_batches=args.eval_batches,
-                                          curve_steps=args.curve, steps=args.steps, stop_at=args.stop_at,
-                                          overrides=overrides, row_fn=row_fn, columns=columns, start_from=start_from)
+                                          curve_steps=args.curve, steps=args.steps, steps_of=steps_of,
+                                          stop_at=args.stop_at, overrides=overrides, row_fn=row_fn, columns=columns,
+                                          start_from=start_from)
   rows += latent_runs.inner_step_rows(rows, root, args.eval_inner_steps, eval_batches=args.eval_batches,
                                       row_fn=row_fn, columns=columns)
   if earlier:
@@ -146,15 +148,15 @@ def twins(args):
 def window(args):
   """configs/ltm_window.py and its variants against the windowed twin; `plain_wallclock` trains the plain twin for
   as long as `ltm` took."""
-  variants = dict(WINDOW_VARIANTS)
-  if "plain_wallclock" in (args.only or variants):  # As many plain steps as fit in the latent model's training time.
+  steps_of = {}
+  if "plain_wallclock" in (args.only or WINDOW_VARIANTS):  # As many plain steps as fit in `ltm`'s training time.
     root = pathlib.Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
-    plain, ltm = (latent_runs.train_variant(name, latent_runs.load_config(*variants[name][:2], args.steps), root,
-                                            args.stop_at) for name in ("plain", "ltm"))
-    steps = round(plain["steps"] * ltm["train_s"] / plain["train_s"])
-    variants["plain_wallclock"] = (WINDOW_PLAIN, [f"train.steps={steps}"], variants["plain_wallclock"][2])
-  compare(args, variants, COLUMNS["window"], "Second half of 512-byte windows, z fitted on the first half (window 32)")
+    plain, ltm = (latent_runs.train_variant(name, latent_runs.load_config(*WINDOW_VARIANTS[name][:2], args.steps),
+                                            root, args.stop_at) for name in ("plain", "ltm"))
+    steps_of["plain_wallclock"] = round(plain["steps"] * ltm["train_s"] / plain["train_s"])
+  compare(args, WINDOW_VARIANTS, COLUMNS["window"],
+          "Second half of 512-byte windows, z fitted on the first half (window 32)", steps_of=steps_of)
 
 
 def markov(args):

@@ -193,17 +193,19 @@ def plot(panels: dict[str, dict[str, list[dict]]], out: pathlib.Path, axes=("tok
 
 
 def run_variants(variants: dict, names, root: pathlib.Path, *, eval_batches: int, curve_steps=(),
-                 steps: int | None = None, stop_at: int | None = None, overrides=(), row_fn=None, columns=(),
-                 start_from: dict[str, str] | None = None) -> tuple[list[dict], dict]:
-  """Trains (up to `stop_at` steps of the schedule, when given) and evaluates `names` of `variants` (name -> (config
-  file, overrides, what it is)) in root, `overrides` on top of every variant's, printing each row as it is done;
-  `row_fn(row)` adds derived columns; `start_from` (name -> variant) names the variants that continue another's
-  training (see `train_variant`). Returns (rows, validation curves by name)."""
+                 steps: int | None = None, steps_of: dict[str, int] | None = None, stop_at: int | None = None,
+                 overrides=(), row_fn=None, columns=(), start_from: dict[str, str] | None = None
+                 ) -> tuple[list[dict], dict]:
+  """Trains (for `steps`, or `steps_of[name]`, when given; up to `stop_at` steps of the schedule, when given) and
+  evaluates `names` of `variants` (name -> (config file, overrides, what it is)) in root, `overrides` on top of every
+  variant's, printing each row as it is done; `row_fn(row)` adds derived columns; `start_from` (name -> variant)
+  names the variants that continue another's training (see `train_variant`). Returns (rows, validation curves by
+  name)."""
   root.mkdir(parents=True, exist_ok=True)
   rows, curves = [], {}
   for name in names:
     path, own, what = variants[name]
-    cfg = load_config(path, list(own) + list(overrides), steps)
+    cfg = load_config(path, list(own) + list(overrides), (steps_of or {}).get(name, steps))
     info = train_variant(name, cfg, root, stop_at, (start_from or {}).get(name))
     row = {"model": name, "config": path, "overrides": own, "what": what, **info,
            "tok_per_s": info["train_tokens"] / info["train_s"] if info["train_s"] else None,
