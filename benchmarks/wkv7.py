@@ -489,7 +489,8 @@ def cost_model(args, platform: str) -> None:
   copy = measured["config"]["ceilings"]["copy_gbps"] * 1e9
   matmul = measured["config"]["ceilings"]["matmul_tflops"] * 1e12
   times = {r["shape"]: r for r in measured["results"] if r["impl"] == "pallas_chunked" and r["dtype"] == "bfloat16"}
-  out = dict(source=dict(aot=args.aot_measured, aot_loop=args.aot_loop, measured=args.measured, device=measured["device_kind"]),
+  out = dict(source=dict(aot=args.aot_measured, aot_loop=args.aot_loop, measured=args.measured,
+                         device=measured["device_kind"]),
              ceilings=dict(copy_tbps=copy / 1e12, matmul_tflops=matmul / 1e12, sms=SMS), shapes=[])
   for size in MEASURED_SETTINGS:
     shape, case = COST_SHAPES[size]
