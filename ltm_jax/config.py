@@ -276,7 +276,7 @@ class LatentConfig:
   encoder_context: int = 4  # Tokens each position's n-gram feature reads: itself and the context - 1 before it.
   # Also propose logvar (else the start's logvar is init_logvar). Learned widths tighten the ELBO by orders of
   # magnitude, but early in training, before the decoder reads z, they widen towards the prior and z carries
-  # almost nothing the decoder could learn to read (benchmarks/latent_markov.py, the ltm_learned_logvar row).
+  # almost nothing the decoder could learn to read (`benchmarks/latent.py markov`, the ltm_learned_logvar row).
   encoder_logvar: bool = False
 
 

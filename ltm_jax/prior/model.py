@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from ltm_jax import config as config_lib
+from ltm_jax import model as model_lib
 from ltm_jax.config import Config, PriorConfig
 from ltm_jax.errors import CheckpointError, ConfigError
 from ltm_jax.prior import samplers
@@ -93,6 +94,11 @@ def abstract_state(cfg: PriorConfig, latent_shape: tuple[int, int, int], optimiz
   return jax.eval_shape(build)
 
 
+def decoder_latent_shape(decoder: Config) -> tuple[int, int, int]:
+  """[latent layers, n_per_layer, d_model]: one sequence's z for `decoder` (only its latent-reading blocks)."""
+  return model_lib.latent_shape(decoder.model, decoder.latent, 1)[1:]
+
+
 def load_prior(workdir: str | pathlib.Path, decoder: Config, step: int | None = None) -> LatentPrior:
   """The prior trained in WORKDIR/prior for `decoder` (the workdir's latent model), at `step` (default: newest
   readable). CheckpointError when there is none or it was trained for latents of another shape."""
@@ -101,7 +107,7 @@ def load_prior(workdir: str | pathlib.Path, decoder: Config, step: int | None = 
   if not (folder / "checkpoints").is_dir():
     raise CheckpointError(f"{workdir} has no trained prior (no {folder / 'checkpoints'}); run `ltm fit-prior` and "
                           "`ltm train-prior` first")
-  expected = (decoder.model.n_layers, decoder.latent.n_per_layer, decoder.model.d_model)
+  expected = decoder_latent_shape(decoder)
   checkpointer = Checkpointer(folder, read_only=True)
 
   def read(at: int):

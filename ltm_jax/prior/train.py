@@ -27,7 +27,8 @@ from ltm_jax.config import Config, PriorConfig
 from ltm_jax.errors import ConfigError, LtmError
 from ltm_jax.prior import posteriors as posteriors_lib
 from ltm_jax.prior.diffusion import denoising_loss, schedule_of
-from ltm_jax.prior.model import PriorState, abstract_state, denoiser, folder_of, init_params, prior_config
+from ltm_jax.prior.model import (PriorState, abstract_state, decoder_latent_shape, denoiser, folder_of, init_params,
+                                 prior_config)
 from ltm_jax.prior.optimizer import make_optimizer
 from ltm_jax.train import checkpoint as ckpt_lib
 from ltm_jax.train import workdir as workdir_lib
@@ -92,7 +93,7 @@ def train_prior(workdir: str | pathlib.Path, overrides=(), *, log=None) -> Prior
     raise LtmError(f"{workdir} holds a decoder without latent thoughts (latent.enabled=false): there is no prior "
                    "to train")
   posteriors = posteriors_lib.PosteriorSet(posteriors_lib.folder_of(workdir))
-  shape = (decoder.model.n_layers, decoder.latent.n_per_layer, decoder.model.d_model)
+  shape = decoder_latent_shape(decoder)
   if posteriors.latent_shape != shape:
     raise LtmError(f"{posteriors.folder} holds latents of shape {list(posteriors.latent_shape)}, but the decoder in "
                    f"{workdir} has {list(shape)}; collect them again with `ltm fit-prior`")

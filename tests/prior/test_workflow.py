@@ -29,9 +29,10 @@ COLLECT = dict(sequences=20, heldout_fraction=0.2, batch_size=4, shard_size=8)
 
 
 def _decoder_workdir(path, n_per_layer=2, latents=True):
-  """A workdir holding a freshly initialised latent decoder at step 0 (training it is not what is tested here)."""
+  """A workdir holding a freshly initialised latent decoder at step 0 (training it is not what is tested here); z is
+  read by the top block of two only, so z's shape is not the model's layer count."""
   cfg = micro_config(layer_pattern="A", n_layers=2)
-  cfg = validate(dataclasses.replace(cfg, latent=LatentConfig(**{**CLASSIC_LATENT, "enabled": latents},
+  cfg = validate(dataclasses.replace(cfg, latent=LatentConfig(**{**CLASSIC_LATENT, "enabled": latents, "top_layers": 1},
                                                                 n_per_layer=n_per_layer, inner_steps=2)))
   state = create_train_state(model_lib.init_params(cfg.model, jax.random.key(1), cfg.latent),
                              make_optimizer(cfg.train), 0)
@@ -57,7 +58,7 @@ def workdir(tmp_path_factory):
 
 def test_posteriors_are_stored_with_their_aggregate_moments(workdir):
   collected = posteriors.PosteriorSet(posteriors.folder_of(workdir))
-  assert collected.num_records == 20 and collected.num_train == 16 and collected.latent_shape == (2, 2, 32)
+  assert collected.num_records == 20 and collected.num_train == 16 and collected.latent_shape == (1, 2, 32)
   records = collected.read(range(collected.num_records)).astype(np.float64)
   z, mu, logvar = records[:, 0], records[:, 1], records[:, 2]
   assert np.all(np.isfinite(records)) and np.all(logvar < 0)
@@ -124,7 +125,7 @@ def test_a_prior_whose_checkpoints_are_gone_is_refused_and_nothing_is_written(wo
 def test_dit_latents_through_the_api(workdir):
   lm = load(workdir)
   z = lm.dit_latents(3, seed=0, sampler="ddpm", steps=4)
-  assert z.shape == (3, 2, 2, 32) and np.all(np.isfinite(z))
+  assert z.shape == (3, 1, 2, 32) and np.all(np.isfinite(z))
   np.testing.assert_array_equal(z, lm.dit_latents(3, seed=0, sampler="ddpm", steps=4))
   assert not np.array_equal(z, lm.dit_latents(3, seed=1, sampler="ddpm", steps=4))
   ids = lm.generate_tokens([[72, 101], [65]], 4, key=jax.random.key(0), latents="dit")
@@ -165,7 +166,7 @@ def test_refusals_are_one_line_and_write_nothing(workdir, tmp_path, capsys):
   # A prior trained for another decoder: its latent shape differs from this decoder's.
   wider = _decoder_workdir(tmp_path / "wider", n_per_layer=3)
   shutil.copytree(workdir / "prior", wider / "prior")
-  fails("trained for latents of shape [2, 2, 32]", "generate", "--workdir", wider, "--latents", "dit")
+  fails("trained for latents of shape [1, 2, 32]", "generate", "--workdir", wider, "--latents", "dit")
   fails("only prior.* keys", "train-prior", "--workdir", workdir, "train.lr=1")
   fails("--sampler and --sampler-steps", "generate", "--workdir", workdir, "--sampler-steps", "5")
   with pytest.raises(SystemExit) as exit_info:
