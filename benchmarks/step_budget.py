@@ -381,12 +381,46 @@ def kernels(comps, entry: str, frames: dict[int, str], ceilings: dict) -> tuple[
       category, flops, dot_flops, dot_dtype, detail = classify(comps, ins, op_name, where)
       out.append({"name": path + ins.name, "opcode": ins.opcode, "detail": detail, "category": category,
                    "times": times, "flops": flops, "dot_flops": dot_flops, "dot_dtype": dot_dtype,
-                   "bytes": _nbytes(ins.operands) + _nbytes(ins.out), "out": _fmt_shape(ins.out),
+                   "bytes": _operand_bytes(comps, ins) + _nbytes(ins.out), "out": _fmt_shape(ins.out),
                    "elements": math.prod(ins.operands[0][1]) if ins.operands else 0,
                    "backward": "transpose(" in op_name, "op_name": op_name, "where": where})
 
   walk(entry, 1, "", rows)
   return roofline(rows, ceilings), notes
+
+
+_SLICES = ("slice", "dynamic-slice")
+# Ops whose every output element reads the element of each operand at the same index (the same shape): they read the
+# share of each operand that their users read of them.
+_PER_ELEMENT = _ARITH | {"bitcast", "reshape", "copy", "bitcast-convert"}
+
+
+def _operand_bytes(comps, ins: Instr) -> float:
+  """Bytes a launch reads: each operand whole, except where a fusion's computation reads only part of an operand,
+  through slices, alone or after elementwise ops (a kernel reading one leaf of a flattened tree). The share read
+  flows from the root (all of it) back through elementwise ops (the share their users read) and slices (the slice's
+  share of their operand); any other use reads the operand whole, as does a share above one."""
+  sub = _attr(ins.attrs, "calls") if ins.opcode in ("fusion", "fusion-start") else None
+  body = comps.get(sub, []) if sub else []
+  params = {int(i.operand_text): i.name for i in body if i.opcode == "parameter" and i.operand_text.strip().isdigit()}
+  if not params or len(params) != len(ins.operands):
+    return _nbytes(ins.operands)
+  share = collections.defaultdict(float)  # name -> the share of its elements that the kernel reads (root: 1).
+  for i in reversed(body):
+    if i.root:
+      share[i.name] = 1.0
+    used = min(share[i.name], 1.0)
+    names = re.findall(r"%([\w.\-]+)", i.operand_text)
+    for k, name in enumerate(names):
+      if i.opcode in _SLICES and k == 0 and i.operands:
+        size = math.prod(i.operands[0][1]) or 1
+        share[name] += used * math.prod(i.out[0][1]) / size if i.out else 1.0
+      elif i.opcode in _PER_ELEMENT and i.out and i.operands and len(i.operands) == len(names) and (
+          i.operands[k][1] == i.out[0][1] or i.opcode in ("bitcast", "reshape")):
+        share[name] += used
+      else:
+        share[name] += 1.0
+  return sum(_nbytes([shape]) * min(share[params[index]], 1.0) for index, shape in enumerate(ins.operands))
 
 
 def _fmt_shape(shapes) -> str:

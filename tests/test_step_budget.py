@@ -84,3 +84,42 @@ def test_quick_run_writes_the_budget(tmp_path):
   assert "matmul" in names and "optimizer" in names
   assert result["total"]["predicted_ms"] == pytest.approx(sum(c["predicted_ms"] for c in result["categories"]))
   assert result["total"]["gflops"] > 0 and result["measured_step_ms"] > 0
+
+
+# One fusion reads a quarter of a flat buffer through an elementwise op and a slice, a whole second operand, and a
+# third operand through a broadcast (read whole); a second fusion slices half of its operand directly.
+SLICED = """HloModule m
+
+%fused_leaf (p0: f32[64], p1: f32[16], p2: f32[4]) -> f32[16] {
+  %p0 = f32[64]{0} parameter(0)
+  %p1 = f32[16]{0} parameter(1)
+  %p2 = f32[4]{0} parameter(2)
+  %n = f32[64]{0} negate(f32[64]{0} %p0)
+  %sl = f32[16]{0} slice(f32[64]{0} %n), slice={[16:32]}
+  %b = f32[16]{0} broadcast(f32[4]{0} %p2), dimensions={}
+  %m = f32[16]{0} multiply(f32[16]{0} %sl, f32[16]{0} %p1)
+  ROOT %r = f32[16]{0} add(f32[16]{0} %m, f32[16]{0} %b)
+}
+
+%fused_half (q0: f32[64]) -> f32[32] {
+  %q0 = f32[64]{0} parameter(0)
+  ROOT %h = f32[32]{0} slice(f32[64]{0} %q0), slice={[0:32]}
+}
+
+ENTRY %main (a: f32[64], b: f32[16], c: f32[4]) -> (f32[16], f32[32]) {
+  %a = f32[64]{0} parameter(0)
+  %b = f32[16]{0} parameter(1)
+  %c = f32[4]{0} parameter(2)
+  %leaf = f32[16]{0} fusion(f32[64]{0} %a, f32[16]{0} %b, f32[4]{0} %c), kind=kLoop, calls=%fused_leaf
+  %half = f32[32]{0} fusion(f32[64]{0} %a), kind=kLoop, calls=%fused_half
+  ROOT %t = (f32[16]{0}, f32[32]{0}) tuple(%leaf, %half)
+}
+"""
+
+
+def test_a_fusion_reading_slices_of_an_operand_counts_the_slices():
+  comps, entry, frames = step_budget.parse_hlo(SLICED)
+  rows, _ = step_budget.kernels(comps, entry, frames, dict(step_budget.DEFAULTS))
+  by = {r["name"]: r for r in rows}
+  assert by["leaf"]["bytes"] == 4 * (16 + 16 + 4) + 4 * 16  # A quarter of a, all of b and c; then the output.
+  assert by["half"]["bytes"] == 4 * 32 + 4 * 32
