@@ -36,20 +36,39 @@ MAPPING_CASES = {
     # Blocked (`tokamax_mgpu.uses_blocks`): blocks of 128 and 256 queries, the last one ragged.
     "blocked_window_gqa": (1, 600, 600, 4, 2, 64, True, 100, False),
     "blocked_segments_window": (2, 520, 520, 2, 1, 64, True, 130, True),
+    # Explicit positions, as the model's calls over a key/value cache make them (`cache_positions`).
+    "cache_window": (2, 16, 48, 4, 2, 64, True, 20, False),
+    "cache_causal_segments": (2, 16, 48, 4, 1, 64, True, None, True),
 }
-# name -> (B, T, Hq, Hkv, D, window, segments): training shapes of the models' attention layers; all but the
-# last run blocked (`tokamax_mgpu.uses_blocks`).
+# name -> (B, T, Hq, Hkv, D, window, segments): training shapes of the models' attention layers; the first three
+# run blocked (`tokamax_mgpu.uses_blocks`).
 COMPILE_CASES = {
     "window_gqa_d64": (2, 2048, 8, 2, 64, 256, False),
     "window_gqa_d128": (2, 2048, 8, 2, 128, 512, False),
     "segments_window_d64": (2, 1024, 8, 2, 64, 256, True),
     "whole_window_d64": (1, 1024, 8, 2, 64, 512, False),
+    # 512 new tokens over a cache of 1536 keys, by explicit positions.
+    "cache_window_d128": (2, 512, 8, 2, 128, 1024, False),
 }
 
 
 def segment_ids(rng, b, t):
   """[B, T] int32: sorted ids, so each row packs a few contiguous sequences."""
   return np.sort(rng.integers(0, 3, size=(b, t)), axis=1).astype(np.int32)
+
+
+def cache_positions(rng, b, t, s):
+  """([B, T], [B, S]) int32 positions of T new tokens after a cache of S - T slots, keys laid out as the model
+  concatenates them (cache, then the new tokens): each row's cache ring holds the S - T positions before its first
+  new token in ring order, three of its slots empty (int32 max, invisible), and every query sees its own key."""
+  capacity = s - t
+  starts = rng.integers(capacity, 3 * capacity, size=b)
+  q_pos = starts[:, None] + np.arange(t)[None]
+  ring = starts[:, None] - capacity + np.arange(capacity)[None]
+  ring = np.stack([np.roll(row, int(r)) for row, r in zip(ring, rng.integers(0, capacity, size=b))])
+  for row in ring:
+    row[rng.choice(capacity, size=3, replace=False)] = np.iinfo(np.int32).max
+  return q_pos.astype(np.int32), np.concatenate([ring, q_pos], axis=1).astype(np.int32)
 
 
 def run_mapping(path: str) -> None:
@@ -60,12 +79,21 @@ def run_mapping(path: str) -> None:
     k = rng.standard_normal((b, s, hkv, d)).astype(np.float32)
     v = rng.standard_normal((b, s, hkv, d)).astype(np.float32)
     cot = rng.standard_normal((b, t, hq, d)).astype(np.float32)
-    ids = segment_ids(rng, b, t) if segments else None
     scale = d**-0.5
+    q_pos = kv_pos = None
+    if name.startswith("cache"):
+      q_pos, kv_pos = cache_positions(rng, b, t, s)
+      saved.update({f"{name}/q_pos": q_pos, f"{name}/kv_pos": kv_pos})
+    # Self-attention ids, or with positions a pair: the new tokens' ids, then the cache's and theirs.
+    ids = segment_ids(rng, b, t) if segments else None
+    kv_ids = ids if ids is None or t == s else np.concatenate([segment_ids(rng, b, s - t), ids], axis=1)
+    if kv_ids is not None:
+      saved[f"{name}/kv_ids"] = kv_ids
 
-    def fn(q, k, v, ids=ids, causal=causal, window=window, scale=scale):
+    def fn(q, k, v, ids=ids, kv_ids=kv_ids, q_pos=q_pos, kv_pos=kv_pos, causal=causal, window=window, scale=scale):
       return tokamax_mgpu.attention(q, k, v, causal=causal, window=window, scale=scale, q_segment_ids=ids,
-                                    kv_segment_ids=ids, implementation="xla")
+                                    kv_segment_ids=kv_ids, q_positions=q_pos, kv_positions=kv_pos,
+                                    implementation="xla")
 
     @jax.jit
     def run(q, k, v, cot, fn=fn):
@@ -92,20 +120,27 @@ def run_compile(path: str) -> None:
   h100 = mock.Mock(platform="gpu", compute_capability="9.0", device_kind="NVIDIA H100 80GB HBM3", core_count=132)
   results = {}
   for name, (b, t, hq, hkv, d, window, segments) in COMPILE_CASES.items():
+    s = 4 * t if name.startswith("cache") else t
     q = jax.ShapeDtypeStruct((b, t, hq, d), jnp.bfloat16, sharding=sharding)
-    kv = jax.ShapeDtypeStruct((b, t, hkv, d), jnp.bfloat16, sharding=sharding)
+    kv = jax.ShapeDtypeStruct((b, s, hkv, d), jnp.bfloat16, sharding=sharding)
     ids = jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=sharding) if segments else None
+    positions = None
+    if name.startswith("cache"):
+      positions = (jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=sharding),
+                   jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=sharding))
 
-    def train_step(q, k, v, ids, window=window, d=d):
+    def train_step(q, k, v, ids, positions, window=window, d=d):
+      q_pos, kv_pos = (None, None) if positions is None else positions
       fn = lambda q, k, v: tokamax_mgpu.attention(q, k, v, causal=True, window=window, scale=d**-0.5,
-                                                  q_segment_ids=ids, kv_segment_ids=ids)
+                                                  q_segment_ids=ids, kv_segment_ids=ids, q_positions=q_pos,
+                                                  kv_positions=kv_pos)
       out, pullback = jax.vjp(fn, q, k, v)
       return pullback(out)
 
     try:
       with mock.patch("jax.extend.backend.get_default_device", return_value=h100):
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-          lowered = jax.jit(train_step).trace(q, kv, kv, ids).lower()
+          lowered = jax.jit(train_step).trace(q, kv, kv, ids, positions).lower()
         compiled = lowered.compile()
       # Every kernel of the compiled program is a custom call; Mosaic GPU's are named "mosaic_gpu...".
       results[name] = {"ok": True, "custom_calls": re.findall(r'custom_call_target="([^"]+)"', compiled.as_text())}

@@ -22,6 +22,7 @@ import pytest
 from attention_reference import reference_mask
 from attention_reference import reference_value_and_grads
 from attention_reference import value_and_grads
+from attention_tokamax_worker import cache_positions
 from conftest import ROOT, cpu_only_env
 from ltm_jax.ops.attention import _auto_gpu, attention, tokamax_mgpu
 from ltm_pallas import backend as kernel_backend
@@ -60,8 +61,9 @@ def mapping(tmp_path_factory):
 
 def _case(mapping, name):
   b, t, s, _, _, d, causal, window, segments = _MAPPING_CASES[name]
-  ids = mapping.get(f"{name}/ids")
-  mask = reference_mask(b, t, s, causal=causal, window=window, q_seg=ids, kv_seg=ids)
+  ids, kv_ids = mapping.get(f"{name}/ids"), mapping.get(f"{name}/kv_ids")
+  mask = reference_mask(b, t, s, causal=causal, window=window, q_pos=mapping.get(f"{name}/q_pos"),
+                        kv_pos=mapping.get(f"{name}/kv_pos"), q_seg=ids, kv_seg=kv_ids)
   ref_out, ref_grads = reference_value_and_grads(mapping[f"{name}/q"], mapping[f"{name}/k"], mapping[f"{name}/v"],
                                                  mask, d**-0.5, mapping[f"{name}/cot"])
   assert mask.any(-1).all(), "every query sees a key (tokamax's XLA form does not give such rows zeros)"
@@ -85,6 +87,9 @@ _MAPPING_CASES = {
     # Blocked (`tokamax_mgpu.uses_blocks`): blocks of 128 and 256 queries, the last one ragged.
     "blocked_window_gqa": (1, 600, 600, 4, 2, 64, True, 100, False),
     "blocked_segments_window": (2, 520, 520, 2, 1, 64, True, 130, True),
+    # Explicit positions, as the model's calls over a key/value cache make them (`cache_positions`).
+    "cache_window": (2, 16, 48, 4, 2, 64, True, 20, False),
+    "cache_causal_segments": (2, 16, 48, 4, 1, 64, True, None, True),
 }
 
 
@@ -95,6 +100,11 @@ def test_the_worker_ran_these_cases(mapping):
 def test_blocked_cases_run_blocked():
   for name, (_, t, s, _, _, _, causal, window, _) in _MAPPING_CASES.items():
     assert tokamax_mgpu.uses_blocks(causal, window, t, s) == name.startswith("blocked"), name
+
+
+def test_cache_cases_hide_empty_slots(mapping):
+  for name in ("cache_window", "cache_causal_segments"):
+    assert (mapping[f"{name}/kv_pos"] == np.iinfo(np.int32).max).sum() == 3 * mapping[f"{name}/q"].shape[0]
 
 
 @pytest.mark.parametrize("name", list(_MAPPING_CASES))
@@ -119,7 +129,8 @@ def test_the_tolerance_separates_a_window_one_key_off(mapping):
 
 def test_kernels_compile_for_sm90a(tmp_path):
   """tokamax's forward and backward Mosaic GPU kernels compile for an H100 at the models' training shapes
-  (window and GQA at head dims 64 and 128, segment ids under a window; blocked and whole): a train step's attention is
+  (window and GQA at head dims 64 and 128, segment ids under a window, blocked and whole; 512 queries over a
+  2048-key cache by positions): a train step's attention is
   three Mosaic GPU kernels and no Triton one."""
   if not (ROOT / ".venv-aot" / ".installed").exists() and "LTM_TOKAMAX_PYTHON" not in os.environ:
     pytest.skip("needs .venv-aot (the CUDA plugin's deviceless compile; `make gpu-aot` builds it)")
@@ -153,7 +164,9 @@ _SUPPORTED = dict(q_shape=(2, 64, 8, 128), kv_shape=(2, 64, 2, 128), dtype=jnp.b
     ({"q_shape": (2, 16, 8, 64), "kv_shape": (2, 64, 2, 64)}, None),
     ({"missing": "tokamax is not installed; pip install tokamax"}, "pip install tokamax"),
     ({"dtype": jnp.float32}, "float16 or bfloat16"),
-    ({"has_positions": True}, "q_positions"),
+    ({"has_positions": True}, None),  # Positions become a dense mask.
+    ({"q_shape": (2, 64, 8, 128), "kv_shape": (2, 16, 2, 128), "has_positions": True}, None),
+    ({"q_shape": (2, 1, 8, 128), "kv_shape": (2, 64, 2, 128), "has_positions": True}, "decoding step"),
     ({"q_shape": (2, 64, 8, 96), "kv_shape": (2, 64, 2, 96)}, "head dims"),
     ({"q_shape": (2, 64, 8, 128), "kv_shape": (2, 16, 2, 128)}, "T > S"),
 ])
@@ -206,6 +219,7 @@ GPU_CASES = {
     "ragged_window": ((1, 200, 200, 4, 2, 64), True, 50, False),
     "blocked_window_gqa": ((1, 1000, 1000, 8, 2, 64), True, 100, False),
     "blocked_segments_window_d128": ((1, 600, 600, 4, 2, 128), True, 130, True),
+    "cache_window": ((2, 128, 512, 8, 2, 64), True, 200, False),  # Positions as `cache_positions` makes them.
 }
 # The custom call of a Pallas kernel lowered through Triton (XLA's own Triton fusions are not custom calls).
 PALLAS_TRITON_CALL = "__gpu$xla.gpu.triton"
@@ -233,9 +247,14 @@ def test_compiled_kernels_match_float64_on_hopper(name):
   cotangent = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
   ids = np.where(np.arange(t)[None] < rng.integers(t // 4, 3 * t // 4, (b, 1)), 0, 1).astype(np.int32)
   segments = jnp.asarray(ids) if segmented else None
-  mask = reference_mask(b, t, s, causal=causal, window=window, q_seg=ids if segmented else None,
-                        kv_seg=ids if segmented else None)
-  fn = lambda q, k, v: attention(q, k, v, causal=causal, window=window, segment_ids=segments, impl="tokamax")
+  q_pos = kv_pos = None
+  if name.startswith("cache"):
+    q_pos, kv_pos = cache_positions(rng, b, t, s)
+  mask = reference_mask(b, t, s, causal=causal, window=window, q_pos=q_pos, kv_pos=kv_pos,
+                        q_seg=ids if segmented else None, kv_seg=ids if segmented else None)
+  positions = {} if q_pos is None else dict(q_positions=jnp.asarray(q_pos), kv_positions=jnp.asarray(kv_pos))
+  fn = lambda q, k, v: attention(q, k, v, causal=causal, window=window, segment_ids=segments, impl="tokamax",
+                                 **positions)
   compiled = jax.jit(lambda q, k, v, c: jax.vjp(fn, q, k, v)[1](c)).lower(q, k, v, cotangent).compile().as_text()
   assert "mosaic_gpu" in compiled and PALLAS_TRITON_CALL not in compiled
   out, grads = value_and_grads(fn, q, k, v, cotangent)

@@ -4,11 +4,12 @@ explicit positions for key/value caches.
 Backends: "xla" (reference, any platform, every option; sliding windows much shorter than the sequence run
 blockwise in O(T * window), `xla.local_attention`), "cudnn" (fused flash attention on NVIDIA GPUs, for the
 calls `cudnn.unsupported_reason` accepts), "tokamax" (tokamax's Pallas Mosaic GPU flash attention for Hopper,
-forward and backward kernels without Triton, for the calls `tokamax_mgpu.unsupported_reason` accepts; needs the
-optional tokamax package) and "pallas" (the flash-attention kernels of `ltm_pallas`, the pallas/ folder, through
-the Triton lowering: every option but explicit positions; interpreted, so slow, off GPU). `impl="auto"` is xla off
-GPU; on GPU it picks per shape class from `GPU_AUTO` among the fused backends that accept the call (tokamax only on
-sm_90 and newer), and xla when none does (explicit positions, which only xla takes; float64).
+forward and backward kernels without Triton, for the calls `tokamax_mgpu.unsupported_reason` accepts, explicit
+positions included; needs the optional tokamax package) and "pallas" (the flash-attention kernels of `ltm_pallas`,
+the pallas/ folder, through the Triton lowering: every option but explicit positions; interpreted, so slow, off
+GPU). `impl="auto"` is xla off GPU; on GPU it picks per shape class from `GPU_AUTO` among the fused backends that
+accept the call (tokamax only on sm_90 and newer), and xla when none does (explicit positions without tokamax;
+float64).
 """
 
 from __future__ import annotations
@@ -91,8 +92,7 @@ def attention(
     scale: a static Python float multiplying the logits; None means D ** -0.5.
     impl: "auto", "xla", "cudnn", "pallas" or "tokamax". An explicit fused backend that cannot run the call raises
       ValueError (pallas refuses explicit positions, dtypes other than float16/bfloat16/float32 and head dims > 256;
-      tokamax refuses explicit positions, float32, head dims other than 64 and 128, and runs only where tokamax is
-      installed).
+      tokamax refuses float32 and head dims other than 64 and 128, and runs only where tokamax is installed).
 
   Returns:
     [B, T, Hq, D] in q's dtype.
@@ -146,7 +146,7 @@ def _run_backend(name: str, q, k, v, *, causal, window, scale, q_segment_ids=Non
     return cudnn.attention(q, k, v, causal=causal, window=window, scale=scale)
   if name == "tokamax":
     return tokamax_mgpu.attention(q, k, v, causal=causal, window=window, scale=scale, q_segment_ids=q_segment_ids,
-                                  kv_segment_ids=kv_segment_ids)
+                                  kv_segment_ids=kv_segment_ids, q_positions=q_positions, kv_positions=kv_positions)
   if name == "pallas":
     return pallas.attention(q, k, v, causal=causal, window=window, q_segment_ids=q_segment_ids,
                             kv_segment_ids=kv_segment_ids, scale=scale)

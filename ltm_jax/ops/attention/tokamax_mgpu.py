@@ -8,9 +8,10 @@ device (sm_80, sm_90 or sm_100), so they run where that device is the GPU being 
 Masks map onto tokamax's `local_window_size=(before, after)`, which keeps keys i - before <= j <= i + after for
 query index i: ours keep j <= i + S - T (causal, end-aligned) and j > i + S - T - W (window W). Segment ids become a
 dense [B, 1, T, S] boolean mask, which the kernels read tile by tile: O(B T S) bytes of memory traffic and storage,
-where the index masks cost nothing. Windows much shorter than the sequence run blocked (`uses_blocks`): tokamax's
-backward does not skip key blocks outside a window. Explicit positions (key/value caches) and float32 inputs are not taken (the
-kernels' backward takes float16/bfloat16 only); head dims are those compiled for sm_90a (`HEAD_DIMS`).
+where the index masks cost nothing; so do explicit positions (calls over a key/value cache), whose causal and window
+masks are built from them. Windows much shorter than the sequence run blocked (`uses_blocks`): tokamax's backward
+does not skip key blocks outside a window. float32 inputs are not taken (the kernels' backward takes
+float16/bfloat16 only); head dims are those compiled for sm_90a (`HEAD_DIMS`).
 Like every fused backend it is differentiable once.
 """
 
@@ -60,7 +61,7 @@ def unsupported_reason(
     dtype: Any,
     *,
     causal: bool,
-    has_positions: bool,
+    has_positions: bool = False,
     missing: str | None = None,
 ) -> str | None:
   """Why tokamax's kernels cannot run this call (a sentence), or None if they can. `missing` is `missing_reason()`'s
@@ -69,13 +70,13 @@ def unsupported_reason(
   s = kv_shape[1]
   if missing is not None:
     return missing
-  if has_positions:
-    return "explicit q_positions/kv_positions are not mapped onto tokamax's masks; impl='xla' takes them"
   if jnp.dtype(dtype) not in [jnp.dtype(x) for x in _DTYPES]:
     return f"tokamax's Mosaic GPU backward takes float16 or bfloat16, got {jnp.dtype(dtype)}"
   if d not in HEAD_DIMS:
     return f"impl='tokamax' takes head dims {HEAD_DIMS} (those compiled for sm_90a), got {d}"
-  if causal and t > s:
+  if t == 1:
+    return f"one query (a decoding step) would fill 1 of the kernels' {QUERY_TILE}-query tiles; impl='xla' runs it"
+  if causal and t > s and not has_positions:
     return f"causal attention with T > S ({t} vs {s}) leaves queries without keys"
   return None
 
@@ -121,6 +122,8 @@ def attention(
     scale: float,
     q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
+    q_positions: jax.Array | None = None,
+    kv_positions: jax.Array | None = None,
     implementation: str = "mosaic",
 ) -> jax.Array:
   """Attention through `tokamax.dot_product_attention`; the caller has checked `unsupported_reason`.
@@ -132,6 +135,8 @@ def attention(
     causal, window, scale: as in `ltm_jax.ops.attention.attention`.
     q_segment_ids: [B, T] int or None (given together with kv_segment_ids).
     kv_segment_ids: [B, S] int or None.
+    q_positions: [B, T] int or None (given together with kv_positions, with causal=True).
+    kv_positions: [B, S] int or None.
     implementation: "mosaic" (the Mosaic GPU kernels); "xla" runs the same mapped arguments through tokamax's own
       XLA reference (for tests off GPU).
 
@@ -139,9 +144,12 @@ def attention(
     [B, T, Hq, D] in q's dtype.
   """
   t, s = q.shape[1], k.shape[1]
-  run = functools.partial(_blocked if uses_blocks(causal, window, t, s) else _whole, causal=causal, window=window,
-                          scale=scale, implementation=implementation)
   segments = () if q_segment_ids is None else (q_segment_ids, kv_segment_ids)
+  settings = dict(window=window, scale=scale, implementation=implementation)
+  if q_positions is not None:
+    run = functools.partial(_by_positions, **settings)
+    return cudnn.first_order(run, _SECOND_ORDER)(q, k, v, q_positions, kv_positions, *segments)
+  run = functools.partial(_blocked if uses_blocks(causal, window, t, s) else _whole, causal=causal, **settings)
   return cudnn.first_order(run, _SECOND_ORDER)(q, k, v, *segments)
 
 
@@ -165,6 +173,20 @@ def _whole(q, k, v, *segments, **kwargs):
     q_ids, kv_ids = segments
     mask = (q_ids[:, :, None] == kv_ids[:, None, :])[:, None]
   return _call(q, k, v, mask, **kwargs)
+
+
+def _by_positions(q, k, v, q_positions, kv_positions, *segments, window, scale, implementation):
+  """Causal (and window) masks from explicit positions, as one dense mask; positions are non-negative, so the
+  differences below cannot overflow int32."""
+  q_pos = q_positions.astype(jnp.int32)[:, :, None]
+  kv_pos = kv_positions.astype(jnp.int32)[:, None, :]
+  mask = kv_pos <= q_pos
+  if window is not None:
+    mask = mask & (q_pos - kv_pos < window)
+  if segments:
+    q_ids, kv_ids = segments
+    mask = mask & (q_ids[:, :, None] == kv_ids[:, None, :])
+  return _call(q, k, v, mask[:, None], causal=False, window=None, scale=scale, implementation=implementation)
 
 
 def _blocked(q, k, v, *segments, causal, window, scale, implementation):
