@@ -223,7 +223,8 @@ GPU_CASES = {
 }
 # The custom call of a Pallas kernel lowered through Triton (XLA's own Triton fusions are not custom calls).
 PALLAS_TRITON_CALL = "__gpu$xla.gpu.triton"
-# bfloat16 kernels against float64 on the same rounded inputs, relative to max |expected| (tests/ops/test_gpu_kernels.py).
+# bfloat16 kernels against float64 on the same rounded inputs, relative to max |expected|
+# (tests/ops/test_gpu_kernels.py's).
 BF16_RTOL = 2.0**-5
 
 
