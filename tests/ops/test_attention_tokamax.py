@@ -189,19 +189,21 @@ def test_explicit_tokamax_says_what_to_install_where_it_cannot_run():
     attention(x, x, x, impl="tokamax")
 
 
-@pytest.mark.parametrize("capability, cudnn_ok, tokamax_ok, expected", [
-    ((9, 0), True, True, "cudnn"),  # cuDNN serves: it stays.
-    ((9, 0), False, True, "tokamax"),  # cuDNN refuses on Hopper: tokamax before the Triton kernels.
-    ((10, 0), False, True, "tokamax"),
-    ((9, 0), False, False, "pallas"),  # tokamax refuses (missing, float32, positions): the Triton kernels.
-    ((8, 0), False, True, "pallas"),  # No Mosaic GPU before sm_90.
-    (None, False, True, "pallas"),  # A deviceless compilation: the target is unknown.
+@pytest.mark.parametrize("capability, cudnn_ok, pallas_ok, tokamax_ok, expected", [
+    ((9, 0), True, True, True, "cudnn"),  # cuDNN serves: it stays.
+    ((9, 0), False, True, True, "pallas"),  # cuDNN refuses: the Triton kernels, checked on GPUs, before tokamax.
+    ((9, 0), False, False, True, "tokamax"),  # Both refuse (explicit positions): tokamax on Hopper.
+    ((10, 0), False, False, True, "tokamax"),
+    ((9, 0), False, False, False, "xla"),  # tokamax refuses too (missing, float32).
+    ((8, 0), False, False, True, "xla"),  # No Mosaic GPU before sm_90.
+    (None, False, False, True, "xla"),  # A deviceless compilation: the target is unknown.
 ])
-def test_auto_takes_tokamax_on_hopper_where_cudnn_refuses(capability, cudnn_ok, tokamax_ok, expected, monkeypatch):
+def test_auto_takes_tokamax_on_hopper_where_cudnn_and_pallas_refuse(capability, cudnn_ok, pallas_ok, tokamax_ok,
+                                                                   expected, monkeypatch):
   # capability None is asked of the default device: make it the CPU of a deviceless compilation on every host.
   monkeypatch.setattr(kernel_backend, "device_capability", lambda: None)
   reason = lambda ok: (lambda: None if ok else "refused")
-  reasons = {"cudnn": reason(cudnn_ok), "tokamax": reason(tokamax_ok), "pallas": reason(True)}
+  reasons = {"cudnn": reason(cudnn_ok), "tokamax": reason(tokamax_ok), "pallas": reason(pallas_ok)}
   assert _auto_gpu("window", 64, reasons, TRITON, capability) == expected
 
 
@@ -272,12 +274,14 @@ def test_compiled_kernels_match_float64_on_hopper(name):
 
 
 @pytest.mark.gpu
-def test_auto_takes_tokamax_for_segment_ids_on_hopper():
-  """Segment ids, which cuDNN refuses: on sm_90+ with tokamax, `auto` compiles Mosaic GPU kernels, no Triton."""
+def test_auto_takes_tokamax_for_explicit_positions_on_hopper():
+  """Explicit positions (a chunk over a key/value cache), which cuDNN and the Pallas kernels refuse: on sm_90+ with
+  tokamax, `auto` compiles Mosaic GPU kernels, no Triton."""
   reason = _on_hopper_with_tokamax()
   if reason:
     pytest.skip(reason)
   x = jnp.ones((1, 128, 4, 64), jnp.bfloat16)
-  ids = jnp.zeros((1, 128), jnp.int32)
-  compiled = jax.jit(lambda x: attention(x, x, x, segment_ids=ids)).lower(x).compile().as_text()
+  positions = jnp.arange(128, dtype=jnp.int32)[None]
+  compiled = jax.jit(lambda x: attention(x, x, x, q_positions=positions, kv_positions=positions)
+                     ).lower(x).compile().as_text()
   assert "mosaic_gpu" in compiled and PALLAS_TRITON_CALL not in compiled

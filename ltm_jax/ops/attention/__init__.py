@@ -33,8 +33,11 @@ IMPLS = ("xla", "cudnn", "pallas", "tokamax")
 # 1.9-2.6x cuDNN's time under a causal mask at D=64, 1.4-2.0x at D=128, and 0.9-1.6x under a 256-token window, so
 # cuDNN is preferred wherever it takes the call; pallas serves what cuDNN refuses (segment ids, causal T != S,
 # float32, head dims that are not a multiple of 8 or too large).
-# Where cuDNN refuses a call, tokamax's Mosaic GPU kernels come next on sm_90 and newer (when installed), then the
-# Triton-lowered Pallas kernels (`FALLBACK_ORDER`): neither is timed on a GPU yet.
+# Where cuDNN refuses a call, the Triton-lowered Pallas kernels come next while this jax can compile them (their
+# compiled tests passed on an H100 and an H200), then tokamax's Mosaic GPU kernels on sm_90 and newer (when
+# installed): they serve the calls the Pallas kernels refuse (explicit positions) and every call once the Triton
+# lowering is gone. tokamax's kernels have not run on a GPU here (`pytest -m gpu tests/ops/test_attention_tokamax.py`
+# checks them); move "tokamax" ahead of "pallas" where they pass and measure faster. Neither is timed on a GPU yet.
 # `python benchmarks/attention.py` on a GPU prints this table from its forward+backward timings ("suggested
 # GPU_AUTO"); paste that here together with the results file it names.
 GPU_AUTO = {
@@ -47,7 +50,7 @@ GPU_AUTO = {
 }
 
 # The fused backends `_auto_gpu` tries, in this order, after the shape class's `GPU_AUTO` choice.
-FALLBACK_ORDER = ("cudnn", "tokamax", "pallas")
+FALLBACK_ORDER = ("cudnn", "pallas", "tokamax")
 
 SegmentIds = jax.Array | tuple[jax.Array, jax.Array]
 
