@@ -8,8 +8,8 @@ Kernel cases ("kernels") run forward and backward in one program, so one compila
   WKV-4: the sequential path (B·C >= PARALLEL_BELOW) and the time-parallel one, bfloat16 and float32.
   WKV-7: the sequential kernels at head sizes 64 and 128, bfloat16 and float32; the chunked kernels at the WKV-7
     benchmark's GPU shapes (head sizes 64 and 128, bfloat16) and at head size 32 in float32.
-  RWKV-7 output stage (group norm, r.k bonus, gate): at small_rwkv7's and base_125m_rwkv7's training shapes in
-    bfloat16, and in float32.
+  RWKV-7 output stage (group norm, r.k bonus, gate) and key side (key norm, delta-rule keys, bonus sums): each at
+    small_rwkv7's and base_125m_rwkv7's training shapes in bfloat16, and in float32.
   flash attention (forward, dq, dk/dv): head dims 32, 64, 128 and 256; causal, sliding window, segment ids,
     non-causal; grouped (GQA) and single (MQA) key/value heads; bfloat16 and float32 (and float16 once). Where the
     default settings are listed in `ltm_pallas.attention.config.SPILLING_DEFAULTS` (none today) the case must
@@ -35,7 +35,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ltm_pallas import quant_matmul, rwkv7_out, wkv4, wkv7, wkv7_chunked, wkv7_segmented
+from ltm_pallas import quant_matmul, rwkv7_key, rwkv7_out, wkv4, wkv7, wkv7_chunked, wkv7_segmented
 from ltm_pallas.attention import BlockSizes, config, flash_attention
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -60,8 +60,9 @@ WKV7_SEGMENTED_REMAT_KERNELS = WKV7_CHUNKED_REMAT_KERNELS + (
 ATTENTION_KERNELS = ("flash_attention_forward", "flash_attention_dq", "flash_attention_dkv")
 QUANT_MATMUL_KERNELS = ("quant_matmul_int8", "quant_matmul_int4")
 RWKV7_OUT_KERNELS = ("rwkv7_out_forward", "rwkv7_out_backward")
+RWKV7_KEY_KERNELS = ("rwkv7_key_forward", "rwkv7_key_backward")
 # Entry names the compiled program gives the kernels of this package (a suffix _1, _2, ... tells copies apart).
-KERNEL_PREFIXES = ("wkv4_", "wkv7_", "flash_attention_", "quant_matmul_", "rwkv7_out_")
+KERNEL_PREFIXES = ("wkv4_", "wkv7_", "flash_attention_", "quant_matmul_", "rwkv7_out_", "rwkv7_key_")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +179,20 @@ def _rwkv7_out(rows: int, heads: int, size: int, dtype) -> Builder:
   return build
 
 
+def _rwkv7_key(rows: int, heads: int, size: int, dtype) -> Builder:
+  """fwd+bwd of the RWKV-7 key side over `rows` = B * T rows of `heads` heads of `size` channels, at the row block
+  the op picks for that many rows (`rwkv7_key.block_rows_for`)."""
+
+  def build(abstract: Abstract, block_sizes=None):
+    del block_sizes
+    c = heads * size
+    tile, vector = abstract((rows, c), dtype), abstract((c,), jnp.float32)
+    fn = lambda *xs: rwkv7_key.key_side(*xs, size, 1e-12, rwkv7_key.block_rows_for(rows), False)
+    return _vjp_program(fn, (tile, tile, tile, vector, vector, vector), abstract, 6)
+
+  return build
+
+
 def _attention(batch: int, length: int, q_heads: int, kv_heads: int, head_dim: int, dtype, *, causal: bool = True,
                window: int | None = None, segments: bool = False, kv_length: int | None = None,
                tiles: BlockSizes | None = None) -> Builder:
@@ -257,7 +272,7 @@ def _kernel_cases() -> list[Case]:
   # The long sequence in 8 segments of 4096 tokens (ltm_jax.ops.wkv7.pallas_segmented's choice at that shape).
   cases.append(Case("wkv7s_n64_long_bf16", "wkv7 segmented fwd+bwd bfloat16 B1 T32768 H64 N64, 8 segments",
                     WKV7_SEGMENTED_REMAT_KERNELS, _wkv7_segmented(1, 32768, 64, 64, bf16, 8), head_dim=64))
-  # The RWKV-7 output stage at small_rwkv7's training shape (B32 T1024, 8 heads of 64) and base_125m_rwkv7's at
+  # The RWKV-7 output stage and key side at small_rwkv7's training shape (B32 T1024, 8 heads of 64) and base_125m_rwkv7's at
   # batch 32 (B32 T2048, 12 heads of 64), bfloat16, and the first in float32.
   for name, what, shape, dtype in (
       ("rwkv7_out_n64_bf16", "B32 T1024 H8 N64 (small_rwkv7)", (32 * 1024, 8, 64), bf16),
@@ -266,6 +281,8 @@ def _kernel_cases() -> list[Case]:
     dtype_name = jnp.dtype(dtype).name
     cases.append(Case(name, f"rwkv7_out fwd+bwd {dtype_name} {what}", RWKV7_OUT_KERNELS, _rwkv7_out(*shape, dtype),
                       dtype=dtype_name, head_dim=shape[2]))
+    cases.append(Case(name.replace("_out_", "_key_"), f"rwkv7_key fwd+bwd {dtype_name} {what}", RWKV7_KEY_KERNELS,
+                      _rwkv7_key(*shape, dtype), dtype=dtype_name, head_dim=shape[2]))
   # Flash attention. Head dim 64: base_125m (B64 T2048, 12 query heads on 4 key/value heads) and small_rwkv7 /
   # small (B32 T1024, 8 heads, window 512); head dim 32: tiny (float32). Head dims 128 and 256: B * T = 16k tokens and
   # Hq * D = 2048 (the benchmark's GPU shapes), GQA 4:1 unless said.
@@ -435,13 +452,13 @@ def _model_cases() -> list[Case]:
 # The kernel cases the test suite compiles (tests/test_gpu_aot.py, with both controls); `make gpu-aot` compiles every
 # case and the committed report covers them all. One case per kernel (every kernel any case names is compiled): WKV-4
 # sequential and time-parallel, WKV-7 at head size 128 in float32 (the largest state per program), the segmented
-# WKV-7 (which runs the chunked kernels too), the quantised matmul, the RWKV-7 output stage in float32 (the larger
-# tiles), and attention twice: bfloat16 with a window,
+# WKV-7 (which runs the chunked kernels too), the quantised matmul, the RWKV-7 output stage and key side in float32
+# (the larger tiles), and attention twice: bfloat16 with a window,
 # segment ids and grouped heads, and float32 at head dim 256 (the most registers of the default tiles). The rest repeat
 # one of these kernels at another dtype, shape or default-tile row.
 SUITE_CASES = ("wkv4_seq_bf16", "wkv4_par_f32", "wkv7_n128_f32", "wkv7s_n64_long_bf16", "attn_d128_bf16_window_seg",
                "attn_d256_f32_causal_mqa", "quant_matmul_f32_768",
-               "rwkv7_out_n64_f32")
+               "rwkv7_out_n64_f32", "rwkv7_key_n64_f32")
 
 
 def all_cases() -> dict[str, Case]:

@@ -294,7 +294,7 @@ def classify(comps, ins: Instr, op_name: str, where: str) -> tuple[str, float, f
     target = _attr(ins.attrs, "custom_call_target") or re.search(r'custom_call_target="([^"]*)"', ins.attrs).group(1)
     name = _kernel_name(ins, op_name)
     lowered = (name + target).lower()
-    if lowered.startswith("rwkv7_out"):  # RWKV-7's output stage (group norm, bonus, gate): a norm, not a WKV.
+    if lowered.startswith(("rwkv7_out", "rwkv7_key")):  # RWKV-7's output stage and key side: norms, not a WKV.
       return "reductions/norms", 0.0, 0.0, "", name
     if "wkv" in lowered:
       return "WKV kernel", 0.0, 0.0, "", name or target

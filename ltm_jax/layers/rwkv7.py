@@ -30,6 +30,7 @@ from ltm_jax.layers.common import (
   token_shift,
 )
 from ltm_jax.layers.rwkv4 import ChannelMixState
+from ltm_jax.ops.rwkv7_key import rwkv7_key
 from ltm_jax.ops.rwkv7_out import rwkv7_out
 from ltm_jax.ops.wkv7 import empty_state as wkv7_empty_state
 from ltm_jax.ops.wkv7 import wkv7
@@ -96,6 +97,7 @@ class TimeMix7(nn.Module):
   first: bool = True
   impl: str = "auto"
   out_impl: str = "auto"  # The output stage's backend (ltm_jax.ops.rwkv7_out): group norm, bonus and gate.
+  key_impl: str = "auto"  # The key side's backend (ltm_jax.ops.rwkv7_key): key norm, delta-rule keys, bonus sums.
   dtype: str = "float32"
   fp8: bool = False  # Its projections multiply in FP8 (ltm_jax.ops.fp8); the model sets it from model.fp8.
 
@@ -160,25 +162,24 @@ class TimeMix7(nn.Module):
       gate_v = nn.sigmoid(value_residual_base.astype(x.dtype) + value_lora[0])
       v = v + (v_first.astype(v.dtype) - v) * gate_v
 
-    key_norm_scale = vector("key_norm_scale", 0.71 - 0.1 * linear).astype(x.dtype)
-    key_iclr_mix = vector("key_iclr_mix", np.full(d, 1.02)).astype(x.dtype)
+    key_norm_scale = vector("key_norm_scale", 0.71 - 0.1 * linear)
+    key_iclr_mix = vector("key_iclr_mix", np.full(d, 1.02))
     to_heads = lambda t: t.reshape(batch, length, heads, n)
-    kk = to_heads(k * key_norm_scale)
-    kk_f32 = kk.astype(jnp.float32)
-    kk = (kk_f32 / jnp.maximum(jnp.linalg.norm(kk_f32, axis=-1, keepdims=True), NORMALIZE_EPS)).astype(x.dtype)
-    k = k * (1 + (iclr - 1) * key_iclr_mix)
-    if valid is not None:  # Padding: no decay, no delta-rule correction (a = b = 0), no new key.
-      log_decay = jnp.where(valid[..., None], log_decay, 0.0)
-      k = jnp.where(valid[..., None], k, 0)
-      kk = jnp.where(valid[..., None, None], kk, 0)
-    y, wkv_state = wkv7(to_heads(r), to_heads(log_decay), to_heads(k), to_heads(v), -kk, kk * to_heads(iclr),
-                        state.wkv, impl=self.impl)
-
-    # Per-head group norm of y with a per-channel affine, plus the r.k bonus times v, times the gate (ops.rwkv7_out).
+    # The normalised key kk (the delta rule's a = -kk and b = kk * iclr), the key WKV-7 writes and the r.k bonus sums
+    # [B, T, H] (ops.rwkv7_key).
     norm_scale = self.param("out_norm_scale", nn.with_logical_partitioning(nn.initializers.ones, ("wkv",)), (d,))
     norm_bias = self.param("out_norm_bias", nn.with_logical_partitioning(nn.initializers.zeros, ("wkv",)), (d,))
-    bonus = vector("bonus", np.full(d, -0.04)).astype(x.dtype)  # [C], official r_k [H, N]; a vector: no decay.
-    rk = jnp.sum(to_heads(r * k * bonus), axis=-1, dtype=jnp.float32)  # [B, T, H]
+    bonus = vector("bonus", np.full(d, -0.04))  # [C], official r_k [H, N]; a vector: no decay.
+    neg_kk, kk_iclr, k, rk = rwkv7_key(k, iclr, r, key_norm_scale, key_iclr_mix, bonus, head_size=n,
+                                       eps=NORMALIZE_EPS, impl=self.key_impl)
+    if valid is not None:  # Padding: no decay, no delta-rule correction (a = b = 0), no new key, no bonus.
+      log_decay = jnp.where(valid[..., None], log_decay, 0.0)
+      k, rk = jnp.where(valid[..., None], k, 0), jnp.where(valid[..., None], rk, 0)
+      neg_kk, kk_iclr = (jnp.where(valid[..., None, None], t, 0) for t in (neg_kk, kk_iclr))
+    y, wkv_state = wkv7(to_heads(r), to_heads(log_decay), to_heads(k), to_heads(v), neg_kk, kk_iclr, state.wkv,
+                        impl=self.impl)
+
+    # Per-head group norm of y with a per-channel affine, plus the r.k bonus times v, times the gate (ops.rwkv7_out).
     y = rwkv7_out(y, rk, v, gate, norm_scale, norm_bias, eps=GROUP_NORM_EPS, impl=self.out_impl)
     out = _projection(d, nn.with_logical_partitioning(nn.initializers.zeros, ("wkv", "embed")), self.dtype,
                       "output", self.fp8)(y)

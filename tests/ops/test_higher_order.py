@@ -14,6 +14,7 @@ from ltm_jax import ops
 from ltm_jax.ops.attention import cudnn
 from ltm_jax.ops.mdi import mdi
 from ltm_jax.ops.quant_matmul import quant_matmul
+from ltm_jax.ops.rwkv7_key import rwkv7_key
 from ltm_jax.ops.rwkv7_out import rwkv7_out
 
 
@@ -47,6 +48,10 @@ REFUSED = {
     "rwkv7_out_pallas": (lambda y: rwkv7_out(y, y[..., 0], jnp.sin(y).reshape(1, 16, 16), y.reshape(1, 16, 16) * 0.5,
                                              y[0, 0, 0], y[0, 1, 0], eps=64e-5, impl="pallas"), (1, 16, 1, 16),
                          ("rwkv7_out: impl='pallas'", "impl='xla'")),
+    # k [B, T, C] with the learning rate, receptance and vectors drawn from it; every output feeds the sum.
+    "rwkv7_key_pallas": (lambda k: jnp.concatenate([o.reshape(-1) for o in rwkv7_key(
+        k, jax.nn.sigmoid(k), jnp.sin(k), k[0, 0], k[0, 1] * 0.5, k[0, 2], head_size=16, eps=1e-12, impl="pallas")]),
+                         (1, 16, 16), ("rwkv7_key: impl='pallas'", "impl='xla'")),
 }
 
 
