@@ -180,3 +180,22 @@ def test_time_mix_with_the_kernels_matches_the_xla_form(first):
     scale = np.abs(np.asarray(a)).max()
     assert scale > 1e-3, name  # Every gradient takes part.
     np.testing.assert_allclose(b, a, rtol=0, atol=F32_RTOL * scale, err_msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU: the Triton kernels are compiled only for one")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_compiled_kernels_match_float64_on_a_gpu(dtype):
+  """The Triton-compiled kernels (impl='pallas' under jit on a GPU): values and gradients against float64, within
+  the GPU tests' tolerances (tests/ops/test_gpu_kernels.py: 2e-3 in float32 for another summation order, 2^-5 in
+  bfloat16)."""
+  inputs = _inputs(11, dtype)
+  cotangent = jnp.asarray(np.random.default_rng(12).normal(size=(B, T, C)), dtype)
+  fn = lambda *a: _value_and_grads(lambda *x: op.rwkv7_out(*x, eps=GROUP_NORM_EPS, impl="pallas"), a, cotangent)
+  assert "__gpu$xla.gpu.triton" in jax.jit(fn).lower(*inputs).as_text()
+  out, grads = jax.jit(fn)(*inputs)
+  ref_out, ref_grads = _float64(inputs, cotangent)
+  rtol = 2e-3 if dtype == jnp.float32 else 2.0**-5
+  _close(out, ref_out, rtol, "out")
+  for name, grad, ref in zip(NAMES, grads, ref_grads):
+    _close(grad, ref, rtol, f"d{name}")
