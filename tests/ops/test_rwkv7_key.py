@@ -144,6 +144,7 @@ def _random_params(module, *args, seed):
   return jax.tree_util.tree_map_with_path(draw, shapes)
 
 
+@pytest.mark.usefixtures("fast_compile")  # Compares the values of two programs: XLA's expensive passes add nothing.
 def test_time_mix_with_the_kernels_matches_the_xla_form():
   """TimeMix7 (float32, a later layer: value residual too) with key_impl='pallas' against the same layer with the
   unfused XLA form: outputs and the gradients of every parameter, the input and v_first."""
@@ -158,7 +159,7 @@ def test_time_mix_with_the_kernels_matches_the_xla_form():
     def loss(params, x, v_first):
       y, _, _ = layers[impl].apply({"params": params}, x, None, v_first)
       return jnp.sum(y * cotangent), y
-    (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(params, x, v_first)
+    (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(params, x, v_first)
     return y, grads
 
   (y_xla, g_xla), (y_pallas, g_pallas) = run("xla"), run("pallas")
