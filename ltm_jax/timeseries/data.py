@@ -226,8 +226,8 @@ def _read_aeon(name: str, part: str):
   """A dataset shipped inside the aeon package (never downloaded: names aeon does not ship are refused)."""
   try:
     from aeon import datasets
-  except ImportError:
-    raise DataError("aeon: sources need the aeon package: pip install 'ltm-jax[timeseries]'") from None
+  except ImportError as error:  # aeon missing, or one of its own imports (its message says which).
+    raise DataError(f"aeon: sources need the aeon package: pip install 'ltm-jax[timeseries]' ({error})") from None
   shipped = pathlib.Path(datasets.__file__).parent / "data"
   if not (shipped / name).is_dir():
     available = sorted(p.name for p in shipped.iterdir() if (p / f"{p.name}_TRAIN.ts").is_file())

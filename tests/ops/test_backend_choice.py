@@ -48,13 +48,13 @@ def gpu_target(monkeypatch):
 
 
 @pytest.mark.parametrize("op", sorted(CASES))
-def test_auto_compiles_the_kernel_for_a_gpu_and_not_for_the_cpu(op, gpu_target):
+def test_auto_compiles_the_kernel_for_a_gpu_and_not_for_the_cpu(op, gpu_target, cuda_lowering):
   (x,) = _inputs(0, SHAPES[op])
   assert TRITON_CALL in _module(CASES[op], "cuda", x)
   assert TRITON_CALL not in _module(CASES[op], "cpu", x)
 
 
-def test_explicit_pallas_interprets_on_the_cpu_and_compiles_for_a_gpu(gpu_target):
+def test_explicit_pallas_interprets_on_the_cpu_and_compiles_for_a_gpu(gpu_target, cuda_lowering):
   k, v = _inputs(1, (2, 32, 16), (2, 32, 16))
   w, u = -jnp.exp(k[0, 0]), v[0, 0]
   fn = lambda k, v: ops.wkv4(w, u, k, v, impl="pallas")[0]

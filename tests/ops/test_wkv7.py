@@ -224,7 +224,7 @@ def test_pallas_block_and_chunk_options(chunk, forward_block, backward_block):
     _assert_close(g, g_ref, F32_RTOL, f"grad {name}")
 
 
-def test_pallas_kernels_lower_to_triton():
+def test_pallas_kernels_lower_to_triton(cuda_lowering):
   # The GPU path without a GPU: both kernels (bfloat16, N = 64 and 128, several value blocks) go through the Pallas
   # Triton lowering, which rejects what Triton cannot express (non-power-of-two blocks, unsupported ops). Compiling
   # the Triton IR to PTX still needs a GPU.

@@ -153,7 +153,7 @@ def test_remat_runs_the_primal():
       "wkv7_chunked_backward", "wkv7_chunked_forward", "wkv7_chunked_forward_primal"]
 
 
-def test_kernels_lower_to_triton():
+def test_kernels_lower_to_triton(cuda_lowering):
   # The GPU path without a GPU: both kernels at head sizes 64 and 128 go through the Pallas Triton lowering, which
   # rejects what Triton cannot express. (benchmarks/gpu_aot.py compiles them on to an H100 binary.)
   for size in (64, 128):

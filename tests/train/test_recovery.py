@@ -70,8 +70,13 @@ def test_divergence_names_the_kept_steps_and_from_step_recovers(healthy, tmp_pat
   assert kept[0] == 6 and kept[-1] > 6, kept  # 2 and 4 pruned; 6, a multiple of train.keep_every, stays.
   # Step 7's loss is that of step 6's parameters; from step 8 on the loss is far above its best, and after
   # train.spike_steps (10) such steps the guard stops the run, naming the newest checkpoint saved before the rise.
-  assert "\n" not in err and err.startswith("error: loss spike: "), err
-  assert " at step 17, above " in err and " for the 10 steps since step 8 (train.spike_steps=10;" in err
+  # Where the loss overflows first (jax 0.11's CPU compilation reached inf at step 14), the non-finite stop names
+  # the same checkpoint.
+  assert "\n" not in err, err
+  if err.startswith("error: loss spike: "):
+    assert " at step 17, above " in err and " for the 10 steps since step 8 (train.spike_steps=10;" in err
+  else:
+    assert err.startswith("error: loss became non-finite at step "), err
   assert err.endswith("the newest checkpoint saved before the loss began to rise at step 8 is step 6; resume from it "
                       "with a lower train.lr or a train.grad_clip: ltm train --from-step 6 ... (deletes the "
                       "checkpoints after it)"), err
