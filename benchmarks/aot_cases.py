@@ -188,7 +188,7 @@ def _rwkv7_key(rows: int, heads: int, size: int, dtype) -> Builder:
     c = heads * size
     tile, vector = abstract((rows, c), dtype), abstract((c,), jnp.float32)
     fn = lambda *xs: rwkv7_key.key_side(*xs, size, 1e-12, rwkv7_key.block_rows_for(rows), False)
-    return _vjp_program(fn, (tile, tile, tile, vector, vector, vector), abstract, 6)
+    return _vjp_program(fn, (tile, tile, tile) + (vector,) * 4, abstract, 7)
 
   return build
 

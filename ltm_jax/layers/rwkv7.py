@@ -155,7 +155,6 @@ class TimeMix7(nn.Module):
     decay_lora, iclr_lora, *value_lora, gate = _shifted_loras(x, last, loras)
 
     log_decay = -MAX_LOG_DECAY * nn.sigmoid(decay_base + decay_lora.astype(jnp.float32))  # float32, in (-0.61, 0).
-    iclr = nn.sigmoid(iclr_base.astype(x.dtype) + iclr_lora)  # a in (0, 1)
     if self.first:
       v_first = v
     else:
@@ -165,12 +164,12 @@ class TimeMix7(nn.Module):
     key_norm_scale = vector("key_norm_scale", 0.71 - 0.1 * linear)
     key_iclr_mix = vector("key_iclr_mix", np.full(d, 1.02))
     to_heads = lambda t: t.reshape(batch, length, heads, n)
-    # The normalised key kk (the delta rule's a = -kk and b = kk * iclr), the key WKV-7 writes and the r.k bonus sums
-    # [B, T, H] (ops.rwkv7_key).
     norm_scale = self.param("out_norm_scale", nn.with_logical_partitioning(nn.initializers.ones, ("wkv",)), (d,))
     norm_bias = self.param("out_norm_bias", nn.with_logical_partitioning(nn.initializers.zeros, ("wkv",)), (d,))
     bonus = vector("bonus", np.full(d, -0.04))  # [C], official r_k [H, N]; a vector: no decay.
-    neg_kk, kk_iclr, k, rk = rwkv7_key(k, iclr, r, key_norm_scale, key_iclr_mix, bonus, head_size=n,
+    # The in-context learning rate iclr = sigmoid(iclr_base + iclr_lora) in (0, 1), the normalised key kk (the delta
+    # rule's a = -kk and b = kk * iclr), the key WKV-7 writes and the r.k bonus sums [B, T, H] (ops.rwkv7_key).
+    neg_kk, kk_iclr, k, rk = rwkv7_key(k, iclr_lora, r, iclr_base, key_norm_scale, key_iclr_mix, bonus, head_size=n,
                                        eps=NORMALIZE_EPS, impl=self.key_impl)
     if valid is not None:  # Padding: no decay, no delta-rule correction (a = b = 0), no new key, no bonus.
       log_decay = jnp.where(valid[..., None], log_decay, 0.0)

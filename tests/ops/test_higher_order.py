@@ -50,7 +50,7 @@ REFUSED = {
                          ("rwkv7_out: impl='pallas'", "impl='xla'")),
     # k [B, T, C] with the learning rate, receptance and vectors drawn from it; every output feeds the sum.
     "rwkv7_key_pallas": (lambda k: jnp.concatenate([o.reshape(-1) for o in rwkv7_key(
-        k, jax.nn.sigmoid(k), jnp.sin(k), k[0, 0], k[0, 1] * 0.5, k[0, 2], head_size=16, eps=1e-12, impl="pallas")]),
+        k, k * 0.5, jnp.sin(k), k[0, 3], k[0, 0], k[0, 1] * 0.5, k[0, 2], head_size=16, eps=1e-12, impl="pallas")]),
                          (1, 16, 16), ("rwkv7_key: impl='pallas'", "impl='xla'")),
 }
 

@@ -1,5 +1,5 @@
-"""The key side of an RWKV-7 time-mix (`ltm_jax.ops.rwkv7_key`: key norm, delta-rule keys, bonus sums): its backends'
-values and gradients against a float64 statement of the formula written here, the Pallas kernels
+"""The key side of an RWKV-7 time-mix (`ltm_jax.ops.rwkv7_key`: learning rate, key norm, delta-rule keys, bonus
+sums): its backends' values and gradients against a float64 statement of the formula written here, the Pallas kernels
 (`ltm_pallas.rwkv7_key`, interpreted on CPU) against the XLA form, and the RWKV-7 time-mix with the kernels against
 the same layer with the XLA form."""
 
@@ -25,24 +25,25 @@ C = H * N
 # XLA form up to three times; gradients once more: four and eight bfloat16 ulps (2^-8).
 F32_RTOL = 1e-5
 BF16_RTOL, BF16_GRAD_RTOL = 4 * 2.0**-8, 8 * 2.0**-8
-NAMES = ("k", "a", "r", "scale", "mix", "bonus")
+NAMES = ("k", "z", "r", "base", "scale", "mix", "bonus")
 OUTPUTS = ("neg_kk", "b", "k2", "rk")
 
 
 def _inputs(seed, dtype=jnp.float32, b=B, t=T, h=H, n=N):
-  """Fresh random (k, a, r, scale, mix, bonus): k with a per-head spread, a in (0, 1)."""
+  """Fresh random (k, z, r, base, scale, mix, bonus): k with a per-head spread, sigmoid(base + z) across (0, 1)."""
   rng = np.random.default_rng(seed)
   c = h * n
   k = (rng.normal(0, 1, (b, t, h, n)) * rng.uniform(0.2, 3, (b, t, h, 1))).reshape(b, t, c)
-  arrays = (k, rng.uniform(0.05, 0.95, (b, t, c)), rng.normal(0, 1, (b, t, c)), rng.normal(0.7, 0.2, c),
-            rng.normal(1.0, 0.3, c), rng.normal(0, 0.5, c))
-  dtypes = (dtype,) * 3 + (jnp.float32,) * 3
+  arrays = (k, rng.normal(0, 1.5, (b, t, c)), rng.normal(0, 1, (b, t, c)), rng.normal(-0.2, 0.5, c),
+            rng.normal(0.7, 0.2, c), rng.normal(1.0, 0.3, c), rng.normal(0, 0.5, c))
+  dtypes = (dtype,) * 3 + (jnp.float32,) * 4
   return tuple(jnp.asarray(x, d) for x, d in zip(arrays, dtypes))
 
 
-def _reference(k, a, r, scale, mix, bonus, n=N, eps=NORMALIZE_EPS):
+def _reference(k, z, r, base, scale, mix, bonus, n=N, eps=NORMALIZE_EPS):
   """The formula in float64 jax.numpy (differentiable for the reference gradients)."""
   b, t, c = k.shape
+  a = 1 / (1 + jnp.exp(-(base + z)))
   heads = lambda x: x.reshape(b, t, c // n, n)
   ks = heads(k * scale)
   # max(|ks|, eps) as sqrt(max(|ks|^2, eps^2)): the same value, and a zero head's gradient is finite.
@@ -123,11 +124,11 @@ def test_shapes_the_kernels_do_not_take_run_the_xla_form():
 
 
 def test_shape_errors_and_unknown_impl():
-  k, a, r, scale, mix, bonus = _inputs(7)
+  k, z, r, base, scale, mix, bonus = _inputs(7)
   with pytest.raises(ValueError, match="bonus"):
-    op.rwkv7_key(k, a, r, scale, mix, bonus[:4], head_size=N, eps=1e-12)
+    op.rwkv7_key(k, z, r, base, scale, mix, bonus[:4], head_size=N, eps=1e-12)
   with pytest.raises(ValueError, match="unknown impl"):
-    op.rwkv7_key(k, a, r, scale, mix, bonus, head_size=N, eps=1e-12, impl="cuda")
+    op.rwkv7_key(k, z, r, base, scale, mix, bonus, head_size=N, eps=1e-12, impl="cuda")
 
 
 def _random_params(module, *args, seed):
