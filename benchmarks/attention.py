@@ -6,7 +6,8 @@
                                                 #   window 256, bfloat16, B * T = 16k tokens, Hq * D = 2048
   python benchmarks/attention.py --quick        # one tiny shape (T = 64, D = 32): proves the script in seconds
 
-Backends: ltm_jax's "pallas" and "xla", `jax.nn.dot_product_attention(implementation="cudnn")`, and the peers that are
+Backends: ltm_jax's "pallas", "xla" and "ltm_tokamax" (the op's impl="tokamax", Hopper only, where tokamax is
+installed), `jax.nn.dot_product_attention(implementation="cudnn")`, and the peers that are
 importable: `tokamax.dot_product_attention` (its Triton path and its default), jax-linear-attention's FA3-style
 Mosaic GPU kernel (`jla.layers.attention.attention(implementation="mosaic_gpu")`, Hopper only) and PyTorch SDPA
 (causal only: SDPA's flash kernel has no sliding window). FLOPs count only visible (query, key) pairs: 4 * D per
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import peers as peers_lib
 
-from ltm_jax.ops.attention import attention, cudnn, mask_kind
+from ltm_jax.ops.attention import attention, cudnn, mask_kind, tokamax_mgpu
 
 SEQS = {"cpu": [128, 256], "gpu": [1024, 2048, 4096, 8192, 16384], "quick": [64]}
 HEAD_DIMS = {"cpu": [64], "gpu": [64, 128], "quick": [32]}
@@ -58,6 +59,10 @@ def _jax_impl(name, window):
   """fn(q, k, v) for a JAX backend, or None when it cannot be imported here."""
   if name in ("pallas", "xla"):
     return lambda q, k, v: attention(q, k, v, window=window, impl=name)
+  if name == "ltm_tokamax":  # Our op's impl="tokamax": tokamax's Mosaic GPU kernels, short windows run blocked.
+    if tokamax_mgpu.missing_reason() is not None:
+      return None
+    return lambda q, k, v: attention(q, k, v, window=window, impl="tokamax")
   if name == "cudnn":
     return lambda q, k, v: cudnn.attention(q, k, v, causal=True, window=window, scale=q.shape[-1] ** -0.5)
   if name.startswith("tokamax"):
@@ -210,7 +215,7 @@ def goals(rows):
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   platform = "cpu" if jax.default_backend() == "cpu" else "gpu"
-  impls_all = ["pallas", "cudnn", "xla", "tokamax_triton", "tokamax", "jla_mosaic", "torch_sdpa"]
+  impls_all = ["pallas", "cudnn", "xla", "ltm_tokamax", "tokamax_triton", "tokamax", "jla_mosaic", "torch_sdpa"]
   parser.add_argument("--shapes", choices=sorted(SEQS), default=platform)
   parser.add_argument("--quick", action="store_true", help="same as --shapes quick: one tiny shape, seconds")
   parser.add_argument("--name", default=None,
