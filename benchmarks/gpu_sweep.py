@@ -103,8 +103,9 @@ BENCHMARKS = (
     _attention(64, 1, 240),
     _attention(128, 2, 240),
     _train("base_125m", 2, 150),
-    # The shipped WKV-7 backend (auto) beside the sequential kernels, measured in one process.
-    _train("small_rwkv7", 3, 130, variants=("", "model.wkv7_impl=pallas")),
+    # The shipped WKV-7 backend (auto) beside the sequential kernels and the bfloat16 residual stream (opt-in),
+    # measured in one process.
+    _train("small_rwkv7", 3, 170, variants=("", "model.wkv7_impl=pallas", "model.residual_dtype=bfloat16")),
     _train("small", 3, 100),
     # What a latent step costs against a plain step of the same decoder (configs/ltm_code.py): as shipped (z in the
     # top block, encoder + 2 inner steps) and with z in every block.
@@ -115,7 +116,7 @@ BENCHMARKS = (
     # `scan` (the sequential reference, ~30x slower than pallas on a GPU) stays the error baseline but is not timed:
     # timing it at 65536 tokens ran the H100 sweep of 2026-11-25 out of time.
     Bench("wkv4", "wkv.py", ("--shapes", "gpu", "--impls", "associative", "pallas"), ("--quick",), "wkv4",
-          "wkv4-quick", 3, 240,
+          "wkv4-quick", 5, 240,
           env=tuple(SHARE_GPU.items())),
     # decode.py's sizes are one RWKV-World-sized model per mixer (its "cpu" plan); the official rwkv package runs on
     # the GPU too. Split by section: a partial run writes decode-<sections>-<device>.json.
