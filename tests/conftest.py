@@ -61,6 +61,20 @@ def cpu_only_env(**extra: str) -> dict[str, str]:
   return {**os.environ, "JAX_PLATFORMS": "cpu", "CUDA_VISIBLE_DEVICES": "", **extra}
 
 
+def assert_gradients_close(got, expected, rtol: float) -> None:
+  """Two gradient trees of the same structure agree leaf by leaf within rtol of each expected leaf's largest
+  magnitude, and every expected leaf is far from zero (a parameter the loss does not reach would pass vacuously)."""
+  import numpy as np
+  expected_leaves = jax.tree_util.tree_leaves_with_path(expected)
+  got_leaves = jax.tree.leaves(got)
+  assert len(expected_leaves) == len(got_leaves)
+  for (path, want), have in zip(expected_leaves, got_leaves):
+    name = jax.tree_util.keystr(path)
+    scale = np.abs(np.asarray(want)).max()
+    assert scale > 1e-3, name
+    np.testing.assert_allclose(have, want, rtol=0, atol=rtol * scale, err_msg=name)
+
+
 @pytest.fixture
 def cuda_lowering():
   """Skips a test that lowers Pallas Triton kernels for "cuda" where this process cannot. jax 0.10 lowers them
