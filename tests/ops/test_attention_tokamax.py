@@ -22,6 +22,7 @@ import pytest
 from attention_reference import reference_mask
 from attention_reference import reference_value_and_grads
 from attention_reference import value_and_grads
+from attention_tokamax_worker import MAPPING_CASES as _MAPPING_CASES
 from attention_tokamax_worker import cache_positions
 from conftest import ROOT, cpu_only_env
 from ltm_jax.ops.attention import _auto_gpu, attention, tokamax_mgpu
@@ -72,25 +73,6 @@ def _case(mapping, name):
 
 def _assert_close(actual, expected, what):
   np.testing.assert_allclose(actual, expected, rtol=RTOL, atol=RTOL * np.max(np.abs(expected)), err_msg=what)
-
-
-# The worker's cases, repeated here because the worker runs in another venv: (B, T, S, Hq, Hkv, D, causal, window,
-# segments).
-_MAPPING_CASES = {
-    "window_gqa": (2, 96, 96, 4, 2, 64, True, 20, False),
-    "causal_mqa": (1, 64, 64, 4, 1, 64, True, None, False),
-    "window_covers_all": (1, 40, 40, 2, 1, 64, True, 40, False),
-    "end_aligned_window": (1, 24, 80, 2, 1, 64, True, 30, False),
-    "end_aligned_causal": (2, 24, 80, 4, 2, 64, True, None, False),
-    "segments_window": (2, 64, 64, 4, 2, 64, True, 16, True),
-    "non_causal_cross": (1, 24, 40, 2, 2, 64, False, None, False),
-    # Blocked (`tokamax_mgpu.uses_blocks`): blocks of 128 and 256 queries, the last one ragged.
-    "blocked_window_gqa": (1, 600, 600, 4, 2, 64, True, 100, False),
-    "blocked_segments_window": (2, 520, 520, 2, 1, 64, True, 130, True),
-    # Explicit positions, as the model's calls over a key/value cache make them (`cache_positions`).
-    "cache_window": (2, 16, 48, 4, 2, 64, True, 20, False),
-    "cache_causal_segments": (2, 16, 48, 4, 1, 64, True, None, True),
-}
 
 
 def test_the_worker_ran_these_cases(mapping):
