@@ -17,8 +17,9 @@ Each kernel's roofline time is max(FLOPs / compute ceiling, bytes / copy bandwid
 --copy-tbps (read + write). The WKV-7 kernels also get a time scaled by their element count from the kernel
 benchmark's measured H100 rows (--wkv-fwd-ns, --wkv-bwd-ns); the prediction takes the larger of the two. Each
 kernel launch adds --launch-us (an assumption, not a measurement). Kernels fall into categories: matmul, WKV kernel,
-attention kernel, elementwise/fusion, reductions/norms (with the RWKV-7 output stage's Pallas kernels, priced by their
-bytes), copies/transposes, optimizer (the AdamW update: instructions whose source is optax or ltm_jax/train), other.
+attention kernel, elementwise/fusion, reductions/norms (with the Pallas kernels of the RWKV-7 output stage, key side
+and block norm, priced by their bytes), copies/transposes, optimizer (the AdamW update: instructions whose source is
+optax or ltm_jax/train), other.
 
 Where it compiles: with the CUDA plugin installed and no GPU, for an H100 without a device (benchmarks/gpu_aot.py's
 target description); on a machine with a GPU, for that GPU, and then it also times the step and profiles it
@@ -294,7 +295,8 @@ def classify(comps, ins: Instr, op_name: str, where: str) -> tuple[str, float, f
     target = _attr(ins.attrs, "custom_call_target") or re.search(r'custom_call_target="([^"]*)"', ins.attrs).group(1)
     name = _kernel_name(ins, op_name)
     lowered = (name + target).lower()
-    if lowered.startswith(("rwkv7_out", "rwkv7_key")):  # RWKV-7's output stage and key side: norms, not a WKV.
+    # RWKV-7's output stage, key side and block norm (residual add + norm): norms, not a WKV.
+    if lowered.startswith(("rwkv7_out", "rwkv7_key", "rwkv7_norm")):
       return "reductions/norms", 0.0, 0.0, "", name
     if "wkv" in lowered:
       return "WKV kernel", 0.0, 0.0, "", name or target

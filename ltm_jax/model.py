@@ -36,6 +36,7 @@ from ltm_jax.layers.common import init, norm
 from ltm_jax.layers import pattern as layer_pattern
 from ltm_jax.layers import pipeline
 from ltm_jax.layers.latent_encoder import LatentEncoder
+from ltm_jax.layers.rwkv7_norm import AddNorm
 from ltm_jax.ops import cross_entropy
 from ltm_jax.ops.quant_matmul import weights as quant_weights
 
@@ -143,6 +144,11 @@ class Block(nn.Module):
       h, mixer_state, v_first = mixer(h, mixer_state, v_first, valid)
     else:
       h, mixer_state = mixer(h, mixer_state, valid)
+    if self.latent is None and mixer_entry.value_residual:
+      # RWKV-7: the add and the channel mix's norm as one op (one kernel each way on GPU; flax's arithmetic on CPU).
+      x, h = AddNorm(cfg.norm, cfg.norm_eps, cfg.dtype, name="ffn_norm")(x, h)
+      h, ffn_state = ffn(h, ffn_state, valid)
+      return x + h.astype(x.dtype), BlockState(mixer_state, ffn_state), v_first
     x = x + h.astype(x.dtype)
     if self.latent is not None:
       cross = self._sublayer(CrossAttention, "cross_attention")(
