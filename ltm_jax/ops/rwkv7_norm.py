@@ -26,11 +26,17 @@ AVAILABLE = ("xla", "pallas")
 KINDS = kernel.KINDS
 
 # cpu: xla (the Pallas kernels only run interpreted there, to be checked). gpu: pallas, by the deviceless step budget
-# (benchmarks/step_budget.py on sm_90a, docs/kernels.md): XLA's form is two passes over the stream forward (the add
-# with the statistics, then the normalisation re-reading x_new) and four or five backward.
+# (benchmarks/step_budget.py on sm_90a, docs/kernels.md, benchmarks/results/rwkv7-block-norm-h100-aot.json): XLA's
+# form is two passes over the stream forward (the add with the statistics, then the normalisation re-reading x_new)
+# and three or four backward; small_rwkv7 32 x 1024 39.72 -> 39.45 ms predicted.
 AUTO = {"cpu": "xla", "gpu": "pallas"}
 # On a GPU where this jax cannot compile the Pallas kernels (no Triton lowering, `ltm_pallas.backend.gpu_lowering`).
 AUTO_WITHOUT_KERNELS = {"gpu": "xla"}
+# Streams "auto" gives the kernels. A bfloat16 stream (model.residual_dtype) takes the xla form: XLA's two passes then
+# move about the kernel's bytes and keep the channel mix's token shift inside the normalisation's fusion, which the
+# kernel's output breaks (small_rwkv7 32 x 1024, deviceless sm_90a step budget: 37.11 ms with the xla form, 37.56
+# with the kernels; with a float32 stream 39.72 -> 39.45 ms).
+AUTO_STREAMS = ("float32",)
 
 
 def _check(x, d, scale, bias, kind):
@@ -86,7 +92,7 @@ def add_norm(x, d, scale, bias=None, *, kind: str, eps: float, dtype, impl: str 
     scale, bias: [C] float32, the norm's affine (bias None for rmsnorm, which has none, and given for layernorm).
     kind: "layernorm" or "rmsnorm"; eps: added to the variance (mean square for rmsnorm).
     dtype: h's dtype.
-    impl: "auto" (see AUTO; one token, T = 1, takes the reference) or one of AVAILABLE.
+    impl: "auto" (see AUTO and AUTO_STREAMS; one token, T = 1, takes the reference) or one of AVAILABLE.
 
   Returns:
     x_new: [B, T, C] in x's dtype; h: [B, T, C] in `dtype`.
@@ -96,6 +102,8 @@ def add_norm(x, d, scale, bias=None, *, kind: str, eps: float, dtype, impl: str 
   if bias is None:
     bias = jnp.zeros_like(scale)  # Read by neither backend for rmsnorm; keeps one signature.
   _check(x, d, scale, bias, kind)
+  if impl == "auto" and jnp.dtype(x.dtype).name not in AUTO_STREAMS:
+    impl = "xla"
   run = backend.select("rwkv7_norm", impl, _BACKENDS, AUTO, length=x.shape[1], without_kernels=AUTO_WITHOUT_KERNELS)
   # Rows are independent but each needs all of its channels: only the batch is split over the mesh.
   fn = lambda *args: run(*args, kind=kind, eps=eps, dtype=dtype)
