@@ -18,7 +18,7 @@ Kernels (grid over blocks of whole rows: the norm's statistics need every channe
 
 Bytes per element of [R, C] with a float32 stream and a bfloat16 d and h: forward 12 (x, d read; x_new, h written),
 backward 16 (x_new, dh, dx_new read; dx, dd written), against XLA's two passes forward (the add with the statistics'
-reduction, then the normalisation re-reading x_new) and four to five backward.
+reduction, then the normalisation re-reading x_new) and three or four backward.
 
 Lowering: Triton on GPU, `interpret=True` on CPU. C must be a power of two (a Triton block is); rows are taken in
 blocks of a power of two dividing R, at least MIN_BLOCK_ROWS (`supported`, `block_rows_for`).

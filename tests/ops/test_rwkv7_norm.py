@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import assert_gradients_close, micro_config
+from ltm_jax import model as lm
 from ltm_jax.layers.common import norm
 from ltm_jax.layers.rwkv7_norm import AddNorm
 from ltm_jax.ops import rwkv7_norm as op
@@ -125,6 +127,33 @@ def test_xla_form_is_the_add_then_flax_norm_exactly(kind, stream):
   for got, want in zip(jax.jit(lambda *a: _value_and_grads(after, a, cot))(params, x, d),
                        jax.jit(lambda *a: _value_and_grads(before, a, cot))(params, x, d)):
     jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+@pytest.mark.usefixtures("fast_compile")  # Compares the values of two programs: XLA's expensive passes add nothing.
+def test_rwkv7_model_with_the_kernels_matches_the_xla_form(monkeypatch):
+  """A float32 WWA model (two RWKV-7 blocks, one attention block) whose 'auto' takes the interpreted kernels, against
+  the same model with the XLA form: logits and the gradients of every parameter, at random parameters (so that no
+  zero-initialised projection hides a path)."""
+  cfg = micro_config(layer_pattern="WWA", n_layers=3, rwkv7_head_size=8, norm="layernorm").model
+  model = lm.LM(cfg)
+  tokens = jnp.asarray(np.random.default_rng(11).integers(0, cfg.vocab_size, (2, 16)))
+  shapes = jax.eval_shape(model.init, jax.random.key(0), tokens)
+  rng = np.random.default_rng(12)
+  params = jax.tree.map(lambda x: jnp.asarray(rng.normal(0, 0.3, x.shape), x.dtype), nn.meta.unbox(shapes))
+
+  def run():
+    def loss(params):
+      logits = model.apply(params, tokens)
+      logits = logits[0] if isinstance(logits, tuple) else logits
+      return jnp.sum(jnp.sin(logits)), logits
+    (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+    return logits, grads
+
+  logits_xla, grads_xla = run()
+  monkeypatch.setattr(op, "AUTO", {"cpu": "pallas"})
+  logits_pallas, grads_pallas = run()
+  _close(logits_pallas, np.asarray(logits_xla, np.float64), 1e-5, "logits")
+  assert_gradients_close(grads_pallas, grads_xla, 1e-4)
 
 
 def test_shapes_the_kernels_do_not_take_run_the_xla_form():
