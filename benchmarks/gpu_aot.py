@@ -5,6 +5,7 @@ resources: warps, registers, spills, shared memory, grid and an occupancy estima
   make gpu-aot                                    # builds .venv-aot, runs every case, writes the results file
   .venv-aot/bin/python benchmarks/gpu_aot.py      # the same; --group kernels|models|controls, --cases REGEX,
                                                   #   --list, --markdown (the table of docs/benchmarks.md), --jobs N
+  .venv-aot/bin/python benchmarks/gpu_aot.py --mgpu [--baseline REV]   # the Mosaic GPU kernels (below)
 
 Runs in `.venv-aot` (jax, jaxlib, jax-cuda13-plugin and jax-cuda13-pjrt of one version, and nvidia-cuda-nvcc for
 ptxas; the Makefile builds it), never in the main venv: with the CUDA plugin installed a plain `import jax` tries to
@@ -21,6 +22,13 @@ and dynamic shared memory of every launch); `ptxas -arch=sm_90a -v` on the PTX g
 Cases are `benchmarks/aot_cases.py`: the kernels at their default tiles and at the models' shapes, the models' train
 steps and generation, and two controls that must fail (tiles too large for shared memory, tiles that must spill).
 Each case compiles in its own process with its own dump directory and timeout, `--jobs` at a time.
+
+Mosaic GPU kernels (`--mgpu`, cases `MGPU_CASES`: the WKV-7 forward `ltm_pallas.wkv7_mgpu`) compile inside the
+CUDA plugin, not through XLA's PTX emitter, so the dump above never holds them. For them the worker sets
+MOSAIC_GPU_DUMP_TO, where Mosaic GPU writes ptxas' report (`*.ptxas`: registers, spills, stack) and the kernel's
+module before layout inference (`*.before_layout_inference.txt`: the launch's grid, threads and dynamic shared
+memory). `--baseline REV` also compiles the kernel file as it was at git revision REV, to compare with. Writes
+benchmarks/results/gpu-aot-h100-wkv7-mgpu.json when every case ran; a current kernel that spills fails.
 
 Writes benchmarks/results/gpu-aot-h100.json when every case ran (or to --json). Exit status 1 when a case fails to
 compile, a kernel is missing from its program, a kernel spills (except in the cases marked as known spills, whose
@@ -51,6 +59,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
   sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results" / "gpu-aot-h100.json"
+MGPU_RESULTS = ROOT / "benchmarks" / "results" / "gpu-aot-h100-wkv7-mgpu.json"
+MGPU_KERNEL_FILE = "pallas/wkv7_mgpu.py"
 
 # XLA's GPU target description of an H100 SXM 80GB: sm_90, 132 SMs, 227 KiB of shared memory per block (opt-in).
 H100_TARGET_CONFIG = """
@@ -102,35 +112,47 @@ RESULT_TAG = "@@AOT-RESULT@@"
 # Worker: one case in this process.
 
 
+def _h100_mesh():
+  """A one-device mesh of the H100 target (no device needed)."""
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  topology = topologies.get_topology_desc(platform="cuda", target_config=H100_TARGET_CONFIG, topology="1x1x1")
+  return topologies.make_mesh(topology, (1,), ("x",))
+
+
+def _compile(mesh, fn, args, result: dict) -> None:
+  import jax  # pylint: disable=g-import-not-at-top
+  result["stage"] = "lower"
+  # The Pallas Triton lowering of jax >= 0.11 asks the abstract mesh for the target GPU when the process has none.
+  use_mesh = getattr(jax.sharding, "use_abstract_mesh", None)
+  with use_mesh(mesh.abstract_mesh) if use_mesh else contextlib.nullcontext():
+    lowered = jax.jit(fn).trace(*args).lower()
+  result["stage"] = "compile"
+  lowered.compile()
+  result.update(stage="done", ok=True)
+
+
+def _abstract_on(mesh):
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
+  sharding = NamedSharding(mesh, PartitionSpec())
+  return lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
 def _worker(name: str, block_sizes: str | None) -> int:
   result = {"stage": "setup", "ok": False}
   started = time.time()
   try:
-    import jax  # pylint: disable=g-import-not-at-top
-    from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
-    from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
-
     import aot_cases  # pylint: disable=g-import-not-at-top
 
     case = aot_cases.all_cases()[name]
-    topology = topologies.get_topology_desc(platform="cuda", target_config=H100_TARGET_CONFIG, topology="1x1x1")
-    mesh = topologies.make_mesh(topology, (1,), ("x",))
-    sharding = NamedSharding(mesh, PartitionSpec())
-    abstract = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+    mesh = _h100_mesh()
     tiles = None
     if block_sizes:
       from ltm_pallas.attention import BlockSizes  # pylint: disable=g-import-not-at-top
       tiles = BlockSizes(**json.loads(block_sizes))
     result["stage"] = "build"
-    fn, args = case.build(abstract, block_sizes=tiles)
-    result["stage"] = "lower"
-    # The Pallas Triton lowering of jax >= 0.11 asks the abstract mesh for the target GPU when the process has none.
-    use_mesh = getattr(jax.sharding, "use_abstract_mesh", None)
-    with use_mesh(mesh.abstract_mesh) if use_mesh else contextlib.nullcontext():
-      lowered = jax.jit(fn).trace(*args).lower()
-    result["stage"] = "compile"
-    lowered.compile()
-    result.update(stage="done", ok=True)
+    fn, args = case.build(_abstract_on(mesh), block_sizes=tiles)
+    _compile(mesh, fn, args, result)
   except Exception as e:  # pylint: disable=broad-except  (reported in the case's row)
     result["error"] = " ".join(f"{type(e).__name__}: {e}".split())[:2000]
   result["seconds"] = round(time.time() - started, 1)
@@ -288,6 +310,179 @@ def _case_status(summary: dict, rows: list[dict]) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Mosaic GPU kernels (--mgpu).
+
+# name -> (head size N, dtype of the inputs and y, description); inputs [B, T, C / N, N] at B 8, T 4096, C 4096.
+MGPU_CASES = {
+    "wkv7_mgpu_n64_bf16": (64, "bfloat16", "wkv7 Mosaic GPU forward bf16 B8 T4096 C4096 N64"),
+    "wkv7_mgpu_n128_bf16": (128, "bfloat16", "wkv7 Mosaic GPU forward bf16 B8 T4096 C4096 N128"),
+    "wkv7_mgpu_n128_f32": (128, "float32", "wkv7 Mosaic GPU forward f32 B8 T4096 C4096 N128 (float32 y tile)"),
+}
+MGPU_SHAPE = (8, 4096, 4096)  # Batch, tokens, channels.
+
+
+def _mgpu_worker(name: str, kernel_file: str) -> int:
+  """Compiles case `name` of MGPU_CASES with the kernel module at `kernel_file` (the current one or a baseline)."""
+  result = {"stage": "setup", "ok": False}
+  started = time.time()
+  try:
+    import importlib.util  # pylint: disable=g-import-not-at-top
+    import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+    spec = importlib.util.spec_from_file_location("wkv7_mgpu_compiled", kernel_file)
+    kernel = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kernel)
+    size, dtype, _ = MGPU_CASES[name]
+    batch, length, channels = MGPU_SHAPE
+    mesh = _h100_mesh()
+    abstract = _abstract_on(mesh)
+    inputs = [abstract((batch, length, channels // size, size), jnp.dtype(dtype)) for _ in range(6)]
+    state = abstract((batch, channels // size, size, size), jnp.float32)
+    result["stage"] = "build"
+    fn = lambda r, w, k, v, a, b, s: kernel.forward(r, w, k, v, a, b, s, interpret=False)
+    _compile(mesh, fn, (*inputs, state), result)
+  except Exception as e:  # pylint: disable=broad-except  (reported in the case's row)
+    result["error"] = " ".join(f"{type(e).__name__}: {e}".split())[:2000]
+  result["seconds"] = round(time.time() - started, 1)
+  print(RESULT_TAG + json.dumps(result), flush=True)
+  return 0
+
+
+_LAUNCH = re.compile(r"gpu\.launch .*?blocks\([^)]*\) in \(([^)]*)\) threads\([^)]*\) in \(([^)]*)\)"
+                     r" dynamic_shared_memory_size %c(\d+)_i32")
+
+
+def _mgpu_facts(dump: str) -> dict:
+  """Registers, spills and stack from ptxas' report, and grid, threads and dynamic shared memory from the launch,
+  in a Mosaic GPU dump directory holding one kernel."""
+  facts = {}
+  for path in glob.glob(os.path.join(dump, "*.ptxas")):
+    text = pathlib.Path(path).read_text()
+    if m := re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", text):
+      facts.update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
+    if m := re.search(r"Used (\d+) registers", text):
+      facts["registers"] = int(m.group(1))
+    if m := re.search(r"Used \d+ registers.*?(\d+) bytes smem", text):
+      facts["static_smem"] = int(m.group(1))
+  for path in glob.glob(os.path.join(dump, "*.before_layout_inference.txt")):
+    if m := _LAUNCH.search(pathlib.Path(path).read_text()):
+      sizes = lambda text: [int(v) for v in re.findall(r"= %c(\d+)", text)]
+      grid, threads = sizes(m.group(1)), sizes(m.group(2))
+      facts.update(grid=",".join(map(str, grid)), threads=threads[0] * threads[1] * threads[2],
+                   dyn_smem=int(m.group(3)))
+  return facts
+
+
+def _run_mgpu_case(name: str, variant: str, kernel_file: str, args, dump_root: str) -> tuple[dict, list[dict]]:
+  dump = os.path.join(dump_root, f"{name}-{variant.split()[0]}")
+  shutil.rmtree(dump, ignore_errors=True)
+  os.makedirs(dump)
+  env = dict(os.environ)
+  env.update(JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1", PYTHONDONTWRITEBYTECODE="1",
+             TF_CPP_MIN_LOG_LEVEL=env.get("TF_CPP_MIN_LOG_LEVEL", "2"), MOSAIC_GPU_DUMP_TO=dump,
+             MOSAIC_GPU_DUMP_PTXAS="1")
+  cmd = [sys.executable, os.path.abspath(__file__), "--mgpu-worker", name, "--kernel-file", kernel_file]
+  try:
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
+    tagged = [l for l in proc.stdout.splitlines() if l.startswith(RESULT_TAG)]
+    if tagged:
+      res = json.loads(tagged[-1][len(RESULT_TAG):])
+    else:
+      tail = [l for l in (proc.stdout + proc.stderr).splitlines() if l.strip()][-3:]
+      res = {"ok": False, "stage": "crash", "error": f"worker exited {proc.returncode}: " + " | ".join(tail)}
+  except subprocess.TimeoutExpired:
+    res = {"ok": False, "stage": "timeout", "error": f"no result within {args.timeout} s"}
+  size, dtype, description = MGPU_CASES[name]
+  summary = {"case": name, "group": "mgpu", "variant": variant, "description": description,
+             "seconds": res.get("seconds"), "compiled": bool(res.get("ok")), "stage": res.get("stage"),
+             "error": res.get("error")}
+  rows = []
+  if res.get("ok"):
+    facts = _mgpu_facts(dump)
+    row = {"case": name, "group": "mgpu", "variant": variant, "kernel": "wkv7_mgpu", "entry": "wkv7_mgpu",
+           "dtype": dtype, "head_dim": size, **{k: v for k, v in facts.items() if k not in ("static_smem", "dyn_smem",
+                                                                                          "threads", "grid")}}
+    if "dyn_smem" in facts:
+      smem = facts["dyn_smem"] + facts.get("static_smem", 0)
+      row.update(grid=facts["grid"], threads=facts["threads"], warps=facts["threads"] // 32, smem=smem)
+      if "registers" in facts:
+        blocks, bound = occupancy(facts["registers"], facts["threads"], smem)
+        row.update(blocks_per_sm=blocks, occupancy_pct=round(100 * blocks * facts["threads"] / SM90["threads_per_sm"]),
+                   occupancy_bound=bound)
+    row["spills"] = (facts.get("spill_stores") or 0) + (facts.get("spill_loads") or 0)
+    rows.append(row)
+  if not args.keep_dumps:
+    shutil.rmtree(dump, ignore_errors=True)
+  if not summary["compiled"]:
+    summary["status"] = f"FAIL: {summary['stage']}: {summary['error']}"
+  elif not rows or "registers" not in rows[0] or "smem" not in rows[0]:
+    summary["status"] = "FAIL: no ptxas report or launch in the Mosaic GPU dump"
+  elif rows[0]["spills"] and variant == "current":
+    summary["status"] = f"FAIL: spills {rows[0]['spills']} B"
+  else:
+    summary["status"] = "PASS" + (f" (spills {rows[0]['spills']} B)" if rows[0]["spills"] else "")
+  return summary, rows
+
+
+def _mgpu_main(args, versions: dict, ptxas_version: list[str]) -> int:
+  """--mgpu: the Mosaic GPU cases, for the current kernel file and, with --baseline REV, the file at REV."""
+  names = [n for n in MGPU_CASES if args.cases is None or re.search(args.cases, n)]
+  if not names:
+    print(f"gpu_aot: no Mosaic GPU case matches {args.cases!r}", file=sys.stderr)
+    return 2
+  if args.list:
+    for n in names:
+      print(f"{n:<26} mgpu      {MGPU_CASES[n][2]}")
+    return 0
+  dump_root = args.keep_dumps or tempfile.mkdtemp(prefix="gpu-aot-mgpu-")
+  variants = [("current", str(ROOT / MGPU_KERNEL_FILE))]
+  if args.baseline:
+    source = subprocess.run(["git", "show", f"{args.baseline}:{MGPU_KERNEL_FILE}"], cwd=ROOT, capture_output=True,
+                            text=True, check=True).stdout
+    baseline_file = os.path.join(dump_root, "wkv7_mgpu_baseline.py")
+    pathlib.Path(baseline_file).write_text(source)
+    commit = subprocess.run(["git", "rev-parse", "--short", args.baseline], cwd=ROOT, capture_output=True, text=True,
+                            check=True).stdout.strip()
+    variants.insert(0, (f"baseline {commit}", baseline_file))
+  print(f"# target {TARGET}; {versions}; ptxas {ptxas_version[-1] if ptxas_version else '?'}")
+  print("# Mosaic GPU kernels; smem = dynamic (launch) + static (ptxas) shared memory per block")
+  started = time.time()
+  jobs = [(n, v, f) for v, f in variants for n in names]
+  with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+    done = list(pool.map(lambda job: _run_mgpu_case(*job, args, dump_root), jobs))
+  if not args.keep_dumps:
+    shutil.rmtree(dump_root, ignore_errors=True)
+  summaries = [s for s, _ in done]
+  rows = [r for _, case_rows in done for r in case_rows]
+  elapsed = round(time.time() - started, 1)
+  print(f"{'variant':<16}  " + "  ".join(f"{title:<{width}}" for _, title, width in _COLUMNS))
+  for r in rows:
+    values = [r.get(key) for key, _, _ in _COLUMNS]
+    cells = (f"{'-' if v is None else v!s:<{w}}" for v, (_, _, w) in zip(values, _COLUMNS))
+    print(f"{r['variant']:<16}  " + "  ".join(cells))
+  print()
+  for s in summaries:
+    print(f"{s['variant']:<16}  {s['case']:<26}  {s['seconds'] or 0:>6.1f} s  {s['status']}")
+  failed = [f"{s['case']} ({s['variant']})" for s in summaries if not s["status"].startswith("PASS")]
+  print(f"# {len(summaries)} compilations in {elapsed} s: " + (f"FAILED {', '.join(failed)}" if failed else "all pass"))
+  path = args.json or (str(MGPU_RESULTS) if args.cases is None else None)
+  if path:
+    with open(path, "w") as f:
+      json.dump({
+          "target": TARGET, "packages": versions, "ptxas": ptxas_version[-1] if ptxas_version else None,
+          "python": platform.python_version(), "host_cpus": os.cpu_count(), "jobs": args.jobs,
+          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+          "kernel_file": MGPU_KERNEL_FILE, "shape": {"batch": MGPU_SHAPE[0], "tokens": MGPU_SHAPE[1],
+                                                     "channels": MGPU_SHAPE[2]},
+          "note": "deviceless sm_90a compile facts (ptxas -v and the launch); nothing ran on a GPU",
+          "seconds": elapsed, "passed": not failed, "failed": failed, "cases": summaries, "kernels": rows,
+      }, f, indent=1)
+      f.write("\n")
+    print(f"# wrote {path}")
+  return 1 if failed else 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Output.
 
 _COLUMNS = [("kernel", "kernel", 23), ("case", "case", 26), ("dtype", "dtype", 8), ("head_dim", "D", 4),
@@ -357,23 +552,33 @@ def main() -> int:
   parser.add_argument("--keep-dumps", default=None, help="keep the XLA dumps (PTX, HLO, Triton IR) under this dir")
   parser.add_argument("--ptxas", default=None)
   parser.add_argument("--list", action="store_true")
+  parser.add_argument("--mgpu", action="store_true", help="the Mosaic GPU kernels (MGPU_CASES) instead of the cases of "
+                      "aot_cases; --cases, --jobs, --json, --keep-dumps, --list apply")
+  parser.add_argument("--baseline", default=None, help="with --mgpu: also compile the kernel file at this git revision")
   parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+  parser.add_argument("--mgpu-worker", default=None, help=argparse.SUPPRESS)
+  parser.add_argument("--kernel-file", default=None, help=argparse.SUPPRESS)
   args = parser.parse_args()
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # This process never needs a device; with the plugin, never start it.
   if args.worker:
     return _worker(args.worker, args.block_sizes)
+  if args.mgpu_worker:
+    return _mgpu_worker(args.mgpu_worker, args.kernel_file)
 
-  import aot_cases  # pylint: disable=g-import-not-at-top
-  groups = {"kernels", "models", "controls"} if args.group == "all" else set(args.group.split(","))
-  cases = [c for c in aot_cases.all_cases().values()
-           if c.group in groups and (args.cases is None or re.search(args.cases, c.name))]
-  if not cases:
-    print(f"gpu_aot: no case in groups {sorted(groups)} matches {args.cases!r}", file=sys.stderr)
-    return 2
-  if args.list:
-    for c in cases:
-      print(f"{c.name:<26} {c.group:<9} {c.description}")
-    return 0
+  if args.mgpu and args.list:
+    return _mgpu_main(args, {}, [])
+  if not args.mgpu:
+    import aot_cases  # pylint: disable=g-import-not-at-top
+    groups = {"kernels", "models", "controls"} if args.group == "all" else set(args.group.split(","))
+    cases = [c for c in aot_cases.all_cases().values()
+             if c.group in groups and (args.cases is None or re.search(args.cases, c.name))]
+    if not cases:
+      print(f"gpu_aot: no case in groups {sorted(groups)} matches {args.cases!r}", file=sys.stderr)
+      return 2
+    if args.list:
+      for c in cases:
+        print(f"{c.name:<26} {c.group:<9} {c.description}")
+      return 0
   versions = _versions()
   if "jax-cuda13-plugin" not in versions:
     print("gpu_aot: jax-cuda13-plugin is not installed in this Python (run `make gpu-aot`, which builds .venv-aot)",
@@ -384,6 +589,8 @@ def main() -> int:
     print("gpu_aot: ptxas not found (pip install --no-deps nvidia-cuda-nvcc, or pass --ptxas)", file=sys.stderr)
     return 2
   ptxas_version = subprocess.run([ptxas, "--version"], capture_output=True, text=True).stdout.strip().splitlines()
+  if args.mgpu:
+    return _mgpu_main(args, versions, ptxas_version)
   print(f"# target {TARGET}; {versions}; ptxas {ptxas_version[-1] if ptxas_version else '?'}")
   print(f"# {len(cases)} cases, {args.jobs} at a time; smem = dynamic (XLA launch) + static (ptxas) shared memory per "
         "block; occ% = resident threads / 2048 per SM, an estimate")

@@ -1,5 +1,5 @@
 """WKV-7 chunked forward as a Pallas Mosaic GPU kernel for Hopper (sm_90+): wgmma chunk products, TMA tile loads,
-the state kept in registers from the first chunk to the last.
+the state kept on chip (registers and shared memory) from the first chunk to the last.
 
 The math is `wkv7_chunked`'s WY form (see that module for the derivation). Per (batch, head) and chunk of L tokens,
 with g the chunk's cumulative log-decays, g⁻ = g - w, S_0 the state entering the chunk and every [L, N] tile holding
@@ -16,12 +16,12 @@ products: B̄ and K̄ need no tiles of their own, and the state's accumulator ge
 
 Layout. Grid (B, H, N / BV), one warpgroup (128 threads) per program: a program owns BV = 64 value rows of one
 head's state (rows never interact), walks the chunks in order and keeps its [BV, N] float32 block of S in registers
-(the wgmma accumulator layout) between chunks. Each chunk's r, k, a, b, g, g⁻ tiles [L, N] and v tile [L, BV] come in
-by TMA; the decayed tiles overwrite r, a, b, k in shared memory as bfloat16 wgmma operands. Every product is a wgmma
-with M = 64 rows (Hopper's instruction height, hence L = 64 and BV = 64): the [L, L] pair matrices and the [L, BV]
-value tiles accumulate in float32, and the [L, L] ones are stored to shared memory as bfloat16 to enter later
-products from there (every wgmma operand is a shared-memory tile: Mosaic GPU interpret mode takes no register
-operand, and one kernel serves both). The inverse
+(the wgmma accumulator layout) between chunks, and in g⁻'s shared-memory tile during a chunk's products. Each
+chunk's r, k, a, b, g, g⁻ tiles [L, N] and v tile [L, BV] come in by TMA; the decayed tiles overwrite r, a, b, k
+in shared memory as bfloat16 wgmma operands. Every product is a wgmma with M = 64 rows (Hopper's instruction
+height, hence L = 64 and BV = 64): the [L, L] pair matrices and the [L, BV] value tiles accumulate in float32, and
+the [L, L] ones are stored to shared memory as bfloat16 to enter later products from there (every wgmma operand is
+a shared-memory tile: Mosaic GPU interpret mode takes no register operand, and one kernel serves both). The inverse
 of the unit lower-triangular I - M_ab is the finite series (I + M)(I + M^2)(I + M^4)(I + M^8)(I + M^16)(I + M^32),
 exact since M^64 = 0, on bfloat16 operands with float32 accumulation. y leaves by TMA from shared memory.
 
@@ -32,10 +32,18 @@ chunk's cumulative log-decays g and g⁻ are float32 inputs, computed by XLA bes
 Range. As in `wkv7_chunked`, factoring e^{g_t - g_s} = e^{g_t} e^{-g_s} needs every factor finite: exact while
 w >= min_log_decay() = -LOG_RANGE / 64 = -0.9375 (RWKV-7's layers keep w >= -0.61); `in_range` checks it.
 
-Compiled for an H100 without one (sm_90a, `ptxas -v` through MOSAIC_GPU_DUMP_PTXAS=1): dynamic shared memory
-141,376 B at N = 64 (bfloat16), 215,104 B at N = 128 (bfloat16) and 223,296 B at N = 128 (float32 y); 255 registers
-per thread with spills of 424 B (N = 64) and 1,308 B (N = 128). The loads of a chunk are not overlapped with the
-products of the previous one.
+Registers. One warpgroup holds every float32 [64, 64] tile in 32 registers a thread (the [64, N] state in N / 2),
+within ptxas' 255. Three choices keep the chunk loop from spilling: (1) every shared-memory tile is the single slot of
+a [1, ...] buffer, indexed in the loop body by a zero the compiler cannot see through (`one_chunk`), so that LLVM
+does not hoist the tiles' element addresses out of the loop and hold them in registers across it (in the PTX at
+N = 128, 168 64-bit values defined before the loop are used in it without the slot, 20 with it); (2) once Â is
+made, the float32 state waits in g⁻'s tile through the chunk's products instead of in registers; (3) the decays
+are applied in [64, 64] column pieces, reading g from shared memory at each use.
+
+Compiled for an H100 without one (sm_90a; `benchmarks/gpu_aot.py --mgpu` reads ptxas' report and the launch from
+Mosaic GPU's dump): dynamic shared memory 141,376 B at N = 64 (bfloat16), 215,104 B at N = 128 (bfloat16) and
+223,296 B at N = 128 (float32 y); 185, 215 and 219 registers a thread, no spills. The loads of a chunk are not
+overlapped with the products of the previous one.
 """
 
 from __future__ import annotations
@@ -82,10 +90,11 @@ def chunk_log_decays(w: jax.Array, chunk: int = CHUNK) -> tuple[jax.Array, jax.A
 
 
 def _smem(shape, dtype):
-  """A shared-memory tile in the layout wgmma and TMA use: (8, 128-byte) tiles, 128-byte swizzle."""
+  """A shared-memory tile [1, *shape] (one slot, see `one_chunk`) in the layout wgmma and TMA use: (8, 128-byte)
+  tiles, 128-byte swizzle."""
   from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
   tiling = plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize))
-  return plgpu.SMEM(shape, dtype, transforms=(tiling, plgpu.SwizzleTransform(128)))
+  return plgpu.SMEM((1, *shape), dtype, transforms=(tiling, plgpu.SwizzleTransform(128)))
 
 
 def _kernel(r_ref, k_ref, a_ref, b_ref, v_ref, g_ref, gp_ref, s0_ref, y_ref, s_ref,
@@ -95,6 +104,7 @@ def _kernel(r_ref, k_ref, a_ref, b_ref, v_ref, g_ref, gp_ref, s0_ref, y_ref, s_r
   from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
   wgmma_layout = plgpu.Layout.WGMMA
   batch, head, block = lax.axis_index("batch"), lax.axis_index("head"), lax.axis_index("block")
+  size = r_s.shape[-1]
   values = pl.ds(block * BLOCK, BLOCK)
 
   def load(ref):
@@ -113,11 +123,18 @@ def _kernel(r_ref, k_ref, a_ref, b_ref, v_ref, g_ref, gp_ref, s0_ref, y_ref, s_r
   strict, incl = rows_iota > cols_iota, rows_iota >= cols_iota
 
   # The state block enters through g's tile (both [64, N] float32).
-  plgpu.copy_gmem_to_smem(s0_ref.at[batch, head, values], g_s, barriers.at[7])
+  plgpu.copy_gmem_to_smem(s0_ref.at[batch, head, values], g_s.at[0], barriers.at[7])
   plgpu.barrier_wait(barriers.at[7])
-  state = plgpu.load(g_s, layout=wgmma_layout)
+  state = plgpu.load(g_s.at[0], layout=wgmma_layout)
+
+  tiles = (r_s, k_s, a_s, b_s, g_s, gp_s, v_s, state_s, x_s, m_ak_s, p_rb_s, p_rk_s, power_s, solve_s, y_s)
 
   def one_chunk(c, state):
+    # Each tile is the only slot of a [1, ...] buffer, taken at an index that is 0 but opaque to the compiler: the
+    # tiles' addresses then stay in the loop body instead of being hoisted out of it and held in registers across it.
+    slot = lax.optimization_barrier(c) - c
+    r_s, k_s, a_s, b_s, g_s, gp_s, v_s, state_s, x_s, m_ak_s, p_rb_s, p_rk_s, power_s, solve_s, y_s = (
+        tile.at[slot] for tile in tiles)
     tokens = pl.ds(c * CHUNK, CHUNK)
     sources = (r_ref, k_ref, a_ref, b_ref, g_ref, gp_ref)
     for i, (src, dst) in enumerate(zip(sources, (r_s, k_s, a_s, b_s, g_s, gp_s))):
@@ -126,14 +143,14 @@ def _kernel(r_ref, k_ref, a_ref, b_ref, v_ref, g_ref, gp_ref, s0_ref, y_ref, s_r
     for i in range(7):
       plgpu.barrier_wait(barriers.at[i])
 
-    g = plgpu.load(g_s, layout=wgmma_layout)
-    decay_total = jnp.exp(jnp.min(g, axis=0))  # e^{g_L}: g falls along the chunk (w <= 0).
-    inverse_decay = jnp.exp(-g)
-    a_s[...] = (load(a_s) * jnp.exp(plgpu.load(gp_s, layout=wgmma_layout))).astype(OPERANDS)
-    r_s[...] = (load(r_s) * jnp.exp(g)).astype(OPERANDS)
-    b_s[...] = (load(b_s) * inverse_decay).astype(OPERANDS)
-    k_s[...] = (load(k_s) * inverse_decay).astype(OPERANDS)
+    for start in range(0, size, BLOCK):  # [64, 64] pieces: fewer float32 values live beside the state.
+      cols = (slice(None), pl.ds(start, BLOCK))
+      a_s[cols] = (load(a_s.at[cols]) * jnp.exp(load(gp_s.at[cols]))).astype(OPERANDS)
+      r_s[cols] = (load(r_s.at[cols]) * jnp.exp(load(g_s.at[cols]))).astype(OPERANDS)
+      b_s[cols] = (load(b_s.at[cols]) * jnp.exp(-load(g_s.at[cols]))).astype(OPERANDS)
+      k_s[cols] = (load(k_s.at[cols]) * jnp.exp(-load(g_s.at[cols]))).astype(OPERANDS)
     state_s[...] = state.astype(OPERANDS)
+    gp_s[...] = state  # g⁻ is spent: the state waits there in float32 through the chunk's products.
     plgpu.commit_smem()
 
     pairs = (CHUNK, CHUNK)
@@ -170,14 +187,15 @@ def _kernel(r_ref, k_ref, a_ref, b_ref, v_ref, g_ref, gp_ref, s0_ref, y_ref, s_r
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(y_s, y_ref.at[batch, tokens, head, values])
 
-    state = state + product(state.shape, (x_s.T, b_s), (v_s.T, k_s))
+    state = plgpu.load(gp_s, layout=wgmma_layout) + product((BLOCK, size), (x_s.T, b_s), (v_s.T, k_s))
+    decay_total = jnp.exp(jnp.min(load(g_s), axis=0))  # e^{g_L}: g falls along the chunk (w <= 0).
     return state * lax.broadcast_in_dim(decay_total, state.shape, [1])
 
   state = lax.fori_loop(0, num_chunks, one_chunk, state)
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-  g_s[...] = state
+  g_s[0] = state
   plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(g_s, s_ref.at[batch, head, values])
+  plgpu.copy_smem_to_gmem(g_s.at[0], s_ref.at[batch, head, values])
   plgpu.wait_smem_to_gmem(0)
 
 

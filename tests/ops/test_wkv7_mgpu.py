@@ -3,11 +3,13 @@
 Platform: the kernel runs in Mosaic GPU interpret mode on the CPU, which needs jax >= 0.11 (Python 3.12): the AOT
 venv's (.venv-aot, built by `make test`/`make gpu-aot`). tests/ops/wkv7_mgpu_worker.py runs it there in a subprocess
 (about 25 s on 2 cores) and saves inputs and outputs; the references are computed here, in float64. Without
-.venv-aot the tests skip. Compiled runs on a Hopper GPU are not covered here.
+.venv-aot the tests skip. Compiled runs on a Hopper GPU are not covered here; the deviceless sm_90a compile is
+(`benchmarks/gpu_aot.py --mgpu`: at N = 64 and N = 128, no register spills, shared memory within Hopper's 227 KiB).
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 
 import jax
@@ -28,6 +30,9 @@ RTOL = 2.0**-6
 # The strong-decay case runs the float32 "chunked" backend: float32 error only.
 F32_RTOL = 1e-5
 KERNEL_CASES = ("kernel_f32_ragged", "kernel_bf16", "kernel_f32_n128", "kernel_bf16_n128")
+# The compiled cases of benchmarks/gpu_aot.py --mgpu checked here: the smallest and the largest shared memory.
+COMPILED_CASES = ("wkv7_mgpu_n64_bf16", "wkv7_mgpu_n128_f32")
+SMEM_PER_BLOCK = 232448  # Hopper's opt-in shared memory per block, 227 KiB.
 
 
 @pytest.fixture(scope="module")
@@ -110,3 +115,20 @@ def test_op_refuses_other_head_sizes():
   from ltm_jax.ops.wkv7 import wkv7  # pylint: disable=g-import-not-at-top
   with pytest.raises(ValueError, match="pallas_mgpu.*64, 128"):
     wkv7(x, -x, x, x, x, x, impl="pallas_mgpu")
+
+
+@pytest.mark.slow
+def test_compiles_for_h100_without_spills(tmp_path):
+  """The kernel compiles for sm_90a (deviceless, about 15 s) at N = 64 and N = 128 with no register spills."""
+  if not (ROOT / ".venv-aot" / ".installed").exists():
+    pytest.skip("needs .venv-aot (the CUDA plugin and ptxas; `make gpu-aot` builds it)")
+  report_path = tmp_path / "mgpu.json"
+  cases = f"^({'|'.join(COMPILED_CASES)})$"
+  proc = subprocess.run([str(AOT_PYTHON), "benchmarks/gpu_aot.py", "--mgpu", "--cases", cases, "--jobs", "2", "--json",
+                         str(report_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+  rows = json.loads(report_path.read_text())["kernels"]
+  assert sorted(r["case"] for r in rows) == sorted(COMPILED_CASES)
+  for row in rows:
+    assert row["spills"] == 0 and row["stack"] == 0, row
+    assert 0 < row["registers"] <= 255 and 0 < row["smem"] <= SMEM_PER_BLOCK, row
