@@ -197,13 +197,13 @@ def _rwkv7_key(rows: int, heads: int, size: int, dtype) -> Builder:
 
 def _rwkv7_norm(rows: int, channels: int, stream, dtype, kind: str = "rmsnorm") -> Builder:
   """fwd+bwd of the residual add and norm over `rows` = B * T rows of `channels`: the stream in `stream`, the
-  sub-layer's output and the norm's output in `dtype`, at the op's row block (`rwkv7_norm.block_rows_for`)."""
+  sub-layer's output and the norm's output in `dtype`, at the op's row block (`rwkv7_norm.row_block`)."""
 
   def build(abstract: Abstract, block_sizes=None):
     del block_sizes
     vector = abstract((channels,), jnp.float32)
     fn = lambda *xs: rwkv7_norm.add_norm(*xs, kind, 1e-5, jnp.dtype(dtype),
-                                         rwkv7_norm.block_rows_for(rows, rwkv7_norm.BLOCK_ROWS), False)
+                                         rwkv7_norm.row_block(rows, channels), False)
     return _vjp_program(fn, (abstract((rows, channels), stream), abstract((rows, channels), dtype), vector, vector),
                         abstract, 4)
 
@@ -300,12 +300,14 @@ def _kernel_cases() -> list[Case]:
                       dtype=dtype_name, head_dim=shape[2]))
     cases.append(Case(name.replace("_out_", "_key_"), f"rwkv7_key fwd+bwd {dtype_name} {what}", RWKV7_KEY_KERNELS,
                       _rwkv7_key(*shape, dtype), dtype=dtype_name, head_dim=shape[2]))
-  # The RWKV-7 block's residual add and channel-mix norm at small_rwkv7's training shape (B32 T1024, C 512, RMSNorm):
-  # the float32 stream with bfloat16 sub-layer and norm outputs (the model's mix), and all float32 (the larger tiles).
-  for name, dtype in (("rwkv7_norm_c512_bf16", bf16), ("rwkv7_norm_c512_f32", f32)):
+  # The RWKV-7 block's residual add and channel-mix norm (RMSNorm) at small_rwkv7's training shape (B32 T1024, C 512)
+  # and base_125m_rwkv7's at batch 32 (B32 T2048, C 768: masked 1024-wide blocks): the float32 stream with bfloat16
+  # sub-layer and norm outputs (the model's mix), and all float32 (the larger tiles).
+  for name, rows, c, dtype in (("rwkv7_norm_c512_bf16", 32 * 1024, 512, bf16), ("rwkv7_norm_c512_f32", 32 * 1024, 512, f32),
+                               ("rwkv7_norm_c768_bf16", 32 * 2048, 768, bf16)):
     dtype_name = jnp.dtype(dtype).name
-    cases.append(Case(name, f"rwkv7_norm fwd+bwd float32 stream, {dtype_name} B32 T1024 C512 rmsnorm",
-                      RWKV7_NORM_KERNELS, _rwkv7_norm(32 * 1024, 512, f32, dtype), dtype=dtype_name))
+    cases.append(Case(name, f"rwkv7_norm fwd+bwd float32 stream, {dtype_name} B32 T{rows // 32} C{c} rmsnorm",
+                      RWKV7_NORM_KERNELS, _rwkv7_norm(rows, c, f32, dtype), dtype=dtype_name))
   # Flash attention. Head dim 64: base_125m (B64 T2048, 12 query heads on 4 key/value heads) and small_rwkv7 /
   # small (B32 T1024, 8 heads, window 512); head dim 32: tiny (float32). Head dims 128 and 256: B * T = 16k tokens and
   # Hq * D = 2048 (the benchmark's GPU shapes), GQA 4:1 unless said.

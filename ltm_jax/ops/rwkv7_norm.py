@@ -10,8 +10,8 @@ Backends (the first is the reference):
           param_dtype float32, as `ltm_jax.layers.common.norm` builds them): the same values as the add followed by
           those modules.
   pallas: one kernel forward and one backward (`ltm_pallas.rwkv7_norm`), float32 throughout and rounded once (the
-          variance as the mean of squared deviations); shapes it does not take (C not a power of two, B * T without
-          a power-of-two factor of at least 8) run the xla form.
+          variance as the mean of squared deviations); B * T without a power-of-two factor of at least 8 runs the
+          xla form.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def pallas(x, d, scale, bias, *, kind, eps, dtype, interpret=None):
     return xla(x, d, scale, bias, kind=kind, eps=eps, dtype=dtype)
   f32 = lambda t: t.astype(jnp.float32)
   x_new, h = kernel.add_norm(x.reshape(rows, c), d.reshape(rows, c), f32(scale), f32(bias), kind, float(eps),
-                             jnp.dtype(dtype), kernel.block_rows_for(rows, kernel.BLOCK_ROWS), interpret)
+                             jnp.dtype(dtype), kernel.row_block(rows, c), interpret)
   return x_new.reshape(x.shape), h.reshape(x.shape)
 
 
