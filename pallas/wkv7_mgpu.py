@@ -33,12 +33,12 @@ Range. As in `wkv7_chunked`, factoring e^{g_t - g_s} = e^{g_t} e^{-g_s} needs ev
 w >= min_log_decay() = -LOG_RANGE / 64 = -0.9375 (RWKV-7's layers keep w >= -0.61); `in_range` checks it.
 
 Registers. One warpgroup holds every float32 [64, 64] tile in 32 registers a thread (the [64, N] state in N / 2),
-within ptxas' 255. Three choices keep the chunk loop from spilling: (1) every shared-memory tile is the single slot of
+within ptxas' 255. Two choices keep the chunk loop from spilling: (1) every shared-memory tile is the single slot of
 a [1, ...] buffer, indexed in the loop body by a zero the compiler cannot see through (`one_chunk`), so that LLVM
 does not hoist the tiles' element addresses out of the loop and hold them in registers across it (in the PTX at
 N = 128, 168 64-bit values defined before the loop are used in it without the slot, 20 with it); (2) once Â is
-made, the float32 state waits in g⁻'s tile through the chunk's products instead of in registers; (3) the decays
-are applied in [64, 64] column pieces, reading g from shared memory at each use.
+made, the float32 state waits in g⁻'s tile through the chunk's products instead of in registers. The decays are
+applied in [64, 64] column pieces, reading g from shared memory at each use (3 to 4 registers fewer at N = 128).
 
 Compiled for an H100 without one (sm_90a; `benchmarks/gpu_aot.py --mgpu` reads ptxas' report and the launch from
 Mosaic GPU's dump): dynamic shared memory 141,376 B at N = 64 (bfloat16), 215,104 B at N = 128 (bfloat16) and
