@@ -235,27 +235,32 @@ def occupancy(registers: int, threads: int, smem: int) -> tuple[int, str]:
 # Parent: one case per subprocess, then its dump.
 
 
+def _worker_result(cmd: list[str], timeout: float, **env_extra: str) -> dict:
+  """The result a compile worker (`cmd`, this file in a subprocess on the CPU platform) printed after RESULT_TAG, or
+  a failed result saying why there is none (a crash with the output's tail, or the timeout)."""
+  env = dict(os.environ)
+  env.update(JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1", PYTHONDONTWRITEBYTECODE="1",
+             TF_CPP_MIN_LOG_LEVEL=env.get("TF_CPP_MIN_LOG_LEVEL", "2"), **env_extra)
+  try:
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+  except subprocess.TimeoutExpired:
+    return {"ok": False, "stage": "timeout", "error": f"no result within {timeout} s"}
+  tagged = [l for l in proc.stdout.splitlines() if l.startswith(RESULT_TAG)]
+  if tagged:
+    return json.loads(tagged[-1][len(RESULT_TAG):])
+  tail = [l for l in (proc.stdout + proc.stderr).splitlines() if l.strip()][-3:]
+  return {"ok": False, "stage": "crash", "error": f"worker exited {proc.returncode}: " + " | ".join(tail)}
+
+
 def _run_case(case, args, ptxas: str, dump_root: str) -> tuple[dict, list[dict]]:
   dump = os.path.join(dump_root, case.name)
   shutil.rmtree(dump, ignore_errors=True)
   os.makedirs(dump)
-  env = dict(os.environ)
-  env.update(JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1", PYTHONDONTWRITEBYTECODE="1",
-             TF_CPP_MIN_LOG_LEVEL=env.get("TF_CPP_MIN_LOG_LEVEL", "2"),
-             XLA_FLAGS=f"{env.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_emitter_re=ptx".strip())
+  xla_flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_emitter_re=ptx".strip()
   cmd = [sys.executable, os.path.abspath(__file__), "--worker", case.name]
   if args.block_sizes:
     cmd += ["--block-sizes", args.block_sizes]
-  try:
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
-    tagged = [l for l in proc.stdout.splitlines() if l.startswith(RESULT_TAG)]
-    if tagged:
-      res = json.loads(tagged[-1][len(RESULT_TAG):])
-    else:
-      tail = [l for l in (proc.stdout + proc.stderr).splitlines() if l.strip()][-3:]
-      res = {"ok": False, "stage": "crash", "error": f"worker exited {proc.returncode}: " + " | ".join(tail)}
-  except subprocess.TimeoutExpired:
-    res = {"ok": False, "stage": "timeout", "error": f"no result within {args.timeout} s"}
+  res = _worker_result(cmd, args.timeout, XLA_FLAGS=xla_flags)
 
   summary = {"case": case.name, "group": case.group, "description": case.description, "expect": case.expect,
              "seconds": res.get("seconds"), "compiled": bool(res.get("ok")), "stage": res.get("stage"),
@@ -377,21 +382,8 @@ def _run_mgpu_case(name: str, variant: str, kernel_file: str, args, dump_root: s
   dump = os.path.join(dump_root, f"{name}-{variant.split()[0]}")
   shutil.rmtree(dump, ignore_errors=True)
   os.makedirs(dump)
-  env = dict(os.environ)
-  env.update(JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1", PYTHONDONTWRITEBYTECODE="1",
-             TF_CPP_MIN_LOG_LEVEL=env.get("TF_CPP_MIN_LOG_LEVEL", "2"), MOSAIC_GPU_DUMP_TO=dump,
-             MOSAIC_GPU_DUMP_PTXAS="1")
   cmd = [sys.executable, os.path.abspath(__file__), "--mgpu-worker", name, "--kernel-file", kernel_file]
-  try:
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
-    tagged = [l for l in proc.stdout.splitlines() if l.startswith(RESULT_TAG)]
-    if tagged:
-      res = json.loads(tagged[-1][len(RESULT_TAG):])
-    else:
-      tail = [l for l in (proc.stdout + proc.stderr).splitlines() if l.strip()][-3:]
-      res = {"ok": False, "stage": "crash", "error": f"worker exited {proc.returncode}: " + " | ".join(tail)}
-  except subprocess.TimeoutExpired:
-    res = {"ok": False, "stage": "timeout", "error": f"no result within {args.timeout} s"}
+  res = _worker_result(cmd, args.timeout, MOSAIC_GPU_DUMP_TO=dump, MOSAIC_GPU_DUMP_PTXAS="1")
   size, dtype, description = MGPU_CASES[name]
   summary = {"case": name, "group": "mgpu", "variant": variant, "description": description,
              "seconds": res.get("seconds"), "compiled": bool(res.get("ok")), "stage": res.get("stage"),
