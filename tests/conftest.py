@@ -90,6 +90,7 @@ def cuda_lowering():
 # Tests that take 40 s or more (subprocesses, notebooks, 8 simulated devices) start first: xdist hands out tests in
 # collection order, and one of these starting last leaves the other worker idle for its whole run.
 _LONG_FIRST = ("tests/test_notebooks.py::test_notebook_runs[02", "tests/test_gpu_aot.py::test_kernels_compile",
+               "tests/ops/test_attention_tokamax.py::test_kernels_compile_for_sm90a",
                "tests/parallel/test_mesh.py::test_meshes_match", "tests/test_notebooks.py::test_notebook_runs[01",
                "tests/parallel/test_multiprocess.py", "tests/test_latent.py::test_decoder_gradient",
                "tests/test_latent_training.py::test_iterates_gradient", "tests/test_gpu_sweep.py",
