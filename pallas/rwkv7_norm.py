@@ -32,7 +32,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pl_triton
 
 from ltm_pallas import backend
 from ltm_pallas.rwkv7_out import MIN_BLOCK_ROWS, block_rows_for  # noqa: F401  (the same row tiling)
@@ -71,6 +70,13 @@ def supported(rows: int, channels: int) -> bool:
   return row_block(rows, channels) >= MIN_BLOCK_ROWS
 
 
+def _masked_memory():
+  """The Triton lowering's masked load and store (`jax.experimental.pallas.triton`), imported only when a kernel with
+  masked columns is traced: the library imports, and its other kernels interpret, on a jax without that module."""
+  from jax.experimental.pallas import triton as pl_triton  # pylint: disable=g-import-not-at-top
+  return pl_triton
+
+
 class _Columns:
   """Loads and stores of a block `width` columns wide over an array of `c` columns: plain when they are equal, masked
   past column c otherwise (masked loads read zeros, so sums over a row count only its c channels)."""
@@ -83,14 +89,14 @@ class _Columns:
     if not self.masked:
       return ref[...]
     mask = self.mask if len(ref.shape) == 1 else jnp.broadcast_to(self.mask[None, :], ref.shape)
-    return pl_triton.load(ref, mask=mask, other=0)
+    return _masked_memory().load(ref, mask=mask, other=0)
 
   def store(self, ref, value):
     if not self.masked:
       ref[...] = value
       return
     mask = self.mask if len(ref.shape) == 1 else jnp.broadcast_to(self.mask[None, :], ref.shape)
-    pl_triton.store(ref, value, mask=mask)
+    _masked_memory().store(ref, value, mask=mask)
 
   def mean(self, x):
     return jnp.sum(x, axis=1, keepdims=True) / self.c
