@@ -281,6 +281,12 @@ def _run_case(case, args, ptxas: str, dump_root: str) -> tuple[dict, list[dict]]
 def _row(case, entry: str, launch: dict | None, facts: dict) -> dict:
   row = {"case": case.name, "group": case.group, "kernel": _base_name(entry), "entry": entry, "dtype": case.dtype,
          "head_dim": case.head_dim, **{k: v for k, v in facts.items() if k != "static_smem"}}
+  return _with_launch(row, launch, facts)
+
+
+def _with_launch(row: dict, launch: dict | None, facts: dict) -> dict:
+  """`row` with the launch's grid, threads and shared memory (dynamic + static), the occupancy they and the
+  registers allow, and the spilled bytes (stores + loads)."""
   if launch:
     smem = launch["dyn_smem"] + facts.get("static_smem", 0)
     row.update(grid=launch["grid"], threads=launch["threads"], warps=launch["threads"] // 32, smem=smem)
@@ -394,15 +400,7 @@ def _run_mgpu_case(name: str, variant: str, kernel_file: str, args, dump_root: s
     row = {"case": name, "group": "mgpu", "variant": variant, "kernel": "wkv7_mgpu", "entry": "wkv7_mgpu",
            "dtype": dtype, "head_dim": size, **{k: v for k, v in facts.items() if k not in ("static_smem", "dyn_smem",
                                                                                           "threads", "grid")}}
-    if "dyn_smem" in facts:
-      smem = facts["dyn_smem"] + facts.get("static_smem", 0)
-      row.update(grid=facts["grid"], threads=facts["threads"], warps=facts["threads"] // 32, smem=smem)
-      if "registers" in facts:
-        blocks, bound = occupancy(facts["registers"], facts["threads"], smem)
-        row.update(blocks_per_sm=blocks, occupancy_pct=round(100 * blocks * facts["threads"] / SM90["threads_per_sm"]),
-                   occupancy_bound=bound)
-    row["spills"] = (facts.get("spill_stores") or 0) + (facts.get("spill_loads") or 0)
-    rows.append(row)
+    rows.append(_with_launch(row, facts if "dyn_smem" in facts else None, facts))
   if not args.keep_dumps:
     shutil.rmtree(dump, ignore_errors=True)
   if not summary["compiled"]:
