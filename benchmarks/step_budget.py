@@ -22,9 +22,8 @@ and block norm, priced by their bytes), copies/transposes, optimizer (the AdamW 
 optax or ltm_jax/train), other.
 
 Where it compiles: with the CUDA plugin installed and no GPU, for an H100 without a device (benchmarks/gpu_aot.py's
-target description); on a machine with a GPU, for that GPU, and then it also times the step and profiles it
-(jax.profiler), attributing the measured kernel time to the same rows where the profile names them; elsewhere for
-the host CPU (the budget is then of the CPU program, with the same ceilings: a dry run of the script).
+target description); on a machine with a GPU, for that GPU, and then it also times the step; elsewhere for the host
+CPU (the budget is then of the CPU program, with the same ceilings: a dry run of the script).
 
 Prints the per-category table, the top kernels and the top source lines, and writes
 benchmarks/results/step-budget-<config>-<device>.json (or --out).
@@ -47,7 +46,6 @@ import platform
 import re
 import statistics
 import sys
-import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -446,18 +444,16 @@ def roofline(rows: list[dict], c: dict) -> list[dict]:
   return rows
 
 
-def summarize(rows: list[dict], key: str, measured: dict | None = None) -> list[dict]:
+def summarize(rows: list[dict], key: str) -> list[dict]:
   groups = collections.OrderedDict()
   for r in rows:
     g = groups.setdefault(r[key], {key: r[key], "kernels": 0, "gflops": 0.0, "gbytes": 0.0, "roofline_ms": 0.0,
-                                   "predicted_ms": 0.0, "measured_ms": 0.0 if measured is not None else None})
+                                   "predicted_ms": 0.0})
     g["kernels"] += r["times"]
     g["gflops"] += r["times"] * r["flops"] / 1e9
     g["gbytes"] += r["times"] * r["bytes"] / 1e9
     g["roofline_ms"] += r["roofline_ms"]
     g["predicted_ms"] += r["predicted_ms"]
-    if measured is not None:
-      g["measured_ms"] += r.get("measured_ms") or 0.0
   return list(groups.values())
 
 
@@ -543,67 +539,6 @@ def compile_step(cfg, target: str):
   return compiled, run
 
 
-def profile(run, steps: int) -> tuple[dict[str, float], str]:
-  """Device time per profiled kernel name (ms per step), summed over the GPU planes of a jax.profiler trace, and a
-  note saying how it went. Names are normalised ('.' and '-' to '_') to meet the HLO's."""
-  import jax  # pylint: disable=g-import-not-at-top
-  out = tempfile.mkdtemp(prefix="step-budget-profile-")
-  with jax.profiler.trace(out):
-    run(steps)
-  files = glob.glob(os.path.join(out, "**", "*.xplane.pb"), recursive=True)
-  if not files:
-    return {}, f"no .xplane.pb under {out}"
-  try:
-    from jax.profiler import ProfileData  # pylint: disable=g-import-not-at-top
-  except ImportError:
-    try:
-      from jax._src.profiler import ProfileData  # pylint: disable=g-import-not-at-top
-    except ImportError:
-      return {}, f"this jax has no ProfileData to read {files[0]}"
-  data = ProfileData.from_file(files[0])
-  times = collections.Counter()
-  lines_seen = set()
-  for plane in data.planes:
-    if "gpu" not in plane.name.lower():
-      continue
-    for line in plane.lines:
-      lname = line.name
-      if any(skip in lname for skip in ("XLA Modules", "Steps", "XLA Ops", "Source", "TraceMe")):
-        continue  # Derived lines repeat the kernels' time.
-      lines_seen.add(lname)
-      for ev in line.events:
-        stats = {}
-        with contextlib.suppress(Exception):
-          stats = {k: v for k, v in ev.stats}
-        name = str(stats.get("hlo_op") or ev.name)
-        times[_norm(name)] += ev.duration_ns * 1e-6 / steps
-  return dict(times), f"{len(files)} trace file(s), GPU lines {sorted(lines_seen)[:6]}"
-
-
-def _norm(name: str) -> str:
-  return re.sub(r"[.\-]", "_", name.split("/")[-1])
-
-
-def attribute(rows: list[dict], measured: dict[str, float]) -> float:
-  """Puts each profiled kernel's time on the row of that HLO instruction; returns the time no row claimed."""
-  by_name = collections.defaultdict(list)
-  for r in rows:
-    by_name[_norm(r["name"])].append(r)
-    r["measured_ms"] = 0.0
-  unclaimed = 0.0
-  for name, ms in measured.items():
-    owners = by_name.get(name) or by_name.get(re.sub(r"_\d+$", "", name))
-    if not owners:
-      # Kernel names add suffixes to the instruction's name (e.g. a fusion split into several launches).
-      owners = next((v for k, v in by_name.items() if name.startswith(k + "_") or k.startswith(name + "_")), None)
-    if owners:
-      for r in owners:
-        r["measured_ms"] += ms / len(owners)
-    else:
-      unclaimed += ms
-  return unclaimed
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Output.
 
@@ -631,15 +566,11 @@ def main(argv=None) -> int:
                       "default device (a GPU if there is one, else the host CPU)")
   parser.add_argument("--measured-ms", type=float, default=None, help="a measured step time to set the sum against")
   parser.add_argument("--steps", type=int, default=10, help="timed steps on a device (after 2 warm-up steps)")
-  parser.add_argument("--no-profile", action="store_true", help="on a GPU: time the step, but take no profile")
   for key, value in DEFAULTS.items():
     parser.add_argument("--" + key.replace("_", "-"), type=float, default=value)
   parser.add_argument("--top", type=int, default=25, help="kernels and source lines printed")
   parser.add_argument("--out", default=None, help="results file (default benchmarks/results/step-budget-<config>-"
                       "<device>.json)")
-  parser.add_argument("--hlo-out", default=None, help="also write the optimized HLO text here")
-  parser.add_argument("--from-hlo", default=None, help="read this optimized HLO text (an earlier --hlo-out of the "
-                      "same config and target) instead of compiling; --target names its device")
   args = parser.parse_args(argv)
 
   target = choose_target(args.target)
@@ -662,19 +593,13 @@ def main(argv=None) -> int:
         f"{cfg.model.remat}, wkv7_impl {cfg.model.wkv7_impl}; target {device_desc}", flush=True)
 
   started = time.perf_counter()
-  if args.from_hlo:
-    compiled, run, text = None, None, pathlib.Path(args.from_hlo).read_text()
-  else:
-    compiled, run = compile_step(cfg, target)
-    text = compiled.as_text()
-  compile_s = None if args.from_hlo else time.perf_counter() - started
-  if args.hlo_out:
-    pathlib.Path(args.hlo_out).write_text(text)
-  comps, entry, frames = parse_hlo(text)
+  compiled, run = compile_step(cfg, target)
+  compile_s = time.perf_counter() - started
+  comps, entry, frames = parse_hlo(compiled.as_text())
   rows, notes = kernels(comps, entry, frames, ceilings)
   xla_cost = None
   with contextlib.suppress(Exception):
-    cost = compiled.cost_analysis() if compiled is not None else {}
+    cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     xla_cost = {k: float(cost[k]) for k in ("flops", "bytes accessed", "transcendentals") if k in cost}
 
@@ -685,8 +610,7 @@ def main(argv=None) -> int:
   if memory:
     print("# compiled memory (GiB): " + ", ".join(f"{k} {v:.2f}" for k, v in memory.items()), flush=True)
 
-  measured_step, step_times, profile_note, unclaimed = args.measured_ms, None, None, None
-  run_error = None
+  measured_step, step_times, run_error = args.measured_ms, None, None
   if run is not None:
     try:
       run(2)  # Warm-up.
@@ -695,15 +619,8 @@ def main(argv=None) -> int:
     except Exception as e:  # noqa: BLE001  (out of memory, say: the budget of the compiled program still stands)
       run_error = " ".join(f"{type(e).__name__}: {e}".split())[:1000]
       print(f"# the step did not run: {run_error}", flush=True)
-    if step_times and jax.default_backend() == "gpu" and not args.no_profile:
-      try:
-        per_kernel, profile_note = profile(run, 3)
-        unclaimed = attribute(rows, per_kernel)
-      except Exception as e:  # noqa: BLE001  (the budget stands without the profile)
-        profile_note = f"profile failed: {type(e).__name__}: {e}"
-  has_measured = any("measured_ms" in r for r in rows)
 
-  categories = summarize(rows, "category", {} if has_measured else None)
+  categories = summarize(rows, "category")
   categories.sort(key=lambda g: CATEGORIES.index(g["category"]))
   total = {k: sum(g[k] for g in categories) for k in ("kernels", "gflops", "gbytes", "roofline_ms", "predicted_ms")}
   for g in categories:
@@ -713,29 +630,21 @@ def main(argv=None) -> int:
   by_source = sorted(summarize(lines, "where"), key=lambda g: -g["predicted_ms"])
   top = sorted(rows, key=lambda r: -r["predicted_ms"])
 
-  print(f"# {'read ' + args.from_hlo if args.from_hlo else f'compiled in {compile_s:.1f} s'}; {len(rows)} kernel "
-        f"instructions, {total['kernels']} launches a step")
+  print(f"# compiled in {compile_s:.1f} s; {len(rows)} kernel instructions, {total['kernels']} launches a step")
   for n in notes[:5]:
     print(f"# note: {n}")
   print("\nper category (ms a step; predicted = max(roofline, kernel benchmark) + launches):")
   cols = [("category", "category", 20), ("kernels", "kernels", 7), ("gflops", "GFLOP", 9), ("gbytes", "GB", 8),
           ("roofline_ms", "roofline", 9), ("predicted_ms", "predicted", 9), ("share", "share", 6)]
-  if has_measured:
-    cols.append(("measured_ms", "measured", 9))
   _print(categories + [{"category": "total", **total, "share": 1.0}], cols)
   print("by pass: " + ", ".join(f"{g['pass']} {g['predicted_ms']:.2f} ms ({g['kernels']} launches)" for g in passes))
   if measured_step:
     print(f"measured step {measured_step:.2f} ms: predicted {total['predicted_ms']:.2f} ms is "
           f"{total['predicted_ms'] / measured_step:.2f} of it; roofline {total['roofline_ms'] / measured_step:.2f}")
-  if unclaimed is not None:
-    print(f"profile: {profile_note}; {unclaimed:.2f} ms a step on kernels no HLO row claims")
-  elif profile_note:
-    print(f"profile: {profile_note}")
   print(f"\ntop {args.top} kernels:")
   kcols = [("name", "instruction", 34), ("category", "category", 18), ("detail", "detail", 22), ("times", "x", 3),
            ("out", "output", 26), ("bound", "bound", 7), ("roofline_ms", "roofline", 8), ("kernel_ms", "kernel", 8),
-           ("predicted_ms", "predicted", 9), ("where", "source", 34)] + (
-               [("measured_ms", "measured", 8)] if has_measured else [])
+           ("predicted_ms", "predicted", 9), ("where", "source", 34)]
   _print(top[:args.top], kcols)
   print(f"\ntop {args.top} source lines:")
   _print(by_source[:args.top], [("where", "source", 44), ("kernels", "kernels", 7), ("gbytes", "GB", 8),
@@ -747,9 +656,9 @@ def main(argv=None) -> int:
       "config": cfg.name, "config_file": args.config, "overrides": args.overrides, "quick": args.quick,
       "device": device, "target": device_desc, "batch": f"{cfg.train.batch_size}x{cfg.train.seq_len}",
       "params": info["params"], "model_flops_per_step": info["flops_per_step_train"],
-      "ceilings": ceilings, "compile_s": compile_s and round(compile_s, 1), "from_hlo": args.from_hlo, "xla_cost_analysis": xla_cost, "memory_gib": memory, "notes": notes,
-      "total": total, "measured_step_ms": measured_step, "step_times_ms": step_times, "run_error": run_error, "profile": profile_note,
-      "unclaimed_profile_ms": unclaimed, "categories": categories, "passes": passes, "sources": by_source[:100],
+      "ceilings": ceilings, "compile_s": round(compile_s, 1), "xla_cost_analysis": xla_cost, "memory_gib": memory,
+      "notes": notes, "total": total, "measured_step_ms": measured_step, "step_times_ms": step_times,
+      "run_error": run_error, "categories": categories, "passes": passes, "sources": by_source[:100],
       "kernels": [dict(r, op_name=r["op_name"][-160:]) for r in top],
       "packages": {"jax": jax.__version__}, "python": platform.python_version(),
       "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -77,7 +77,7 @@ def test_reads_kernels_costs_and_sources_from_hlo():
 
 def test_quick_run_writes_the_budget(tmp_path):
   out = tmp_path / "budget.json"
-  assert step_budget.main(["--quick", "--config", str(ROOT / "configs" / "tiny.py"), "--steps", "1", "--no-profile",
+  assert step_budget.main(["--quick", "--config", str(ROOT / "configs" / "tiny.py"), "--steps", "1",
                            "--measured-ms", "1", "--out", str(out), "--top", "3"]) == 0
   result = json.loads(out.read_text())
   names = [c["category"] for c in result["categories"]]
