@@ -6,9 +6,6 @@ layouts; their cost model.
   python benchmarks/wkv7.py --quick         # tiny shapes, every backend (pallas interpreted on CPU): proves it runs
   python benchmarks/wkv7.py --impls pallas_chunked pallas_segmented --no-peers   # on a GPU: the segmented form
                                             # against the chunked kernels (they differ at (1, 32768, 4096, 64) only)
-
-  python benchmarks/wkv7.py --quick --aot  # no GPU: the quick run, then the H100 compile report of the kernels
-                                            # (benchmarks/gpu_aot.py in .venv-aot, the wkv7 cases)
   python benchmarks/wkv7.py --mode backward                      # GPU: the chunked backward's two layouts
   python benchmarks/wkv7.py --mode backward --shape 1,32,64,16   # CPU: the same kernels interpreted, numerics only
   python benchmarks/wkv7.py --mode cost [--markdown]             # the chunked kernels' cost model (docs/kernels.md)
@@ -44,8 +41,6 @@ import json
 import math
 import os
 import pathlib
-import subprocess
-import tempfile
 
 import common  # First: puts the checkout on sys.path.
 import jax
@@ -303,23 +298,6 @@ PEERS = {"fla.chunk_rwkv7": ("fla", bench_fla), "wind.chunked_cuda": ("wind_rwkv
 PEER_PACKAGES = ("fla-core", "rwkv-ops", "jax-linear-attention", "torch")
 
 
-def compile_report():
-  """The H100 compile report of this op's kernels (benchmarks/gpu_aot.py in .venv-aot, its wkv7 cases): rows of
-  registers, spills and shared memory per kernel, or None with the reason printed when .venv-aot is missing."""
-  python = ROOT / ".venv-aot" / "bin" / "python"
-  if not python.exists():
-    print(f"compile report: {python} is missing (make gpu-aot builds it)")
-    return None
-  with tempfile.TemporaryDirectory() as folder:
-    path = pathlib.Path(folder) / "aot.json"
-    done = subprocess.run([str(python), str(ROOT / "benchmarks" / "gpu_aot.py"), "--group", "kernels", "--cases",
-                           "^wkv7", "--json", str(path)], cwd=ROOT, check=False)
-    report = json.loads(path.read_text()) if path.exists() else {}
-  if done.returncode:
-    print(f"compile report: gpu_aot.py exited {done.returncode}")
-  return report.get("kernels")
-
-
 GRADIENTS = ("r", "w", "k", "v", "a", "b", "state")
 
 
@@ -375,7 +353,7 @@ AOT = ROOT / "benchmarks" / "results" / "gpu-aot-h100.json"
 # The compile facts of the settings the H100 times were measured with (the backward at N = 128 as 8 programs a head).
 AOT_MEASURED = ROOT / "benchmarks" / "results" / "wkv7-chunked-aot-measured-h100.json"
 MEASURED = ROOT / "benchmarks" / "results" / "wkv7-nvidia-h100-80gb-hbm3.json"
-COST_RESULTS = ROOT / "benchmarks" / "results" / "wkv7-chunked-cost-h100.json"
+COST_RESULTS = common.RESULTS / "wkv7-chunked-cost-h100.json"
 SMS = 132
 
 # (N, bytes per operand) -> settings, as pallas/wkv7_chunked.py's SETTINGS.
@@ -476,20 +454,18 @@ def cost_model(args, platform: str) -> None:
     the states' bytes at the copy rate; the range is [primal, primal + states]) minus the XLA zero-fill and convert of
     the atomic buffers (their bytes at the copy rate).
   - predicted (the rows "backward (loop)": the current default at N = 128, one program per head looping over its value
-    blocks, not yet timed on a GPU): compile facts from --aot-loop (the default gpu-aot-h100.json); its time is waves x
+    blocks, not yet timed on a GPU): compile facts from gpu-aot-h100.json; its time is waves x
     chunks x a chunk latency scaled from the N = 64 backward's derived one by FLOPs per program-chunk (the same kind
     of program: one per head, 8 warps, one block per SM, the whole key side once per chunk).
   Waves = ceil(programs / (132 SMs x blocks per SM)); every program walks all T / L chunks in sequence, so a kernel's
   time is about waves x (T / L) x the latency of one chunk in one program, and that latency is what the last column
   gives (derived).
   """
-  aot = json.loads(pathlib.Path(args.aot_measured).read_text())
-  loop_aot = json.loads(pathlib.Path(args.aot_loop).read_text())
-  measured = json.loads(pathlib.Path(args.measured).read_text())
+  aot, loop_aot, measured = (json.loads(path.read_text()) for path in (AOT_MEASURED, AOT, MEASURED))
   copy = measured["config"]["ceilings"]["copy_gbps"] * 1e9
   matmul = measured["config"]["ceilings"]["matmul_tflops"] * 1e12
   times = {r["shape"]: r for r in measured["results"] if r["impl"] == "pallas_chunked" and r["dtype"] == "bfloat16"}
-  out = dict(source=dict(aot=args.aot_measured, aot_loop=args.aot_loop, measured=args.measured,
+  out = dict(source=dict(aot=AOT_MEASURED.name, aot_loop=AOT.name, measured=MEASURED.name,
                          device=measured["device_kind"]),
              ceilings=dict(copy_tbps=copy / 1e12, matmul_tflops=matmul / 1e12, sms=SMS), shapes=[])
   for size in MEASURED_SETTINGS:
@@ -544,7 +520,7 @@ def cost_model(args, platform: str) -> None:
         row["x_roofline"] = row["predicted_ms"] / row["roofline_ms"]
         forward = next(r for r in entry["kernels"] if r["kernel"] == "wkv7_chunked_forward")["derived_ms"]
         entry["fwd_bwd_ms_predicted_loop"] = (forward[0] + row["predicted_ms"], forward[1] + row["predicted_ms"])
-  pathlib.Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+  COST_RESULTS.write_text(json.dumps(out, indent=1) + "\n")
   header = ("| shape | kernel | grid (programs) | BV, warps | regs / spill B / smem B (compiled) | blocks/SM, occ% "
             "(compiled) | waves | GFLOP (counted) | GB (estimated) | roofline ms (estimated) | time ms | x roofline "
             "| us per chunk-program (derived) |")
@@ -573,7 +549,7 @@ def cost_model(args, platform: str) -> None:
       print(f"\n{entry['shape']}: fwd+bwd with the looped backward {low:.1f}-{high:.1f} ms (predicted), "
             f"{entry['fwd_bwd_ms_measured']:.2f} ms measured with the per-block programs")
   if not args.markdown:
-    print(f"# wrote {args.json}")
+    print(f"# wrote {COST_RESULTS}")
 
 
 def backends(args, platform: str) -> None:
@@ -611,12 +587,10 @@ def backends(args, platform: str) -> None:
         common.print_table(rows[-1:], COLUMNS)
   print()
   common.print_table(rows, COLUMNS)
-  report = compile_report() if args.aot else None
   # The quick run proves the script end to end; it must not overwrite a measured table.
   path = common.write_results(
       "wkv7-quick" if args.shapes == "quick" else "wkv7", rows, shapes=args.shapes, ceilings=ceilings,
       peers_run=sorted(peers), peers_missing=missing, peer_versions=peers_lib.versions(PEER_PACKAGES),
-      compile_report=report,
       note=("shape is BxTxCxN; ms are medians; floor_x = time / max(bytes / copy rate, FLOPs / bf16 matmul rate); "
             "bytes count the six inputs and y (+ dy and six gradients) once; FLOPs are 9 N^2 per token-head forward, "
             "3x for forward+backward; B/el and FLOP/el are per element (channel of a token) of the row's own "
@@ -637,18 +611,11 @@ def main():
   group.add_argument("--dtypes", nargs="+", default=None, help="default: float32 on cpu, bfloat16 on gpu")
   group.add_argument("--impls", nargs="+", default=list(AVAILABLE), choices=AVAILABLE)
   group.add_argument("--no-peers", action="store_true")
-  group.add_argument("--aot", action="store_true",
-                     help="also compile the kernels for an H100 (benchmarks/gpu_aot.py in .venv-aot) and keep the "
-                     "report's rows (registers, spills, shared memory) in the results")
   group = parser.add_argument_group("backward")
   group.add_argument("--shape", default="8,4096,4096,128", help="B,T,C,N")
   group.add_argument("--runs", type=int, default=20)
   group.add_argument("--reference-rows", type=int, default=1, help="batch rows the float32 XLA reference runs on")
   group = parser.add_argument_group("cost")
-  group.add_argument("--aot-measured", default=str(AOT_MEASURED), help="compile facts of the measured settings")
-  group.add_argument("--aot-loop", default=str(AOT), help="compile facts of the looped N = 128 backward")
-  group.add_argument("--measured", default=str(MEASURED))
-  group.add_argument("--json", default=str(COST_RESULTS))
   group.add_argument("--markdown", action="store_true")
   args = parser.parse_args()
   {"backends": backends, "backward": backward_layouts, "cost": cost_model}[args.mode](args, platform)
