@@ -246,7 +246,7 @@ def add_comparison_args(parser: argparse.ArgumentParser, variants: dict, name: s
   parser.add_argument("--eval-batches", type=int, default=eval_batches, help=f"validation batches of {batch}")
   parser.add_argument("--curve", type=int, nargs="*", default=list(curve), help="inner steps of the ELBO curve")
   parser.add_argument("--no-curve", dest="curve", action="store_const", const=[], help="skip the ELBO curve")
-  parser.add_argument("--eval-inner-steps", "--inner-steps", type=int, nargs="*", default=[],
+  parser.add_argument("--eval-inner-steps", type=int, nargs="*", default=[],
                       help="latent variants: also evaluate with z fitted by this many inner steps (one row each)")
   parser.add_argument("--root", default=str(common.ROOT / "runs" / name), help="the variants' workdirs")
   parser.add_argument("--name", default=name, help="results file: benchmarks/results/NAME-<device>.json")
