@@ -2,7 +2,6 @@
 (and the ltm_jax dependencies the GPU image lacks) to a GPU machine that cannot reach a package index.
 
   python benchmarks/peers.py                  # one line per peer: importable or why not, version, benchmarks
-  python benchmarks/peers.py --json           # the same as JSON
   python benchmarks/peers.py --download .whl --wheels peers  # the peers' wheels for the GPU image (CPython 3.12,
       # x86-64) into .whl/: carry the folder there and run gpu_sweep.py --wheels .whl; `--wheels suite` for make test-gpu
 
@@ -16,8 +15,6 @@ import argparse
 import dataclasses
 import importlib
 import importlib.metadata
-import importlib.util
-import json
 import pathlib
 import subprocess
 import sys
@@ -97,24 +94,15 @@ def installed_version(dists: Iterable[str]) -> str | None:
   return None
 
 
-def status(names: Iterable[str] | None = None, *, import_modules: bool = True) -> dict[str, dict[str, Any]]:
-  """{peer: {importable, version, benchmarks[, reason]}} for `names` (default: every peer).
-
-  With `import_modules`, a peer counts as importable only once its module imports (a package whose own imports are
-  missing fails there, e.g. tokamax without xprof); without, finding the module is enough (fast: imports nothing).
-  """
+def status() -> dict[str, dict[str, Any]]:
+  """{peer: {importable, version, benchmarks[, reason]}} for every peer. A peer counts as importable only once its
+  module imports (a package whose own imports are missing fails there, e.g. tokamax without xprof)."""
   out = {}
-  for name in PEERS if names is None else names:
-    peer = PEERS[name]
+  for name, peer in PEERS.items():
     entry: dict[str, Any] = {"version": installed_version(peer.dists), "benchmarks": list(peer.benchmarks)}
     try:
-      if import_modules:
-        importlib.import_module(peer.module)
-        entry["importable"] = True
-      else:
-        entry["importable"] = importlib.util.find_spec(peer.module) is not None
-        if not entry["importable"]:
-          entry["reason"] = f"no module named {peer.module!r}"
+      importlib.import_module(peer.module)
+      entry["importable"] = True
     except Exception as e:  # noqa: BLE001  (any failure to import means the peer cannot run here)
       entry["importable"] = False
       entry["reason"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
@@ -142,8 +130,6 @@ def download(folder: pathlib.Path, wheels: Iterable[str] = WHEELS["all"]) -> int
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--json", action="store_true", help="print the status as JSON")
-  parser.add_argument("--no-import", action="store_true", help="find the modules without importing them")
   parser.add_argument("--download", type=pathlib.Path, metavar="DIR", help="download wheels for the GPU image")
   parser.add_argument("--wheels", choices=sorted(WHEELS), default="all",
                       help="which wheels: what make test-gpu needs (suite), the benchmarks' peers with ltm_jax's own "
@@ -151,11 +137,7 @@ def main():
   args = parser.parse_args()
   if args.download is not None:
     sys.exit(download(args.download, WHEELS[args.wheels]))
-  result = status(import_modules=not args.no_import)
-  if args.json:
-    print(json.dumps(result))
-    return
-  for name, entry in result.items():
+  for name, entry in status().items():
     found = "importable" if entry["importable"] else f"missing ({entry.get('reason', '')})"
     print(f"{name:22s} {entry['version'] or '-':12s} {found}; used by {', '.join(entry['benchmarks'])}")
 
