@@ -612,8 +612,7 @@ def _lap(name: str, since: float) -> float:
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--plan", choices=sorted(PLANS), default="cpu")
-  parser.add_argument("--quick", action="store_true", help="same as --plan quick: tiny sizes, under a minute")
+  parser.add_argument("--quick", action="store_true", help="the quick plan: tiny sizes, under a minute")
   parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS,
                       help="dtype includes the floor table; a partial run writes decode[-quick]-<sections>-<device>")
   parser.add_argument("--official-strategy", default="cpu fp32", help="the rwkv package's strategy string")
@@ -622,9 +621,8 @@ def main():
   parser.add_argument("--dtype-models", nargs="+", default=None, choices=list(MODELS),
                       help="the dtype section's models (default: the plan's)")
   args = parser.parse_args()
-  if args.quick:
-    args.plan = "quick"
-  plan = PLANS[args.plan]
+  plan_name = "quick" if args.quick else "cpu"
+  plan = PLANS[plan_name]
   if args.dtype_models:
     plan = plan._replace(dtype_models=tuple(args.dtype_models))
   load_start = os.getloadavg()
@@ -686,7 +684,7 @@ def main():
           f"({'within' if row['flat'] else 'OVER'} {RWKV_FLAT})")
   load_end = os.getloadavg()
   # The quick run proves the script end to end, a partial run measures a part: neither overwrites the full table.
-  name = "decode" + ("-quick" if args.plan == "quick" else "")
+  name = "decode" + ("-quick" if args.quick else "")
   if sorted(args.sections) != sorted(SECTIONS):
     name += "-" + "-".join(s for s in SECTIONS if s in args.sections)
   if sorted(args.models) != sorted(POSITION_MODELS):
@@ -694,7 +692,7 @@ def main():
   if args.dtype_models:
     name += "-" + "-".join(args.dtype_models)
   path = common.write_results(
-      name, rows, plan=args.plan, sections=args.sections, size=plan.size,
+      name, rows, plan=plan_name, sections=args.sections, size=plan.size,
       layer_patterns={k: v["layer_pattern"] for k, v in MODELS.items()}, window=plan.window,
       positions=list(plan.positions), batches=list(plan.batches), batch_position=plan.batch_position,
       prompt_tokens=plan.prompt, batch_prompt_tokens=plan.batch_prompt, steps_per_loop=plan.steps,
