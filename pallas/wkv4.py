@@ -33,7 +33,7 @@ checkpoints (the primal: none); backward reads k, v, dy and writes dk, dv, 5s, p
 and 11 bytes.
 
 Lowering: through `ltm_pallas.backend.call`, i.e. Triton on GPU (jax 0.10.2 and 0.11.x; the Triton backend is deprecated
-from 0.11 and `pallas/backend.py` is where a Mosaic GPU or jax-triton path replaces it) and `interpret=True` on CPU.
+from 0.11; `pallas/backend.py` chooses the lowering, and without it the op's XLA backends run) and `interpret=True` on CPU.
 Triton constraints honoured here: every loaded or stored value is a power-of-two [block_c] row or [chunk, block_c]
 tile, loops are `lax.fori_loop` (or Python loops over fixed rows in the unrolled forward), and the backward selects
 rows of its register tiles by a one-hot mask (Triton cannot index a register tensor dynamically).
