@@ -328,8 +328,16 @@ MGPU_CASES = {
     "wkv7_mgpu_n64_bf16": (64, "bfloat16", "wkv7 Mosaic GPU forward bf16 B8 T4096 C4096 N64"),
     "wkv7_mgpu_n128_bf16": (128, "bfloat16", "wkv7 Mosaic GPU forward bf16 B8 T4096 C4096 N128"),
     "wkv7_mgpu_n128_f32": (128, "float32", "wkv7 Mosaic GPU forward f32 B8 T4096 C4096 N128 (float32 y tile)"),
+    "wkv7_mgpu_ckpt_n128_bf16": (128, "bfloat16", "wkv7 Mosaic GPU forward with chunk states bf16 B8 T4096 C4096 N128"),
+    "wkv7_mgpu_bwd_n64_bf16": (64, "bfloat16", "wkv7 Mosaic GPU backward bf16 B8 T4096 C4096 N64"),
+    "wkv7_mgpu_bwd_n128_bf16": (128, "bfloat16", "wkv7 Mosaic GPU backward bf16 B8 T4096 C4096 N128"),
 }
 MGPU_SHAPE = (8, 4096, 4096)  # Batch, tokens, channels.
+
+
+def _mgpu_entry(name: str) -> str:
+  """The kernel function a case compiles: forward, forward with chunk states, or backward."""
+  return "backward" if "_bwd_" in name else "checkpoints" if "_ckpt_" in name else "forward"
 
 
 def _mgpu_worker(name: str, kernel_file: str) -> int:
@@ -350,8 +358,15 @@ def _mgpu_worker(name: str, kernel_file: str) -> int:
     inputs = [abstract((batch, length, channels // size, size), jnp.dtype(dtype)) for _ in range(6)]
     state = abstract((batch, channels // size, size, size), jnp.float32)
     result["stage"] = "build"
-    fn = lambda r, w, k, v, a, b, s: kernel.forward(r, w, k, v, a, b, s, interpret=False)
-    _compile(mesh, fn, (*inputs, state), result)
+    entry = _mgpu_entry(name)
+    if entry == "backward":  # Inputs, the chunk states, dy and the final state's gradient.
+      ckpt = abstract((batch, channels // size, length // kernel.CHUNK, size, size), jnp.bfloat16)
+      fn = lambda r, w, k, v, a, b, c, dy, ds: kernel.backward(r, w, k, v, a, b, c, dy, ds, interpret=False)
+      _compile(mesh, fn, (*inputs, ckpt, inputs[0], state), result)
+    else:
+      fn = lambda r, w, k, v, a, b, s: kernel.forward(r, w, k, v, a, b, s, interpret=False,
+                                                      **({"checkpoints": True} if entry == "checkpoints" else {}))
+      _compile(mesh, fn, (*inputs, state), result)
   except Exception as e:  # pylint: disable=broad-except  (reported in the case's row)
     result["error"] = " ".join(f"{type(e).__name__}: {e}".split())[:2000]
   result["seconds"] = round(time.time() - started, 1)
@@ -397,7 +412,8 @@ def _run_mgpu_case(name: str, variant: str, kernel_file: str, args, dump_root: s
   rows = []
   if res.get("ok"):
     facts = _mgpu_facts(dump)
-    row = {"case": name, "group": "mgpu", "variant": variant, "kernel": "wkv7_mgpu", "entry": "wkv7_mgpu",
+    kernel = "wkv7_mgpu_backward" if _mgpu_entry(name) == "backward" else "wkv7_mgpu"
+    row = {"case": name, "group": "mgpu", "variant": variant, "kernel": kernel, "entry": kernel,
            "dtype": dtype, "head_dim": size, **{k: v for k, v in facts.items() if k not in ("static_smem", "dyn_smem",
                                                                                           "threads", "grid")}}
     rows.append(_with_launch(row, facts if "dyn_smem" in facts else None, facts))

@@ -97,10 +97,11 @@ def _smem(shape, dtype):
   return plgpu.SMEM((1, *shape), dtype, transforms=(tiling, plgpu.SwizzleTransform(128)))
 
 
-def _kernel(r_ref, k_ref, a_ref, b_ref, v_ref, g_ref, gp_ref, s0_ref, y_ref, s_ref,
-            r_s, k_s, a_s, b_s, g_s, gp_s, v_s, state_s, x_s, m_ak_s, p_rb_s, p_rk_s, power_s, solve_s, y_s, barriers, *,
-            num_chunks):
-  """One program: BV value rows of one (batch, head)'s state through every chunk."""
+def _kernel(r_ref, k_ref, a_ref, b_ref, v_ref, g_ref, gp_ref, s0_ref, y_ref, s_ref, *refs, num_chunks, checkpoints):
+  """One program: BV value rows of one (batch, head)'s state through every chunk; with `checkpoints`, the first of
+  `refs` is the output [B, H, T / L, N, N] of the (bfloat16) state entering each chunk."""
+  ckpt_ref, refs = (refs[0], refs[1:]) if checkpoints else (None, refs)
+  r_s, k_s, a_s, b_s, g_s, gp_s, v_s, state_s, x_s, m_ak_s, p_rb_s, p_rk_s, power_s, solve_s, y_s, barriers = refs
   from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
   wgmma_layout = plgpu.Layout.WGMMA
   batch, head, block = lax.axis_index("batch"), lax.axis_index("head"), lax.axis_index("block")
@@ -152,6 +153,8 @@ def _kernel(r_ref, k_ref, a_ref, b_ref, v_ref, g_ref, gp_ref, s0_ref, y_ref, s_r
     state_s[...] = state.astype(OPERANDS)
     gp_s[...] = state  # g⁻ is spent: the state waits there in float32 through the chunk's products.
     plgpu.commit_smem()
+    if ckpt_ref is not None:  # The backward's residual: the operand S_0 itself (read before y_s is next written).
+      plgpu.copy_smem_to_gmem(state_s, ckpt_ref.at[batch, head, c, values])
 
     pairs = (CHUNK, CHUNK)
     m_ab = jnp.where(strict, product(pairs, (a_s, b_s.T)), 0.0)
@@ -199,9 +202,9 @@ def _kernel(r_ref, k_ref, a_ref, b_ref, v_ref, g_ref, gp_ref, s0_ref, y_ref, s_r
   plgpu.wait_smem_to_gmem(0)
 
 
-def _build(shape: tuple[int, int, int, int], y_dtype: str, interpreted: bool):
-  """The kernel for inputs [B, T, H, N] (T a multiple of CHUNK), y in `y_dtype`: interpreted on the CPU (Mosaic GPU
-  interpret mode) or compiled."""
+def _build(shape: tuple[int, int, int, int], y_dtype: str, checkpoints: bool, interpreted: bool):
+  """The kernel for inputs [B, T, H, N] (T a multiple of CHUNK), y in `y_dtype`, with or without the chunk states'
+  output: interpreted on the CPU (Mosaic GPU interpret mode) or compiled."""
   from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
   batch, length, heads, size = shape
   scratch = [_smem((CHUNK, size), OPERANDS) for _ in range(4)]  # r, k, a, b; then R̂, Ǩ, Â, B̌.
@@ -212,17 +215,21 @@ def _build(shape: tuple[int, int, int, int], y_dtype: str, interpreted: bool):
   scratch.append(plgpu.Barrier(num_barriers=8))
   params = dict(interpret=plgpu.InterpretGPUParams()) if interpreted else dict(
       compiler_params=plgpu.CompilerParams())
+  out_type = [jax.ShapeDtypeStruct(shape, y_dtype), jax.ShapeDtypeStruct((batch, heads, size, size), jnp.float32)]
+  if checkpoints:
+    out_type.append(jax.ShapeDtypeStruct((batch, heads, length // CHUNK, size, size), OPERANDS))
   return plgpu.kernel(
-      functools.partial(_kernel, num_chunks=length // CHUNK),
-      out_type=(jax.ShapeDtypeStruct(shape, y_dtype), jax.ShapeDtypeStruct((batch, heads, size, size), jnp.float32)),
+      functools.partial(_kernel, num_chunks=length // CHUNK, checkpoints=checkpoints),
+      out_type=tuple(out_type),
       scratch_types=scratch,
       grid=(batch, heads, size // BLOCK),
       grid_names=("batch", "head", "block"),
       **params)
 
 
-def forward(r, w, k, v, a, b, state, *, interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
-  """WKV-7 forward: (y [B, T, H, N] in v's dtype, the final state [B, H, N, N] float32).
+def forward(r, w, k, v, a, b, state, *, interpret: bool | None = None, checkpoints: bool = False):
+  """WKV-7 forward: (y [B, T, H, N] in v's dtype, the final state [B, H, N, N] float32), and with `checkpoints` also
+  the state entering each chunk, [B, H, ceil(T / CHUNK), N, N] bfloat16 (`backward`'s residual).
 
   r, w, k, v, a, b: [B, T, H, N], any float dtype and any T (padded to a multiple of CHUNK with identity tokens), N
   in SIZES, w >= min_log_decay() (`in_range`; stronger decays overflow the factored form). state: [B, H, N, N]
@@ -236,6 +243,210 @@ def forward(r, w, k, v, a, b, state, *, interpret: bool | None = None) -> tuple[
   g, g_exclusive = chunk_log_decays(w)
   operands = [x.astype(OPERANDS) for x in (r, k, a, b, v)]
   y_dtype = jnp.dtype(v.dtype).name
-  run = backend.mosaic_gpu_call(functools.partial(_build, r.shape, y_dtype), interpret)
-  y, final = run(*operands, g, g_exclusive, state.astype(jnp.float32))
-  return y[:, :length], final
+  run = backend.mosaic_gpu_call(functools.partial(_build, r.shape, y_dtype, checkpoints), interpret)
+  outputs = run(*operands, g, g_exclusive, state.astype(jnp.float32))
+  return (outputs[0][:, :length],) + tuple(outputs[1:])
+
+
+def _backward_kernel(rh_ref, kc_ref, ah_ref, bc_ref, v_ref, dy_ref, ckpt_ref, decay_ref, ds_ref,
+                     dv_ref, dr_ref, da_ref, db_ref, dk_ref, dg_ref, ds0_ref,
+                     rh_s, kc_s, ah_s, bc_s, v_s, dy_s, s0_s, dsb_s, ds_s, m_ak_s, p_rb_s, p_rk_s, power_s, solve_s,
+                     x_s, u_s, out_s, row_s, decay_s, barriers, *, num_chunks):
+  """One program: BV value rows of one (batch, head)'s state gradient through every chunk, last chunk first."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+  wgmma_layout, row_layout = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(0)
+  batch, head, block = lax.axis_index("batch"), lax.axis_index("head"), lax.axis_index("block")
+  size = rh_s.shape[-1]
+  values = pl.ds(block * BLOCK, BLOCK)
+
+  def load(ref):
+    return plgpu.load(ref, layout=wgmma_layout).astype(jnp.float32)
+
+  def product(shape, *terms):
+    """The sum of x @ y over `terms` [shape] (wgmma, float32 accumulation)."""
+    def run(acc):
+      for x, y in terms:
+        plgpu.wgmma(acc, x, y)
+      return acc[...]
+    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+  rows_iota = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0, layout=wgmma_layout)
+  cols_iota = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1, layout=wgmma_layout)
+  strict, incl = rows_iota > cols_iota, rows_iota >= cols_iota
+  pairs, block_shape, piece = (CHUNK, CHUNK), (CHUNK, BLOCK), (CHUNK, BLOCK)
+
+  # dS [BV, N] float32 lives in ds_s from the first chunk to the last.
+  plgpu.copy_gmem_to_smem(ds_ref.at[batch, head, values], ds_s.at[0], barriers.at[8])
+  plgpu.barrier_wait(barriers.at[8])
+
+  tiles = (rh_s, kc_s, ah_s, bc_s, v_s, dy_s, s0_s, dsb_s, ds_s, m_ak_s, p_rb_s, p_rk_s, power_s, solve_s, x_s, u_s,
+           out_s, row_s, decay_s)
+  dv_stage = 12 if dv_ref.dtype == OPERANDS else 16  # dv leaves through M^(2^i)'s tile (spent) or the float32 one.
+
+  def one_chunk(i, carry):
+    c = num_chunks - 1 - i
+    slot = lax.optimization_barrier(i) - i  # As in the forward: tile addresses stay in the loop body.
+    here = [tile.at[slot] for tile in tiles]
+    (rh_s, kc_s, ah_s, bc_s, v_s, dy_s, s0_s, dsb_s, ds_s, m_ak_s, p_rb_s, p_rk_s, power_s, solve_s, x_s, u_s, out_s,
+     row_s, decay_s) = here
+    dv_s = here[dv_stage]
+    tokens = pl.ds(c * CHUNK, CHUNK)
+    for n, (src, dst) in enumerate(zip((rh_ref, kc_ref, ah_ref, bc_ref), (rh_s, kc_s, ah_s, bc_s))):
+      plgpu.copy_gmem_to_smem(src.at[batch, tokens, head], dst, barriers.at[n])
+    plgpu.copy_gmem_to_smem(v_ref.at[batch, tokens, head, values], v_s, barriers.at[4])
+    plgpu.copy_gmem_to_smem(dy_ref.at[batch, tokens, head, values], dy_s, barriers.at[5])
+    plgpu.copy_gmem_to_smem(ckpt_ref.at[batch, head, c, values], s0_s, barriers.at[6])
+    plgpu.copy_gmem_to_smem(decay_ref.at[batch, head, c], decay_s, barriers.at[7])
+    for n in range(8):
+      plgpu.barrier_wait(barriers.at[n])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # The previous chunk's outputs have left their tiles.
+
+    # dS̄ = dS diag(e^{g_L}): the only form in which the chunk uses dS. The row tile starts the log-decays' chunk
+    # sum with the carried state's share, the column sums of dS̄ ⊙ S_0.
+    for start in range(0, size, BLOCK):
+      cols = (slice(None), pl.ds(start, BLOCK))
+      decay = plgpu.load(decay_s.at[pl.ds(start, BLOCK)], layout=row_layout)
+      ds = load(ds_s.at[cols]) * lax.broadcast_in_dim(decay, piece, [1])
+      ds_s[cols] = ds
+      dsb_s[cols] = ds.astype(OPERANDS)
+      row_s[pl.ds(start, BLOCK)] = jnp.sum(ds * load(s0_s.at[cols]), axis=0)
+    plgpu.commit_smem()
+
+    # The forward's tiles: pair matrices, the inverse, X and U.
+    m_ab = jnp.where(strict, product(pairs, (ah_s, bc_s.T)), 0.0)
+    m_ak_s[...] = jnp.where(strict, product(pairs, (ah_s, kc_s.T)), 0.0).astype(OPERANDS)
+    p_rb_s[...] = jnp.where(incl, product(pairs, (rh_s, bc_s.T)), 0.0).astype(OPERANDS)
+    p_rk_s[...] = jnp.where(incl, product(pairs, (rh_s, kc_s.T)), 0.0).astype(OPERANDS)
+    solve = jnp.where(rows_iota == cols_iota, 1.0, m_ab)
+    power, span = m_ab, 2
+    while span < CHUNK:
+      power_s[...] = power.astype(OPERANDS)
+      solve_s[...] = power.astype(OPERANDS)
+      plgpu.commit_smem()
+      power = product(pairs, (solve_s, power_s))
+      power_s[...] = power.astype(OPERANDS)
+      solve_s[...] = solve.astype(OPERANDS)
+      plgpu.commit_smem()
+      solve = solve + product(pairs, (solve_s, power_s))
+      span *= 2
+    solve_s[...] = solve.astype(OPERANDS)
+    plgpu.commit_smem()
+    x_s[...] = product(block_shape, (ah_s, s0_s.T), (m_ak_s, v_s)).astype(OPERANDS)
+    plgpu.commit_smem()
+    u_s[...] = product(block_shape, (solve_s, x_s)).astype(OPERANDS)
+    plgpu.commit_smem()
+
+    # Value side: dU = P_rb^T dY + B̌ dS̄^T, dX = (I - M_ab)^{-T} dU (both in x_s), dV, and dS_0 into ds_s.
+    x_s[...] = product(block_shape, (p_rb_s.T, dy_s), (bc_s, dsb_s.T)).astype(OPERANDS)
+    plgpu.commit_smem()
+    x_s[...] = product(block_shape, (solve_s.T, x_s)).astype(OPERANDS)
+    plgpu.commit_smem()
+    dv = product(block_shape, (p_rk_s.T, dy_s), (m_ak_s.T, x_s), (kc_s, dsb_s.T))
+    dv_s[...] = dv.astype(dv_s.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(dv_s, dv_ref.at[batch, tokens, head, values])
+    for start in range(0, size, BLOCK):
+      cols = (slice(None), pl.ds(start, BLOCK))
+      ds_s[cols] = load(ds_s.at[cols]) + product(piece, (dy_s.T, rh_s.at[cols]), (x_s.T, ah_s.at[cols]))
+
+    # Key side: the masked pair-matrix gradients into the spent pair tiles, then this block's shares of the
+    # gradients of R̂, Â, B̌, Ǩ [L, N] (before their decay factors) in [L, 64] pieces through out_s.
+    dp_rb_s, dp_rk_s, dm_ab_s, dm_ak_s = p_rb_s, p_rk_s, solve_s, m_ak_s
+    dp_rb_s[...] = jnp.where(incl, product(pairs, (dy_s, u_s.T)), 0.0).astype(OPERANDS)
+    dp_rk_s[...] = jnp.where(incl, product(pairs, (dy_s, v_s.T)), 0.0).astype(OPERANDS)
+    dm_ab_s[...] = jnp.where(strict, product(pairs, (x_s, u_s.T)), 0.0).astype(OPERANDS)
+    dm_ak_s[...] = jnp.where(strict, product(pairs, (x_s, v_s.T)), 0.0).astype(OPERANDS)
+    plgpu.commit_smem()
+
+    def emit(value, ref, start):
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      out_s[...] = value
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(out_s, ref.at[block, batch, tokens, head, pl.ds(start, BLOCK)])
+
+    for start in range(0, size, BLOCK):
+      cols = (slice(None), pl.ds(start, BLOCK))
+      emit(product(piece, (dy_s, s0_s.at[cols]), (dp_rb_s, bc_s.at[cols]), (dp_rk_s, kc_s.at[cols])), dr_ref, start)
+      emit(product(piece, (x_s, s0_s.at[cols]), (dm_ab_s, bc_s.at[cols]), (dm_ak_s, kc_s.at[cols])), da_ref, start)
+      # The state after the chunk takes B̌ and Ǩ through U dS̄ and V dS̄; with them, g_L's gradient.
+      end = product(piece, (u_s, dsb_s.at[cols])) * load(bc_s.at[cols])
+      end = end + product(piece, (v_s, dsb_s.at[cols])) * load(kc_s.at[cols])
+      row_s[pl.ds(start, BLOCK)] = plgpu.load(row_s.at[pl.ds(start, BLOCK)], layout=row_layout) + jnp.sum(end, axis=0)
+      emit(product(piece, (dp_rb_s.T, rh_s.at[cols]), (dm_ab_s.T, ah_s.at[cols]), (u_s, dsb_s.at[cols])), db_ref,
+           start)
+      emit(product(piece, (dp_rk_s.T, rh_s.at[cols]), (dm_ak_s.T, ah_s.at[cols]), (v_s, dsb_s.at[cols])), dk_ref,
+           start)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(row_s, dg_ref.at[block, batch, head, c])
+    return carry
+
+  lax.fori_loop(0, num_chunks, one_chunk, 0)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(ds_s.at[0], ds0_ref.at[batch, head, values])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _build_backward(shape: tuple[int, int, int, int], dv_dtype: str, interpreted: bool):
+  """The backward kernel for inputs [B, T, H, N] (T a multiple of CHUNK), dv in `dv_dtype` (bfloat16 or float32)."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+  batch, length, heads, size = shape
+  chunks, blocks = length // CHUNK, size // BLOCK
+  scratch = [_smem((CHUNK, size), OPERANDS) for _ in range(4)]  # R̂, Ǩ, Â, B̌.
+  scratch += [_smem((CHUNK, BLOCK), OPERANDS) for _ in range(2)]  # v, dy.
+  scratch += [_smem((BLOCK, size), OPERANDS) for _ in range(2)]  # S_0, dS̄.
+  scratch.append(_smem((BLOCK, size), jnp.float32))  # dS.
+  scratch += [_smem((CHUNK, CHUNK), OPERANDS) for _ in range(5)]  # M_ak, P_rb, P_rk, M^(2^i), the inverse.
+  scratch += [_smem((CHUNK, BLOCK), OPERANDS) for _ in range(2)]  # X, dU, dX; U.
+  scratch.append(_smem((CHUNK, BLOCK), jnp.float32))  # The key-side gradients' [L, 64] pieces on their way out.
+  scratch += [plgpu.SMEM((1, size), jnp.float32) for _ in range(2)]  # The log-decay row; e^{g_L}.
+  scratch.append(plgpu.Barrier(num_barriers=9))
+  params = dict(interpret=plgpu.InterpretGPUParams()) if interpreted else dict(
+      compiler_params=plgpu.CompilerParams())
+  partial = jax.ShapeDtypeStruct((blocks, *shape), jnp.float32)
+  return plgpu.kernel(
+      functools.partial(_backward_kernel, num_chunks=chunks),
+      out_type=(jax.ShapeDtypeStruct(shape, dv_dtype), partial, partial, partial, partial,
+                jax.ShapeDtypeStruct((blocks, batch, heads, chunks, size), jnp.float32),
+                jax.ShapeDtypeStruct((batch, heads, size, size), jnp.float32)),
+      scratch_types=scratch,
+      grid=(batch, heads, blocks),
+      grid_names=("batch", "head", "block"),
+      **params)
+
+
+def backward(r, w, k, v, a, b, checkpoints, dy, ds, *, interpret: bool | None = None):
+  """The gradients (dr, dw, dk, dv, da, db in the inputs' dtypes, dstate [B, H, N, N] float32) of `forward` at
+  r, w, k, v, a, b [B, T, H, N], given its chunk states `checkpoints` [B, H, ceil(T / CHUNK), N, N], dy [B, T, H, N]
+  (y's gradient) and ds [B, H, N, N] (the final state's gradient). Same range and sizes as `forward`."""
+  batch, length, heads, size = r.shape
+  if not supported(size):
+    raise ValueError(f"wkv7_mgpu: head size {size} not supported; sizes {SIZES}")
+  r, w, k, v, a, b, dy = wkv7_chunked.pad_tokens(CHUNK, r, w, k, v, a, b, dy)
+  padded = r.shape[1]
+  g, g_exclusive = chunk_log_decays(w)
+  grow, shrink, grow_before = jnp.exp(g), jnp.exp(-g), jnp.exp(g_exclusive)
+
+  def decayed(x, factor):  # As the forward rounds them: the operand, then the decayed operand.
+    return (x.astype(OPERANDS).astype(jnp.float32) * factor).astype(OPERANDS)
+
+  operands = [decayed(r, grow), decayed(k, shrink), decayed(a, grow_before), decayed(b, shrink),
+              v.astype(OPERANDS), dy.astype(OPERANDS)]
+  decay_total = jnp.swapaxes(grow[:, CHUNK - 1::CHUNK], 1, 2)  # e^{g_L} [B, H, T / L, N].
+  dv_dtype = "bfloat16" if v.dtype == jnp.bfloat16 else "float32"
+  run = backend.mosaic_gpu_call(functools.partial(_build_backward, r.shape, dv_dtype), interpret)
+  dv, dr, da, db, dk, dg_total, dstate = run(*operands, checkpoints, decay_total, ds.astype(jnp.float32))
+  # The value blocks' shares summed, and each decayed tile's gradient taken back to its input.
+  dr, da = dr.sum(0) * grow, da.sum(0) * grow_before
+  db, dk = db.sum(0) * shrink, dk.sum(0) * shrink
+  # Log-decays: g_t gets dr r - db b - dk k, g⁻_t gets da a, g_L (every token of the chunk) the row sums; w_s enters
+  # g_t for t >= s, g⁻_t for t > s and g_L.
+  f32 = lambda x: x.astype(jnp.float32)
+  dg = dr * f32(r) - db * f32(b) - dk * f32(k)
+  dgp = da * f32(a)
+  by_chunk = lambda x: x.reshape(batch, padded // CHUNK, CHUNK, heads, size)
+  both = by_chunk(dg + dgp)
+  suffix = jnp.flip(jnp.cumsum(jnp.flip(both, 2), 2), 2)
+  dw = suffix - by_chunk(dgp) + jnp.swapaxes(dg_total.sum(0), 1, 2)[:, :, None]
+  dw = dw.reshape(r.shape)
+  grads = [x[:, :length].astype(y.dtype) for x, y in zip((dr, dw, dk, dv, da, db), (r, w, k, v, a, b))]
+  return (*grads, dstate)
