@@ -40,7 +40,6 @@ import signal
 import subprocess
 import sys
 import tarfile
-import threading
 import time
 from typing import Any
 
@@ -48,6 +47,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
 DEFAULT_RESULTS = ROOT / "benchmarks" / "results"
 DEFAULT_LOGS = ROOT / "runs" / "gpu-sweep"
+SITE = pathlib.Path("/tmp/ltm-sweep-site")  # Where --wheels installs.
 QUICK_TIMEOUT_S = 300
 TAIL_CHARS = 3000
 FORCED_FAILURE_FLAG = "--sweep-forced-failure"  # No script defines it: argparse exits 2.
@@ -194,8 +194,8 @@ def _kill_group(process: subprocess.Popen) -> None:
       continue
 
 
-def run_one(bench: Bench, quick: bool, timeout_s: float, env: dict[str, str], log: pathlib.Path, echo: bool,
-            device: str, results_dir: pathlib.Path) -> dict[str, Any]:
+def run_one(bench: Bench, quick: bool, timeout_s: float, env: dict[str, str], log: pathlib.Path, device: str,
+            results_dir: pathlib.Path) -> dict[str, Any]:
   """Runs one benchmark to the end or its timeout; returns its summary entry."""
   args = list(bench.args(quick))
   if bench.name in os.environ.get("LTM_SWEEP_FAIL", "").replace(",", " ").split():
@@ -210,25 +210,14 @@ def run_one(bench: Bench, quick: bool, timeout_s: float, env: dict[str, str], lo
   with open(log, "w", encoding="utf-8", errors="replace") as sink:
     # A session of its own: on timeout the whole group goes, the script's own children (nvcc, the official rwkv
     # package's process) with it.
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                               start_new_session=True, text=True, errors="replace", bufsize=1)
-
-    def pump():
-      for line in process.stdout:
-        sink.write(line)
-        if echo:
-          sys.stdout.write(f"[{bench.name}] {line}")
-          sys.stdout.flush()
-
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
+    process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                               start_new_session=True)
     try:
       returncode = process.wait(timeout=timeout_s)
       timed_out = False
     except subprocess.TimeoutExpired:
       _kill_group(process)
       returncode, timed_out = process.returncode, True
-    reader.join(timeout=30)
   entry["seconds"] = round(time.perf_counter() - began, 1)
   entry["returncode"] = returncode
   text = log.read_text(encoding="utf-8", errors="replace")
@@ -403,17 +392,14 @@ def parse_args(argv=None):
   parser.add_argument("--deadline", type=float, default=None, metavar="SECONDS",
                       help="start no benchmark unlikely to finish SECONDS after this command began, and cut the "
                            "last one off there; the summary and archive are written within ~20 s after")
-  parser.add_argument("--timeout-scale", type=float, default=1.0, help="multiply every benchmark's timeout")
   parser.add_argument("--results-dir", type=pathlib.Path, default=DEFAULT_RESULTS,
                       help="where the scripts and the summary write (LTM_BENCH_RESULTS for the scripts)")
   parser.add_argument("--log-dir", type=pathlib.Path, default=DEFAULT_LOGS, help="each benchmark's full output")
   parser.add_argument("--archive", type=pathlib.Path, default=None, metavar="PATH.tar.gz",
                       help="also write summary, results files and logs there after every benchmark")
   parser.add_argument("--wheels", type=pathlib.Path, default=None, metavar="DIR",
-                      help="pip-install DIR/*.whl (peers.py --download) for the benchmarks, without an index")
-  parser.add_argument("--site", type=pathlib.Path, default=pathlib.Path("/tmp/ltm-sweep-site"),
-                      help="where --wheels installs")
-  parser.add_argument("--verbose", action="store_true", help="echo every benchmark's output as it runs")
+                      help=f"pip-install DIR/*.whl (peers.py --download) into {SITE} for the benchmarks, without "
+                           "an index")
   parser.add_argument("--list", action="store_true", help="print the benchmarks and exit")
   parser.add_argument("--merge", type=pathlib.Path, default=None, metavar="PATH.tar.gz",
                       help="unpack an --archive from another machine into --results-dir and --log-dir, merging its "
@@ -450,8 +436,8 @@ def main(argv=None) -> int:
   env = {**os.environ, "PYTHONUNBUFFERED": "1", "LTM_BENCH_RESULTS": str(results_dir)}
   wheels = None
   if args.wheels is not None:
-    print(f"installing the wheels of {args.wheels} into {args.site} ...", flush=True)
-    wheels = install_wheels(args.wheels.resolve(), args.site.resolve())
+    print(f"installing the wheels of {args.wheels} into {SITE} ...", flush=True)
+    wheels = install_wheels(args.wheels.resolve(), SITE)
     print(f"wheels: {wheels['status']} ({len(wheels['wheels'])} wheels)" +
           (f": {wheels.get('reason') or wheels.get('tail', '')[-500:]}" if wheels["status"] != "ok" else ""))
     if wheels["status"] == "ok":
@@ -504,7 +490,6 @@ def main(argv=None) -> int:
 
   for i, bench in enumerate(chosen):
     timeout = QUICK_TIMEOUT_S if args.quick else bench.timeout_s
-    timeout *= args.timeout_scale
     capped = False
     if deadline is not None:
       left = deadline - time.perf_counter()
@@ -519,7 +504,7 @@ def main(argv=None) -> int:
       if left < timeout:
         timeout, capped = left, True
     print(f"\n== {bench.name} (part {bench.part}, timeout {timeout:.0f} s)", flush=True)
-    entry = run_one(bench, args.quick, timeout, env, log_dir / f"{bench.name}.log", args.verbose, device, results_dir)
+    entry = run_one(bench, args.quick, timeout, env, log_dir / f"{bench.name}.log", device, results_dir)
     if entry["status"] == "timeout" and capped:
       entry["capped"] = True
     summary["runs"][bench.name] = entry
