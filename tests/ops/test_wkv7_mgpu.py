@@ -1,10 +1,11 @@
-"""The Mosaic GPU WKV-7 forward kernel (`ltm_pallas.wkv7_mgpu`, impl="pallas_mgpu") against the float64 reference.
+"""The Mosaic GPU WKV-7 kernels (`ltm_pallas.wkv7_mgpu`, impl="pallas_mgpu"), forward and backward, against the
+float64 reference and its gradients.
 
-Platform: the kernel runs in Mosaic GPU interpret mode on the CPU, which needs jax >= 0.11 (Python 3.12): the AOT
-venv's (.venv-aot, built by `make test`/`make gpu-aot`). tests/ops/wkv7_mgpu_worker.py runs it there in a subprocess
-(about 25 s on 2 cores) and saves inputs and outputs; the references are computed here, in float64. Without
-.venv-aot the tests skip. Compiled runs on a Hopper GPU are not covered here; the deviceless sm_90a compile is
-(`benchmarks/gpu_aot.py --mgpu`: at N = 64 and N = 128, no register spills, shared memory within Hopper's 227 KiB).
+Platform: the kernels run in Mosaic GPU interpret mode on the CPU, which needs jax >= 0.11 (Python 3.12): the AOT
+venv's (.venv-aot, built by `make test`/`make gpu-aot`). tests/ops/wkv7_mgpu_worker.py runs them there in a
+subprocess (about 45 s on 2 cores) and saves inputs, outputs and gradients; the references are computed here, in
+float64. Without .venv-aot the tests skip. Compiled runs on a Hopper GPU are not covered here; the deviceless sm_90a
+compile is (`benchmarks/gpu_aot.py --mgpu`: registers, spills and shared memory, see COMPILED_CASES).
 """
 
 from __future__ import annotations
@@ -27,7 +28,13 @@ WORKER = ROOT / "tests" / "ops" / "wkv7_mgpu_worker.py"
 # outputs add one rounding. Measured: y 3.9e-3 to 5.0e-3, final state 2.5e-3 to 3.9e-3 over these cases; this is
 # the chunked Triton kernels' bfloat16 tolerance (tests/ops/test_wkv7_chunked_pallas.py).
 RTOL = 2.0**-6
-# The strong-decay case runs the float32 "chunked" backend: float32 error only.
+# Gradients through the op (the forward kernel with chunk states, then the backward kernel): the same bfloat16
+# operands, the chunk states stored in bfloat16 (the forward's operand itself), dU and dX rounded to bfloat16 before
+# their products, bfloat16 gradients for bfloat16 inputs. Measured over OP_GRAD_CASES: 1.9e-3 (the state's gradient)
+# to 8.9e-3 (float32 da), the forward's tolerance holds with 1.7x to spare.
+GRAD_RTOL = RTOL
+OP_GRAD_CASES = ("op_grad_f32", "op_grad_bf16", "op_grad_bf16_n128")
+# The strong-decay case runs the float32 "chunked" backend both ways: float32 error only (measured 2.3e-7 to 3.8e-7).
 F32_RTOL = 1e-5
 KERNEL_CASES = ("kernel_f32_ragged", "kernel_bf16", "kernel_f32_n128", "kernel_bf16_n128")
 # The compiled cases of benchmarks/gpu_aot.py --mgpu checked here: the smallest and the largest shared memory.
@@ -83,31 +90,53 @@ def test_the_tolerance_separates_the_kernel_from_a_wrong_result(results):
     _assert_close(y, y_off, RTOL, "y against a perturbed reference")
 
 
-def test_op_values_and_gradients(results):
-  """impl="pallas_mgpu" through ops.wkv7: the kernel's forward, the "chunked" backend's gradients."""
-  name = "op_grad_f32"
-  inputs, y, state = _case(results, name)
-  cot = [results[f"{name}/cot{i}"] for i in range(2)]
-  y_ref, state_ref = _reference(inputs)
-  _assert_close(y, y_ref, RTOL, "y")
-  _assert_close(state, state_ref, RTOL, "final state")
-
+def _reference_gradients(inputs, cot):
+  """The float64 reference's gradients of sum(cot[0] · y) + sum(cot[1] · final state) in all seven inputs."""
   def loss(*x):
     y, s = wkv7_reference(*x)
     return jnp.sum(jnp.asarray(cot[0], jnp.float64) * y) + jnp.sum(jnp.asarray(cot[1], jnp.float64) * s)
 
   with jax.enable_x64(True):
-    grads_ref = jax.jit(jax.grad(loss, argnums=tuple(range(7))))(*(jnp.asarray(x, jnp.float64) for x in inputs))
+    grads = jax.jit(jax.grad(loss, argnums=tuple(range(7))))(*(jnp.asarray(x, jnp.float64) for x in inputs))
+  return [np.asarray(g) for g in grads]
+
+
+def _check_op(results, name, rtol, grad_rtol):
+  inputs, y, state = _case(results, name)
+  y_ref, state_ref = _reference(inputs)
+  _assert_close(y, y_ref, rtol, f"{name}: y")
+  _assert_close(state, state_ref, rtol, f"{name}: final state")
+  grads_ref = _reference_gradients(inputs, [results[f"{name}/cot{i}"] for i in range(2)])
+  dtype = str(results[f"{name}/y_dtype"])
   for i, label in enumerate(("r", "w", "k", "v", "a", "b", "state")):
-    _assert_close(results[f"{name}/grad{i}"], np.asarray(grads_ref[i]), F32_RTOL * 10, f"grad {label}")
+    grad = results[f"{name}/grad{i}"]
+    assert grad.shape == grads_ref[i].shape, label
+    assert str(results[f"{name}/grad_dtype{i}"]) == ("float32" if label == "state" else dtype), label
+    _assert_close(grad, grads_ref[i], grad_rtol, f"{name}: gradient of {label}")
+
+
+@pytest.mark.parametrize("name", OP_GRAD_CASES)
+def test_op_values_and_gradients(results, name):
+  """impl="pallas_mgpu" through ops.wkv7: y and the state by the forward kernel (writing the chunk states), the
+  gradients of r, w, k, v, a, b and the entering state by the backward kernel."""
+  _check_op(results, name, RTOL, GRAD_RTOL)
+
+
+def test_the_gradient_tolerance_separates_the_kernel_from_a_wrong_result(results):
+  """The gradient check can fail: the backward's w gradient against the reference's for the y cotangent scaled by
+  1.05 (every gradient but the state's own share is linear in it) is out of tolerance."""
+  name = "op_grad_bf16_n128"
+  inputs, _, _ = _case(results, name)
+  cot = [results[f"{name}/cot0"] * 1.05, results[f"{name}/cot1"]]
+  with pytest.raises(AssertionError):
+    _assert_close(results[f"{name}/grad1"], _reference_gradients(inputs, cot)[1], GRAD_RTOL, "dw, perturbed")
 
 
 def test_op_beyond_the_kernels_decay_range_runs_chunked(results):
-  inputs, y, state = _case(results, "op_strong_decay_f32")
+  """With w = -2 in one channel the op runs "chunked" forward and backward: float32 error."""
+  inputs, _, _ = _case(results, "op_strong_decay_f32")
   assert inputs[1].min() == -2.0
-  y_ref, state_ref = _reference(inputs)
-  _assert_close(y, y_ref, F32_RTOL, "y")
-  _assert_close(state, state_ref, F32_RTOL, "final state")
+  _check_op(results, "op_strong_decay_f32", F32_RTOL, F32_RTOL)
 
 
 def test_op_refuses_other_head_sizes():

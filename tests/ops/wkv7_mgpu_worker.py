@@ -7,14 +7,19 @@ Cases (name -> shape, dtype, log-decays):
   kernel_bf16:         [1, 150, 1, 64] bfloat16 (y bfloat16), three chunks, the last padded
   kernel_f32_n128:     [2, 70, 1, 128] float32, two value blocks per head
   kernel_bf16_n128:    [1, 64, 1, 128] bfloat16, one whole chunk
-  op_grad_f32:         ops.wkv7(impl="pallas_mgpu") and its gradients (through the "chunked" backend's VJP)
-  op_strong_decay_f32: ops.wkv7(impl="pallas_mgpu") with w = -2 (beyond the kernel's range: "chunked" runs)
+  op_grad_f32:         [1, 80, 1, 64] float32 through ops.wkv7(impl="pallas_mgpu"): y, state and the gradients of
+                       all seven inputs (the forward kernel with chunk states, then the backward kernel)
+  op_grad_bf16:        [1, 128, 2, 64] bfloat16, the same
+  op_grad_bf16_n128:   [1, 100, 1, 128] bfloat16, the same, two value blocks per head
+  op_strong_decay_f32: [1, 40, 1, 64] float32, the same with w = -2 in one channel (beyond the kernels' range:
+                       "chunked" runs both ways)
 Log-decays are drawn per channel from [min_log_decay() = -0.9375, -1e-6] unless stated.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +34,8 @@ CASES = {
     "kernel_f32_n128": ((2, 70, 1, 128), "float32"),
     "kernel_bf16_n128": ((1, 64, 1, 128), "bfloat16"),
     "op_grad_f32": ((1, 80, 1, 64), "float32"),
+    "op_grad_bf16": ((1, 128, 2, 64), "bfloat16"),
+    "op_grad_bf16_n128": ((1, 100, 1, 128), "bfloat16"),
     "op_strong_decay_f32": ((1, 40, 1, 64), "float32"),
 }
 
@@ -51,29 +58,33 @@ def inputs(seed: int, shape, strong_decay: bool = False):
 
 def main(path: str) -> None:
   saved = {}
+  started = time.time()
   kernel = jax.jit(lambda *x: wkv7_mgpu.forward(*x, interpret=True))
-  forward = jax.jit(lambda *x: op(*x, impl="pallas_mgpu"))
 
-  def loss(inputs, cot):
-    y, state = op(*inputs, impl="pallas_mgpu")
-    return jnp.sum(cot[0] * y) + jnp.sum(cot[1] * state)
+  @jax.jit
+  def op_and_pullback(args, cot):
+    """The op's (y, state) and the pullback of the cotangents `cot` (y's, the state's) to all seven inputs."""
+    outputs, pullback = jax.vjp(lambda *x: op(*x, impl="pallas_mgpu"), *args)
+    return outputs, pullback(cot)
 
-  grad = jax.jit(jax.grad(loss))
   for seed, (name, (shape, dtype)) in enumerate(CASES.items()):
     x = inputs(seed, shape, strong_decay=name == "op_strong_decay_f32")
     args = [jnp.asarray(z, dtype) for z in x[:6]] + [jnp.asarray(x[6])]
-    run = kernel if name.startswith("kernel") else forward
-    y, state = run(*args)
+    if name.startswith("kernel"):
+      y, state = kernel(*args)
+    else:
+      rng = np.random.default_rng(100 + seed)
+      # y's cotangent in y's dtype (as autodiff hands it to the op), the state's in float32.
+      cot = (jnp.asarray(rng.normal(size=shape), dtype), jnp.asarray(rng.normal(size=x[6].shape), jnp.float32))
+      (y, state), grads = op_and_pullback(args, cot)
+      saved.update({f"{name}/cot{i}": np.asarray(c, np.float32) for i, c in enumerate(cot)})
+      saved.update({f"{name}/grad_dtype{i}": np.array(str(g.dtype)) for i, g in enumerate(grads)})
+      saved.update({f"{name}/grad{i}": np.asarray(g, np.float32) for i, g in enumerate(grads)})
     # The inputs as the kernel saw them (bfloat16 cases: rounded), in float32.
     saved.update({f"{name}/in{i}": np.asarray(z, np.float32) for i, z in enumerate(args)})
     saved[f"{name}/y"], saved[f"{name}/state"] = np.asarray(y, np.float32), np.asarray(state)
     saved[f"{name}/y_dtype"] = np.array(str(y.dtype))
-    if name == "op_grad_f32":
-      rng = np.random.default_rng(100 + seed)
-      cot = [rng.normal(size=y.shape).astype(np.float32), rng.normal(size=state.shape).astype(np.float32)]
-      grads = grad(args, [jnp.asarray(c) for c in cot])
-      saved.update({f"{name}/cot{i}": c for i, c in enumerate(cot)})
-      saved.update({f"{name}/grad{i}": np.asarray(g) for i, g in enumerate(grads)})
+    print(name, f"{time.time() - started:.1f} s", file=sys.stderr)
   np.savez(path, **saved)
   print("ok")
 

@@ -1,11 +1,12 @@
-"""Mosaic GPU backend of the RWKV-7 WKV op (Hopper, sm_90 and newer): the chunked forward kernel of
-`pallas/wkv7_mgpu.py`, run in Mosaic GPU interpret mode off GPU (which needs jax >= 0.11, as the kernel does).
+"""Mosaic GPU backend of the RWKV-7 WKV op (Hopper, sm_90 and newer): the chunked forward and backward kernels of
+`pallas/wkv7_mgpu.py`, run in Mosaic GPU interpret mode off GPU (which needs jax >= 0.11, as the kernels do).
 
-Forward only so far: the derivative is the "chunked" backend's (pure JAX, exact), taken by recomputing that backend's
-forward from the saved inputs, so a gradient costs the chunked form's forward and backward on top of the kernel. A
-call with a decay beyond the kernel's range (w < `wkv7_mgpu.min_log_decay()`, checked at run time) runs "chunked"
-entirely. Head sizes other than `wkv7_mgpu.SIZES` raise ValueError, as does a GPU older than sm_90
-(NotImplementedError).
+The primal runs the forward kernel alone. Under differentiation the forward kernel also writes the state entering
+each chunk, [B, H, ceil(T / 64), N, N] in bfloat16 (the operand the forward's products read, so the backward's
+products see the same S_0; half the bytes of float32), and the backward kernel takes those with the inputs and the
+cotangents to all seven gradients. A call with a decay beyond the kernels' range (w < `wkv7_mgpu.min_log_decay()`,
+checked at run time in each direction) runs the "chunked" backend (pure JAX, exact) instead, its derivative included.
+Head sizes other than `wkv7_mgpu.SIZES` raise ValueError, as does a GPU older than sm_90 (NotImplementedError).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from ltm_jax.ops.wkv7 import chunked
@@ -34,8 +36,8 @@ def wkv7(
     *,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-  """WKV-7 by the Mosaic GPU forward kernel; shapes are validated by the caller (`ltm_jax.ops.wkv7.wkv7`), whose
-  arguments and results these are. `interpret`: Mosaic GPU interpret mode (None: unless compiling for a GPU)."""
+  """WKV-7 by the Mosaic GPU kernels; shapes are validated by the caller (`ltm_jax.ops.wkv7.wkv7`), whose arguments
+  and results these are. `interpret`: Mosaic GPU interpret mode (None: unless compiling for a GPU)."""
   size = r.shape[-1]
   if not wkv7_mgpu.supported(size):
     raise ValueError(f"wkv7: impl='pallas_mgpu' takes head sizes {wkv7_mgpu.SIZES}, got {size}; impl='pallas_chunked' "
@@ -47,21 +49,37 @@ def wkv7(
 def _differentiable(interpret: bool | None):
   forward = functools.partial(wkv7_mgpu.forward, interpret=interpret)
 
-  def run_forward(r, w, k, v, a, b, state):
-    return lax.cond(wkv7_mgpu.in_range(w), forward, chunked.wkv7, r, w, k, v, a, b, state)
-
   @jax.custom_vjp
   def run(r, w, k, v, a, b, state):
-    return run_forward(r, w, k, v, a, b, state)
+    return lax.cond(wkv7_mgpu.in_range(w), forward, chunked.wkv7, r, w, k, v, a, b, state)
 
   def run_fwd(*inputs):
     inputs = kernel_backend.first_order_only(_SECOND_ORDER, *inputs)
-    return run_forward(*inputs), inputs
+    batch, length, heads, size = inputs[0].shape
+    chunks = -(-length // wkv7_mgpu.CHUNK)
 
-  def run_bwd(inputs, cotangents):
-    inputs, cotangents = kernel_backend.first_order_only(_SECOND_ORDER, inputs, cotangents)
-    _, pullback = jax.vjp(chunked.wkv7, *inputs)
-    return pullback(cotangents)
+    def beyond_range(*x):
+      y, final = chunked.wkv7(*x)
+      return y, final, jnp.zeros((batch, heads, chunks, size, size), wkv7_mgpu.OPERANDS)
+
+    y, final, states = lax.cond(wkv7_mgpu.in_range(inputs[1]), functools.partial(forward, checkpoints=True),
+                                beyond_range, *inputs)
+    return (y, final), (inputs, states)
+
+  def run_bwd(residuals, cotangents):
+    residuals, cotangents = kernel_backend.first_order_only(_SECOND_ORDER, residuals, cotangents)
+    inputs, states = residuals
+    dy, dstate = cotangents
+
+    def kernel(inputs, states, dy, dstate):
+      grads = wkv7_mgpu.backward(*inputs[:6], states, dy, dstate, interpret=interpret)
+      return (*grads[:6], grads[6].astype(inputs[6].dtype))
+
+    def beyond_range(inputs, states, dy, dstate):
+      del states
+      return jax.vjp(chunked.wkv7, *inputs)[1]((dy, dstate))
+
+    return lax.cond(wkv7_mgpu.in_range(inputs[1]), kernel, beyond_range, inputs, states, dy, dstate)
 
   run.defvjp(run_fwd, run_bwd)
   return run
