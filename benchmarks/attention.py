@@ -87,17 +87,9 @@ def _jax_impl(name, window):
 
 
 def _time_jax(fn, q, k, v, do):
-  """({'fwd': timing, 'fwd_bwd': timing}, forward output, compile seconds)."""
-
-  def forward_backward(q, k, v, do):
-    out, vjp = jax.vjp(fn, q, k, v)
-    return out, vjp(do)
-
-  fwd, fwd_compile = common.compile_fn(fn, q, k, v)
-  fwd_bwd, bwd_compile = common.compile_fn(forward_backward, q, k, v, do)
+  """({fwd, fwd_bwd, compile_s, ...}, forward output)."""
   budget = dict(min_runs=3, budget_s=0.5) if jax.default_backend() == "cpu" else {}
-  timings = {"fwd": common.time_fn(fwd, q, k, v, **budget), "fwd_bwd": common.time_fn(fwd_bwd, q, k, v, do, **budget)}
-  return timings, fwd(q, k, v), fwd_compile + bwd_compile
+  return common.time_forward_backward(fn, (q, k, v), do, **budget)
 
 
 def _time_torch_sdpa(q, k, v, do):
@@ -121,9 +113,8 @@ def _time_torch_sdpa(q, k, v, do):
     out = sdpa(tq, tk, tv, is_causal=True)
     out.backward(tdo)
 
-  timings = {"fwd": common.time_torch(forward), "fwd_bwd": common.time_torch(forward_backward)}
-  out = forward().transpose(1, 2).float().cpu().numpy()
-  return timings, out, 0.0
+  timings = {"fwd": common.time_torch(forward), "fwd_bwd": common.time_torch(forward_backward), "compile_s": 0.0}
+  return timings, forward().transpose(1, 2).float().cpu().numpy()
 
 
 def bench_shape(impls, t, d, window, dtype, platform, ceilings):
@@ -165,7 +156,7 @@ def bench_shape(impls, t, d, window, dtype, platform, ceilings):
       if result is None and "skipped" not in row:
         row["skipped"] = "not importable"
       if result is not None:
-        timings, out, compile_s = result
+        timings, out = result
         err = np.max(np.abs(np.asarray(out[:1, :, :2], np.float32) - np.asarray(reference)))
         row.update({
             "fwd_ms": timings["fwd"]["median_ms"],
@@ -176,7 +167,7 @@ def bench_shape(impls, t, d, window, dtype, platform, ceilings):
             "fwd_bwd_floor_x": timings["fwd_bwd"]["median_ms"] / 1e3 / floors["fwd_bwd"],
             "fwd_bwd_us_per_token": timings["fwd_bwd"]["median_ms"] * 1e3 / (b * t),
             "max_abs_err": float(err),
-            "compile_s": compile_s,
+            "compile_s": timings["compile_s"],
             "fwd": timings["fwd"],
             "fwd_bwd": timings["fwd_bwd"],
         })

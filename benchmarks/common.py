@@ -98,6 +98,57 @@ def time_fn(
   return {"median_ms": statistics.median(ms), "min_ms": min(ms), "max_ms": max(ms), "runs": len(ms)}
 
 
+def toy_config(cfg):
+  """`cfg` at toy sizes (d_model 64, one layer per pattern letter, batch 2 x 32 tokens), keeping its mixers, window,
+  grouped-query attention, dtype and backends: a run that proves the config compiles and steps, in seconds."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+
+  from ltm_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+
+  m = cfg.model
+  model = dataclasses.replace(
+      m, d_model=64, n_heads=2, n_kv_heads=None if m.n_kv_heads is None else 1, n_layers=len(m.layer_pattern),
+      mlp_dim=None if m.mlp_dim is None else 128, rwkv7_head_size=32, window=None if m.window is None else 16,
+      max_seq_len=64)
+  train = dataclasses.replace(cfg.train, batch_size=2, seq_len=32, grad_accum=1)
+  return config_lib.validate(dataclasses.replace(cfg, model=model, train=train))
+
+
+def compiled_train_step(cfg) -> tuple[Any, Any, dict[str, jax.Array], float]:
+  """The config's jitted train step (`ltm_jax.train.step`, AdamW update included) compiled for a batch of random
+  tokens: (compiled step, initial state, batch, compile seconds). A step's cost does not depend on the tokens."""
+  from ltm_jax import model as model_lib  # pylint: disable=g-import-not-at-top
+  from ltm_jax.train.optimizer import learning_rate, make_optimizer  # pylint: disable=g-import-not-at-top
+  from ltm_jax.train.step import create_train_state, make_train_step  # pylint: disable=g-import-not-at-top
+
+  t = cfg.train
+  optimizer = make_optimizer(t)
+  state = create_train_state(model_lib.init_params(cfg.model, jax.random.key(0), cfg.latent), optimizer, 0)
+  tokens = jax.random.randint(jax.random.key(1), (t.batch_size, t.seq_len + 1), 0, cfg.model.vocab_size)
+  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+  step = make_train_step(model_lib.LM(cfg.model, cfg.latent), optimizer, learning_rate(t), t.grad_accum)
+  start = time.perf_counter()
+  compiled = step.lower(state, batch).compile()
+  return compiled, state, batch, time.perf_counter() - start
+
+
+def time_forward_backward(forward: Callable[..., Any], args: Sequence[Any], cotangent: Any,
+                          **timing: Any) -> tuple[dict[str, Any], Any]:
+  """Times forward(*args) and forward + backward (its VJP with `cotangent`), each compiled ahead of time and timed by
+  time_fn(**timing). Returns ({fwd_ms, fwd_bwd_ms, compile_s, fwd, fwd_bwd}, forward's output)."""
+
+  def forward_backward(*args_and_cotangent):
+    y, vjp = jax.vjp(forward, *args_and_cotangent[:-1])
+    return y, vjp(args_and_cotangent[-1])
+
+  fwd, fwd_compile = compile_fn(forward, *args)
+  fwd_t = time_fn(fwd, *args, **timing)
+  fwd_bwd, bwd_compile = compile_fn(forward_backward, *args, cotangent)
+  fwd_bwd_t = time_fn(fwd_bwd, *args, cotangent, **timing)
+  return {"fwd_ms": fwd_t["median_ms"], "fwd_bwd_ms": fwd_bwd_t["median_ms"], "compile_s": fwd_compile + bwd_compile,
+          "fwd": fwd_t, "fwd_bwd": fwd_bwd_t}, fwd(*args)
+
+
 def print_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> None:
   """Prints `columns` of `rows` as an aligned text table; floats to 4 significant digits."""
   fmt = lambda x: f"{x:.4g}" if isinstance(x, float) else str(x)
@@ -109,11 +160,13 @@ def print_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> No
       print("  ".join("-" * width for width in widths))
 
 
-def write_results(name: str, rows: Sequence[Mapping[str, Any]], **config: Any) -> pathlib.Path:
-  """Writes benchmarks/results/<name>-<device>.json: the environment, the run's `config` and one entry per row."""
+def write_results(name: str, rows: Sequence[Mapping[str, Any]] | Mapping[str, Any], **config: Any) -> pathlib.Path:
+  """Writes benchmarks/results/<name>-<device>.json: the environment, the run's `config` and one entry per row (or
+  `rows` as given, for a mapping of tables)."""
   RESULTS.mkdir(parents=True, exist_ok=True)
   path = RESULTS / f"{name}-{device_name()}.json"
-  payload = {"benchmark": name, **environment(), "config": config, "results": list(rows)}
+  payload = {"benchmark": name, **environment(), "config": config,
+             "results": dict(rows) if isinstance(rows, Mapping) else list(rows)}
   path.write_text(json.dumps(payload, indent=2) + "\n")
   return path
 

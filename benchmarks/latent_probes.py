@@ -17,12 +17,9 @@ import numpy as np
 from ltm_jax import config as config_lib
 from ltm_jax import data as data_lib
 from ltm_jax import latent as latent_lib
-from ltm_jax import model as model_lib
 from ltm_jax.api import load
 from ltm_jax.prior import posteriors as posteriors_lib
 from ltm_jax.prior.metrics import frechet_distance
-from ltm_jax.train.optimizer import learning_rate, make_optimizer
-from ltm_jax.train.step import create_train_state, make_train_step
 
 PLAIN = "latent.enabled=false"
 # configs/ltm_code.py (z in the top block, encoder + 2 inner steps on the prefix) and the levers that led to it, each
@@ -40,20 +37,6 @@ COST_VARIANTS = (
 )
 
 
-def compiled_step(cfg: config_lib.Config):
-  """The config's jitted train step (AdamW update included) compiled for a batch of random tokens: (step, state,
-  batch, compile seconds). The cost of a step does not depend on the tokens."""
-  t = cfg.train
-  model, optimizer = model_lib.LM(cfg.model, cfg.latent), make_optimizer(t)
-  state = create_train_state(model_lib.init_params(cfg.model, jax.random.key(0), cfg.latent), optimizer, 0)
-  tokens = jax.random.randint(jax.random.key(1), (t.batch_size, t.seq_len + 1), 0, 256)
-  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-  step = make_train_step(model, optimizer, learning_rate(t), t.grad_accum)
-  start = time.perf_counter()
-  compiled = step.lower(state, batch).compile()
-  return compiled, state, batch, time.perf_counter() - start
-
-
 def cost(args):
   """Every variant's train step is compiled first; then the steps run round-robin, one step of each variant per
   round, so drift in the machine's speed (other jobs, clocks) falls on all of them alike. Reports the median step
@@ -65,7 +48,7 @@ def cost(args):
   runs = {}
   for variant in variants:
     cfg = config_lib.load_config(args.config, list(args.overrides) + [v for v in variant.split(",") if v])
-    step, state, batch, compile_s = compiled_step(cfg)
+    step, state, batch, compile_s = common.compiled_train_step(cfg)
     runs[variant] = {"step": step, "state": state, "batch": batch, "compile_s": compile_s, "times": [],
                      "flops": latent_runs.train_flops(cfg)}
     print(f"compiled {variant or '(as is)'} in {compile_s:.1f} s", flush=True)

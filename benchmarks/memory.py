@@ -111,12 +111,8 @@ def main():
   print("\n(b) trace + lower + compile seconds against depth (base_125m, no remat; best of 2)")
   common.print_table(results["depth"], ("scan_layers", "n_layers", "params_M", "lower_s", "compile_s", "total_s",
                                         "vs_4_layers", "temp_MiB"))
-  common.RESULTS.mkdir(parents=True, exist_ok=True)
-  payload = {"benchmark": "memory", **common.environment(),
-             "config": {"config": CONFIG, "overrides": SHAPE, "latent_overrides": LATENTS,
-                        "memory_scheduler_flag": MEMORY_SCHEDULER},
-             "results": results}
-  path.write_text(json.dumps(payload, indent=2) + "\n")
+  common.write_results("memory", results, config=CONFIG, overrides=SHAPE, latent_overrides=LATENTS,
+                       memory_scheduler_flag=MEMORY_SCHEDULER)
   print(f"\nwrote {path}")
 
 

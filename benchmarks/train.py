@@ -15,46 +15,23 @@ writes benchmarks/results/<name>-<device>.json (name: train by default; <name>-q
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import time
 
-import common  # noqa: F401  (puts the checkout on sys.path)
+import common  # First: puts the checkout on sys.path.
 import jax
 
 from ltm_jax import config as config_lib
-from ltm_jax import model as model_lib
 from ltm_jax.info import model_info
-from ltm_jax.train.optimizer import learning_rate, make_optimizer
-from ltm_jax.train.step import create_train_state, make_train_step
 
 CPU_VARIANTS = ("", "model.layer_pattern=A", "model.layer_pattern=R", "model.wkv_impl=associative",
                 "model.dtype=bfloat16")
 
 
-def toy(cfg: config_lib.Config) -> config_lib.Config:
-  """`cfg` at toy sizes (d_model 64, one layer per pattern letter, batch 2 x 32 tokens), keeping its mixers, window,
-  grouped-query attention, dtype and backends: a run that proves the config compiles and steps, in seconds."""
-  m = cfg.model
-  model = dataclasses.replace(
-      m, d_model=64, n_heads=2, n_kv_heads=None if m.n_kv_heads is None else 1, n_layers=len(m.layer_pattern),
-      mlp_dim=None if m.mlp_dim is None else 128, rwkv7_head_size=32, window=None if m.window is None else 16,
-      max_seq_len=64)
-  train = dataclasses.replace(cfg.train, batch_size=2, seq_len=32, grad_accum=1)
-  return config_lib.validate(dataclasses.replace(cfg, model=model, train=train))
-
-
 def measure(cfg: config_lib.Config, steps: int) -> dict:
   t = cfg.train
-  model, optimizer = model_lib.LM(cfg.model, cfg.latent), make_optimizer(t)
-  state = create_train_state(model_lib.init_params(cfg.model, jax.random.key(0), cfg.latent), optimizer, 0)
-  tokens = jax.random.randint(jax.random.key(1), (t.batch_size, t.seq_len + 1), 0, cfg.model.vocab_size)
-  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-  step = make_train_step(model, optimizer, learning_rate(t), t.grad_accum)
-  start = time.perf_counter()
-  compiled = step.lower(state, batch).compile()
-  compile_s = time.perf_counter() - start
-  memory = compiled.memory_analysis()
+  step, state, batch, compile_s = common.compiled_train_step(cfg)
+  memory = step.memory_analysis()
   for _ in range(2):  # Warm-up.
     state, metrics = step(state, batch)
   jax.block_until_ready(metrics)
@@ -102,7 +79,7 @@ def main():
   for variant in variants:
     cfg = config_lib.load_config(args.config, [v for v in variant.split(",") if v])
     if args.quick:
-      cfg = toy(cfg)
+      cfg = common.toy_config(cfg)
     row = {"config": cfg.name, "variant": variant or "(as is)", **measure(cfg, args.steps)}
     if ceilings:
       # Model FLOPs utilisation against the matmul rate this machine reached, not a datasheet number.

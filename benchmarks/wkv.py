@@ -55,16 +55,6 @@ def _inputs(shape, dtype):
   return w, u, k, v, dy
 
 
-def _fns(impl):
-  forward = lambda w, u, k, v: wkv4(w, u, k, v, impl=impl)[0]
-
-  def forward_backward(w, u, k, v, dy):
-    y, vjp = jax.vjp(forward, w, u, k, v)
-    return y, vjp(dy)
-
-  return forward, forward_backward
-
-
 def _rates(row, tensor_bytes, copy_gbps):
   """Effective GB/s (k, v, y once forward; dy, dk, dv on top backward) and the share of the copy bandwidth."""
   for key, n in (("fwd", 3), ("fwd_bwd", 6)):
@@ -77,25 +67,12 @@ def _rates(row, tensor_bytes, copy_gbps):
 
 def bench(impl, shape, dtype, reference, copy_gbps):
   w, u, k, v, dy = _inputs(shape, dtype)
-  forward, forward_backward = _fns(impl)
-  fwd, fwd_compile = common.compile_fn(forward, w, u, k, v)
-  fwd_bwd, bwd_compile = common.compile_fn(forward_backward, w, u, k, v, dy)
-  fwd_t = common.time_fn(fwd, w, u, k, v)
-  fwd_bwd_t = common.time_fn(fwd_bwd, w, u, k, v, dy)
+  timed, y = common.time_forward_backward(lambda w, u, k, v: wkv4(w, u, k, v, impl=impl)[0], (w, u, k, v), dy)
   # Bytes that must cross memory at least once: k, v read and y written; the backward adds dy read, dk, dv written.
   tensor_bytes = shape[0] * shape[1] * shape[2] * jnp.dtype(dtype).itemsize
-  err = float(jnp.max(jnp.abs(fwd(w, u, k, v).astype(jnp.float32) - reference)))
-  return _rates({
-      "impl": impl,
-      "shape": "x".join(map(str, shape)),
-      "dtype": dtype,
-      "fwd_ms": fwd_t["median_ms"],
-      "fwd_bwd_ms": fwd_bwd_t["median_ms"],
-      "max_abs_err": err,
-      "compile_s": fwd_compile + bwd_compile,
-      "fwd": fwd_t,
-      "fwd_bwd": fwd_bwd_t,
-  }, tensor_bytes, copy_gbps)
+  err = float(jnp.max(jnp.abs(y.astype(jnp.float32) - reference)))
+  return _rates({"impl": impl, "shape": "x".join(map(str, shape)), "dtype": dtype, **timed, "max_abs_err": err},
+                tensor_bytes, copy_gbps)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -233,7 +210,7 @@ def main():
   for shape in shapes:
     # The error baseline: the sequential reference in float32, whatever dtype is being timed.
     w, u, k, v, _ = _inputs(shape, jnp.float32)
-    reference = jax.jit(_fns("scan")[0])(w, u, k, v)
+    reference = jax.jit(lambda *xs: wkv4(*xs, impl="scan")[0])(w, u, k, v)
     for dtype in dtypes:
       for impl in args.impls:
         rows.append(bench(impl, shape, dtype, reference, copy_gbps))

@@ -189,21 +189,16 @@ def _rel_err(y, reference):
   return float(jnp.max(jnp.abs(jnp.asarray(y, jnp.float32) - reference)) / jnp.max(jnp.abs(reference)))
 
 
+def _time_jax(forward, inputs, dtype, reference):
+  """Forward and forward+backward (VJP with dy) timings of a JAX `forward(r, w, k, v, a, b)` on `inputs` (r, w, k,
+  v, a, b, dy) in `dtype`, with its relative error against `reference`."""
+  *args, dy = (x.astype(dtype) for x in inputs)
+  row, y = common.time_forward_backward(forward, args, dy)
+  return {**row, "rel_err": _rel_err(y, reference)}
+
+
 def bench_ours(impl, inputs, dtype, reference):
-  r, w, k, v, a, b, dy = (x.astype(dtype) for x in inputs)
-  forward = lambda r, w, k, v, a, b: wkv7(r, w, k, v, a, b, impl=impl)[0]
-
-  def forward_backward(r, w, k, v, a, b, dy):
-    y, vjp = jax.vjp(forward, r, w, k, v, a, b)
-    return y, vjp(dy)
-
-  fwd, fwd_compile = common.compile_fn(forward, r, w, k, v, a, b)
-  fwd_bwd, bwd_compile = common.compile_fn(forward_backward, r, w, k, v, a, b, dy)
-  fwd_t = common.time_fn(fwd, r, w, k, v, a, b)
-  fwd_bwd_t = common.time_fn(fwd_bwd, r, w, k, v, a, b, dy)
-  return {"fwd_ms": fwd_t["median_ms"], "fwd_bwd_ms": fwd_bwd_t["median_ms"],
-          "rel_err": _rel_err(fwd(r, w, k, v, a, b), reference),
-          "compile_s": fwd_compile + bwd_compile, "fwd": fwd_t, "fwd_bwd": fwd_bwd_t}
+  return _time_jax(lambda r, w, k, v, a, b: wkv7(r, w, k, v, a, b, impl=impl)[0], inputs, dtype, reference)
 
 
 def _time_torch_peer(forward, inputs, dtype, reference):
@@ -253,33 +248,14 @@ def bench_wind(inputs, dtype, reference):
   return _time_torch_peer(forward, (r, jnp.log(-w), k, v, a, b, dy), dtype, reference)
 
 
-def _time_jax_peer(forward, args, dy, reference):
-  """Forward and forward+backward (VJP with `dy`) timings of a JAX peer's `forward(r, w, k, v, a, b)`, with its
-  relative error against `reference`."""
-
-  def forward_backward(*args_and_dy):
-    y, vjp = jax.vjp(forward, *args_and_dy[:-1])
-    return y, vjp(args_and_dy[-1])
-
-  fwd, fwd_compile = common.compile_fn(forward, *args)
-  fwd_t = common.time_fn(fwd, *args)
-  row = {"fwd_ms": fwd_t["median_ms"], "rel_err": _rel_err(fwd(*args), reference), "fwd": fwd_t,
-         "compile_s": fwd_compile}
-  fwd_bwd, bwd_compile = common.compile_fn(forward_backward, *args, dy)
-  fwd_bwd_t = common.time_fn(fwd_bwd, *args, dy)
-  row.update(fwd_bwd_ms=fwd_bwd_t["median_ms"], fwd_bwd=fwd_bwd_t, compile_s=fwd_compile + bwd_compile)
-  return row
-
-
 def bench_rwkv_ops(inputs, dtype, reference):
   """rwkv-ops' JAX Triton kernel (`generalized_delta_rule`, log-space decay) on the same inputs."""
   os.environ.setdefault("KERNEL_BACKEND", "jax")
   os.environ.setdefault("KERNEL_TYPE", "triton")
   from rwkv_ops import generalized_delta_rule
 
-  r, w, k, v, a, b, dy = (x.astype(dtype) for x in inputs)
   forward = lambda r, w, k, v, a, b: generalized_delta_rule(r, w, k, v, a, b, output_final_state=True)[0]
-  return _time_jax_peer(forward, (r, w, k, v, a, b), dy, reference)
+  return _time_jax(forward, inputs, dtype, reference)
 
 
 def bench_jla(inputs, dtype, reference):
@@ -287,9 +263,8 @@ def bench_jla(inputs, dtype, reference):
   the bounded mode: our w lies in [-0.61, 0), the bound its RWKV-7 layers promise."""
   from jla.ops.mosaic_gpu.rwkv7 import rwkv7 as jla_rwkv7
 
-  r, w, k, v, a, b, dy = (x.astype(dtype) for x in inputs)
   forward = lambda r, w, k, v, a, b: jla_rwkv7(r, k, v, w, a, b, scale=1.0, lower_bound=-0.61)[0]
-  return _time_jax_peer(forward, (r, w, k, v, a, b), dy, reference)
+  return _time_jax(forward, inputs, dtype, reference)
 
 
 PEERS = {"fla.chunk_rwkv7": ("fla", bench_fla), "wind.chunked_cuda": ("wind_rwkv", bench_wind),
