@@ -487,56 +487,44 @@ def load(args):
     overrides.append(f"train.seq_len={args.seq}")
   cfg = config_lib.load_config(args.config, overrides)
   if args.quick:
-    import train as train_bench  # pylint: disable=g-import-not-at-top  (benchmarks/train.py)
-    cfg = train_bench.toy(cfg)
+    import common  # pylint: disable=g-import-not-at-top
+    cfg = common.toy_config(cfg)
   return cfg
 
 
 def compile_step(cfg, target: str):
-  """(compiled, run) where run(steps) times the step on the device (None for a deviceless compile)."""
+  """(compiled, state, batch): the train step compiled for the device with its initial state and a random batch, or
+  for a deviceless H100 (state and batch None)."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  if target != "h100-aot":
+    import common  # pylint: disable=g-import-not-at-top
+    compiled, state, batch, _ = common.compiled_train_step(cfg)
+    return compiled, state, batch
 
   from ltm_jax import model as model_lib  # pylint: disable=g-import-not-at-top
   from ltm_jax.state import abstract_train_state  # pylint: disable=g-import-not-at-top
   from ltm_jax.train.optimizer import learning_rate, make_optimizer  # pylint: disable=g-import-not-at-top
-  from ltm_jax.train.step import create_train_state, make_train_step  # pylint: disable=g-import-not-at-top
+  from ltm_jax.train.step import make_train_step  # pylint: disable=g-import-not-at-top
 
   t = cfg.train
   optimizer = make_optimizer(t)
   step = make_train_step(model_lib.LM(cfg.model, cfg.latent), optimizer, learning_rate(t), t.grad_accum)
-  if target == "h100-aot":
-    import gpu_aot  # pylint: disable=g-import-not-at-top  (benchmarks/gpu_aot.py: the H100 target description)
-    from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
-    from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
-    topology = topologies.get_topology_desc(platform="cuda", target_config=gpu_aot.H100_TARGET_CONFIG,
-                                            topology="1x1x1")
-    mesh = topologies.make_mesh(topology, (1,), ("x",))
-    sharding = NamedSharding(mesh, PartitionSpec())
-    place = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-    state = jax.tree.map(place, abstract_train_state(cfg, optimizer))
-    batch = {k: place(jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32)) for k in ("inputs", "targets")}
-    use_mesh = getattr(jax.sharding, "use_abstract_mesh", None)
-    with use_mesh(mesh.abstract_mesh) if use_mesh else contextlib.nullcontext():
-      lowered = jax.jit(step).trace(state, batch).lower()
-    return lowered.compile(), None
-
-  state = create_train_state(model_lib.init_params(cfg.model, jax.random.key(0), cfg.latent), optimizer, 0)
-  tokens = jax.random.randint(jax.random.key(1), (t.batch_size, t.seq_len + 1), 0, cfg.model.vocab_size)
-  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-  compiled = step.lower(state, batch).compile()
-  holder = {"state": state}
-
-  def run(steps: int) -> list[float]:
-    times = []
-    for _ in range(steps):
-      start = time.perf_counter()
-      holder["state"], metrics = compiled(holder["state"], batch)
-      jax.block_until_ready(metrics)
-      times.append((time.perf_counter() - start) * 1e3)
-    return times
-
-  return compiled, run
+  import gpu_aot  # pylint: disable=g-import-not-at-top  (benchmarks/gpu_aot.py: the H100 target description)
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
+  topology = topologies.get_topology_desc(platform="cuda", target_config=gpu_aot.H100_TARGET_CONFIG,
+                                          topology="1x1x1")
+  mesh = topologies.make_mesh(topology, (1,), ("x",))
+  sharding = NamedSharding(mesh, PartitionSpec())
+  place = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+  state = jax.tree.map(place, abstract_train_state(cfg, optimizer))
+  batch = {k: place(jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32)) for k in ("inputs", "targets")}
+  use_mesh = getattr(jax.sharding, "use_abstract_mesh", None)
+  with use_mesh(mesh.abstract_mesh) if use_mesh else contextlib.nullcontext():
+    lowered = jax.jit(step).trace(state, batch).lower()
+  return lowered.compile(), None, None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -593,7 +581,7 @@ def main(argv=None) -> int:
         f"{cfg.model.remat}, wkv7_impl {cfg.model.wkv7_impl}; target {device_desc}", flush=True)
 
   started = time.perf_counter()
-  compiled, run = compile_step(cfg, target)
+  compiled, state, batch = compile_step(cfg, target)
   compile_s = time.perf_counter() - started
   comps, entry, frames = parse_hlo(compiled.as_text())
   rows, notes = kernels(comps, entry, frames, ceilings)
@@ -611,10 +599,15 @@ def main(argv=None) -> int:
     print("# compiled memory (GiB): " + ", ".join(f"{k} {v:.2f}" for k, v in memory.items()), flush=True)
 
   measured_step, step_times, run_error = args.measured_ms, None, None
-  if run is not None:
+  if state is not None:
     try:
-      run(2)  # Warm-up.
-      step_times = run(args.steps)
+      times = []
+      for _ in range(2 + args.steps):  # 2 warm-up steps, then the timed ones.
+        start = time.perf_counter()
+        state, metrics = compiled(state, batch)
+        jax.block_until_ready(metrics)
+        times.append((time.perf_counter() - start) * 1e3)
+      step_times = times[2:]
       measured_step = statistics.median(step_times)
     except Exception as e:  # noqa: BLE001  (out of memory, say: the budget of the compiled program still stands)
       run_error = " ".join(f"{type(e).__name__}: {e}".split())[:1000]
