@@ -270,10 +270,13 @@ def _backward_kernel(rh_ref, kc_ref, ah_ref, bc_ref, v_ref, dy_ref, ckpt_ref, de
       return acc[...]
     return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
 
-  rows_iota = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0, layout=wgmma_layout)
-  cols_iota = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1, layout=wgmma_layout)
-  strict, incl = rows_iota > cols_iota, rows_iota >= cols_iota
   pairs, block_shape, piece = (CHUNK, CHUNK), (CHUNK, BLOCK), (CHUNK, BLOCK)
+
+  def masks(zero):
+    """(strict, inclusive, diagonal) [L, L] masks, made from an opaque zero where used (not held across the loop)."""
+    rows_iota = plgpu.broadcasted_iota(jnp.int32, pairs, 0, layout=wgmma_layout) + zero
+    cols_iota = plgpu.broadcasted_iota(jnp.int32, pairs, 1, layout=wgmma_layout)
+    return rows_iota > cols_iota, rows_iota >= cols_iota, rows_iota == cols_iota
 
   # dS [BV, N] float32 lives in ds_s from the first chunk to the last.
   plgpu.copy_gmem_to_smem(ds_ref.at[batch, head, values], ds_s.at[0], barriers.at[8])
@@ -303,21 +306,26 @@ def _backward_kernel(rh_ref, kc_ref, ah_ref, bc_ref, v_ref, dy_ref, ckpt_ref, de
 
     # dS̄ = dS diag(e^{g_L}): the only form in which the chunk uses dS. The row tile starts the log-decays' chunk
     # sum with the carried state's share, the column sums of dS̄ ⊙ S_0.
-    for start in range(0, size, BLOCK):
+    def scale_piece(j, carry):
+      start = pl.multiple_of(j * BLOCK, BLOCK)
       cols = (slice(None), pl.ds(start, BLOCK))
       decay = plgpu.load(decay_s.at[pl.ds(start, BLOCK)], layout=row_layout)
       ds = load(ds_s.at[cols]) * lax.broadcast_in_dim(decay, piece, [1])
       ds_s[cols] = ds
       dsb_s[cols] = ds.astype(OPERANDS)
       row_s[pl.ds(start, BLOCK)] = jnp.sum(ds * load(s0_s.at[cols]), axis=0)
+      return carry
+
+    lax.fori_loop(0, size // BLOCK, scale_piece, 0)
     plgpu.commit_smem()
 
     # The forward's tiles: pair matrices, the inverse, X and U.
+    strict, incl, diagonal = masks(slot)
     m_ab = jnp.where(strict, product(pairs, (ah_s, bc_s.T)), 0.0)
     m_ak_s[...] = jnp.where(strict, product(pairs, (ah_s, kc_s.T)), 0.0).astype(OPERANDS)
     p_rb_s[...] = jnp.where(incl, product(pairs, (rh_s, bc_s.T)), 0.0).astype(OPERANDS)
     p_rk_s[...] = jnp.where(incl, product(pairs, (rh_s, kc_s.T)), 0.0).astype(OPERANDS)
-    solve = jnp.where(rows_iota == cols_iota, 1.0, m_ab)
+    solve = jnp.where(diagonal, 1.0, m_ab)
     power, span = m_ab, 2
     while span < CHUNK:
       power_s[...] = power.astype(OPERANDS)
@@ -345,13 +353,17 @@ def _backward_kernel(rh_ref, kc_ref, ah_ref, bc_ref, v_ref, dy_ref, ckpt_ref, de
     dv_s[...] = dv.astype(dv_s.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(dv_s, dv_ref.at[batch, tokens, head, values])
-    for start in range(0, size, BLOCK):
-      cols = (slice(None), pl.ds(start, BLOCK))
+    def state_piece(j, carry):
+      cols = (slice(None), pl.ds(pl.multiple_of(j * BLOCK, BLOCK), BLOCK))
       ds_s[cols] = load(ds_s.at[cols]) + product(piece, (dy_s.T, rh_s.at[cols]), (x_s.T, ah_s.at[cols]))
+      return carry
+
+    lax.fori_loop(0, size // BLOCK, state_piece, 0)
 
     # Key side: the masked pair-matrix gradients into the spent pair tiles, then this block's shares of the
     # gradients of R̂, Â, B̌, Ǩ [L, N] (before their decay factors) in [L, 64] pieces through out_s.
     dp_rb_s, dp_rk_s, dm_ab_s, dm_ak_s = p_rb_s, p_rk_s, solve_s, m_ak_s
+    strict, incl, _ = masks(lax.optimization_barrier(c) - c)
     dp_rb_s[...] = jnp.where(incl, product(pairs, (dy_s, u_s.T)), 0.0).astype(OPERANDS)
     dp_rk_s[...] = jnp.where(incl, product(pairs, (dy_s, v_s.T)), 0.0).astype(OPERANDS)
     dm_ab_s[...] = jnp.where(strict, product(pairs, (x_s, u_s.T)), 0.0).astype(OPERANDS)
@@ -364,18 +376,22 @@ def _backward_kernel(rh_ref, kc_ref, ah_ref, bc_ref, v_ref, dy_ref, ckpt_ref, de
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(out_s, ref.at[block, batch, tokens, head, pl.ds(start, BLOCK)])
 
-    for start in range(0, size, BLOCK):
+    def key_piece(j, carry):
+      start = pl.multiple_of(j * BLOCK, BLOCK)
       cols = (slice(None), pl.ds(start, BLOCK))
       emit(product(piece, (dy_s, s0_s.at[cols]), (dp_rb_s, bc_s.at[cols]), (dp_rk_s, kc_s.at[cols])), dr_ref, start)
       emit(product(piece, (x_s, s0_s.at[cols]), (dm_ab_s, bc_s.at[cols]), (dm_ak_s, kc_s.at[cols])), da_ref, start)
       # The state after the chunk takes B̌ and Ǩ through U dS̄ and V dS̄; with them, g_L's gradient.
-      end = product(piece, (u_s, dsb_s.at[cols])) * load(bc_s.at[cols])
-      end = end + product(piece, (v_s, dsb_s.at[cols])) * load(kc_s.at[cols])
-      row_s[pl.ds(start, BLOCK)] = plgpu.load(row_s.at[pl.ds(start, BLOCK)], layout=row_layout) + jnp.sum(end, axis=0)
+      for rows_s, key_s in ((u_s, bc_s), (v_s, kc_s)):
+        end = jnp.sum(product(piece, (rows_s, dsb_s.at[cols])) * load(key_s.at[cols]), axis=0)
+        row_s[pl.ds(start, BLOCK)] = plgpu.load(row_s.at[pl.ds(start, BLOCK)], layout=row_layout) + end
       emit(product(piece, (dp_rb_s.T, rh_s.at[cols]), (dm_ab_s.T, ah_s.at[cols]), (u_s, dsb_s.at[cols])), db_ref,
            start)
       emit(product(piece, (dp_rk_s.T, rh_s.at[cols]), (dm_ak_s.T, ah_s.at[cols]), (v_s, dsb_s.at[cols])), dk_ref,
            start)
+      return carry
+
+    lax.fori_loop(0, size // BLOCK, key_piece, 0)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(row_s, dg_ref.at[block, batch, head, c])
     return carry
