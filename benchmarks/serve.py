@@ -5,7 +5,7 @@
 
 The model is the tiny config's architecture (`configs/tiny.py`, d_model 128, 4 layers RWKV-4 + attention) at its
 initialisation, saved to a temporary workdir: speed does not depend on the weights. The server runs as its own
-process (`ltm serve`, default --max-batch 32 --chunk 16 --prefill-chunk 128), so the clients here do not share its interpreter.
+process (`ltm serve --max-batch 32 --chunk 16 --prefill-chunk 128`), so the clients here do not share its interpreter.
 
 The requests are drawn once from a fixed seed: prompts of 4 to 120 bytes of text (one token per byte), max_tokens
 16 to 64, temperature 1 with a seed each (random weights stop at the end-of-text token now and then; the tokens
@@ -51,6 +51,7 @@ from ltm_jax import model as model_lib
 from ltm_jax.train import checkpoint as ckpt_lib
 
 LEVELS = (1, 2, 4, 8, 16, 32, 64)
+SERVER = {"max_batch": 32, "chunk": 16, "prefill_chunk": 128}  # `ltm serve --max-batch 32 --chunk 16 ...`
 LEVEL_SECONDS = 120.0  # No new request starts after this long in one level (the table says how many ran).
 
 
@@ -179,9 +180,6 @@ def running_server(workdir: str, *options: str, env: dict | None = None, cpus: s
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--quick", action="store_true", help="a micro model and levels 1 and 4")
-  p.add_argument("--max-batch", type=int, default=32)
-  p.add_argument("--chunk", type=int, default=16)
-  p.add_argument("--prefill-chunk", type=int, default=128)
   args = p.parse_args()
   levels = (1, 4) if args.quick else LEVELS
   overrides = (["model.d_model=32", "model.n_layers=2", "model.max_seq_len=128"] if args.quick
@@ -190,8 +188,8 @@ def main() -> None:
   requests = _requests(max(16, 2 * max(levels)), max_prompt, max_tokens)
   load_before = os.getloadavg()
   with tempfile.TemporaryDirectory() as tmp:
-    with running_server(_workdir(tmp, overrides), "--max-batch", str(args.max_batch), "--chunk", str(args.chunk),
-                        "--prefill-chunk", str(args.prefill_chunk)) as server:
+    options = [a for k, v in SERVER.items() for a in ("--" + k.replace("_", "-"), str(v))]
+    with running_server(_workdir(tmp, overrides), *options) as server:
       print(server.ready)
       asyncio.run(_level(server.url, requests[:4], 4))  # Warm the connection handling; every program is compiled.
       rows = []
@@ -208,8 +206,8 @@ def main() -> None:
                      "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "tpot_p99_vs_single_p99"])
   print(f"server exit status after SIGTERM: {code}; load average before {load_before}, after {os.getloadavg()}")
   if not args.quick:
-    path = write_results("serve", rows, model="tiny (init weights)", overrides=overrides, max_batch=args.max_batch,
-                         chunk=args.chunk, prefill_chunk=args.prefill_chunk, server=ready.strip(), server_exit=code,
+    path = write_results("serve", rows, model="tiny (init weights)", overrides=overrides, **SERVER,
+                         server=ready.strip(), server_exit=code,
                          load_average_before=list(load_before), load_average_after=list(os.getloadavg()),
                          prompt_bytes=[4, max_prompt], max_tokens=list(max_tokens))
     print(f"wrote {path}")

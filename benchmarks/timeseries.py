@@ -187,15 +187,13 @@ def _max_diff(got, reference):
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--quick", action="store_true", help="a small shape: seconds, every backend")
-  parser.add_argument("--patterns", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
-  parser.add_argument("--no-torch", action="store_true")
   args = parser.parse_args()
   shape = SHAPES["quick" if args.quick else "guide"]
   on_cpu = jax.default_backend() == "cpu"
   series = jax.random.normal(jax.random.key(0), (shape["batch"], shape["length"], 1))
   steps = shape["batch"] * shape["length"]
   rows = []
-  for pattern in args.patterns:
+  for pattern in BACKENDS:
     field, impls = BACKENDS[pattern]
     model_cfg, ts = configs(shape, pattern)
     params = jax.jit(lambda key: _trained_like(
@@ -215,7 +213,7 @@ def main():
                  max_diff_pooled=_max_diff(outs[1], reference[1]))
       rows.append(row)
       print(f"{pattern} {impl}: {timing['fwd_ms']:.0f} ms", flush=True)
-    if pattern == "R" and not args.no_torch:
+    if pattern == "R":
       timing, outs = bench_torch(params, series, model_cfg, ts)
       row = {"pattern": pattern, "impl": "torch (peer)", "shape": shape, **timing,
              "series_per_s": shape["batch"] / timing["fwd_ms"] * 1e3, "steps_per_s": steps / timing["fwd_ms"] * 1e3,
