@@ -10,27 +10,28 @@ depend on the weights), served by `ltm serve --max-batch 64 --chunk 16 --prefill
 127.0.0.1, then by a second process with `--static-batches`: requests are admitted only while every row is free, so
 the requests taken together run to completion before the next batch starts (same programs, same sampling). Both
 processes share one persistent compilation cache (a temporary folder, or JAX_COMPILATION_CACHE_DIR when set), so the
-second loads the programs the first compiled. --prefill-budget and --waiting-chunk go to the continuous server only
-(`ltm serve --prefill-budget`: each admission round prefills at most that many prompt tokens, and decode chunks are
-shorter while requests wait); the static baseline is the same in every run.
+second loads the programs the first compiled. --prefill-budget goes to the continuous server only (`ltm serve
+--prefill-budget`: each admission round prefills at most that many prompt tokens, and decode chunks are shorter while
+requests wait); the static baseline is the same in every run.
 
 Requests (drawn once from a fixed seed by serve.py's `_requests`): prompts of 4 to 120 bytes (one token per byte),
 max_tokens 8 to 128, temperature 1 with a seed each (random weights stop at the end-of-text token now and then: the
 tokens counted are those the usage reports), streamed with `stream_options: {include_usage, continuous_usage_stats}`
-so that every event carries the completion tokens so far. Arrival times are a Poisson process of --rate requests/s
+so that every event carries the completion tokens so far. Arrival times are a Poisson process of `rate` requests/s
 (100: more than 2 cores complete, so the streams stay full while arrivals last; streams_mean, the mean number of
-open streams, shows how full they were); at most --streams streams are open at once, and an arrival that finds
+open streams, shows how full they were); at most `streams` (64) streams are open at once, and an arrival that finds
 them all open waits in the client for one (as vLLM's benchmark_serving --max-concurrency). Arrivals later than
---seconds are not sent, and streams still open --drain seconds after that are closed; both are counted. The client
-never retries (max_retries=0).
+`seconds` (60) are not sent, and streams still open `drain` (120) seconds after that are closed; both are counted.
+The client never retries (max_retries=0). The sizes are SIZES["full"] (SIZES["quick"] with --quick).
 
 Phases, in order:
-  lone        one request (a 60-byte prompt, the largest max_tokens) alone on the server, --lone times, seeds 0, 1, ...
-  sequential  the first --sequential requests of the list, one at a time (one stream, all arrived at once)
-  continuous  every request at its Poisson arrival time, --streams streams, the continuous-batching server
+  lone        one request (a 60-byte prompt, the largest max_tokens) alone on the server, `lone` (5) times, seeds 0,
+              1, ...
+  sequential  the first `sequential` (24) requests of the list, one at a time (one stream, all arrived at once)
+  continuous  every request (384) at its Poisson arrival time, `streams` streams, the continuous-batching server
   static      the same requests and arrival times against the --static-batches server
-  malformed   --malformed malformed requests, 16 at a time, to the continuous server (after its phases): bad JSON,
-              wrong types, negative or huge max_tokens, an unknown model, huge n, unknown fields, a body over
+  malformed   `malformed` (1000) malformed requests, 16 at a time, to the continuous server (after its phases): bad
+              JSON, wrong types, negative or huge max_tokens, an unknown model, huge n, unknown fields, a body over
               1 MiB, ... (`MALFORMED`); each must get a 4xx, and a valid request must complete after them
 
 Every request sent ends as completed (its finish_reason and [DONE] arrived), refused (an HTTP status other than 200,
@@ -49,9 +50,9 @@ The tokens of the first event are covered by TTFT; a request whose tokens all ca
 are over requests; the JSON's per_request lists every request's tokens, tokens of its first event, events, TTFT and
 TPOT, for reading the tails.
 
-Goals, at --streams 64: continuous throughput >= 4x sequential; continuous TPOT p99 <= 2x the lone request's TPOT
+Goals, at 64 streams: continuous throughput >= 4x sequential; continuous TPOT p99 <= 2x the lone request's TPOT
 (the median over its runs). The table and the JSON say whether each is met. Every decode chunk runs over all
---max-batch rows however many are occupied, so the lone request pays a full chunk's compute alone.
+64 (--max-batch) rows however many are occupied, so the lone request pays a full chunk's compute alone.
 """
 
 from __future__ import annotations
@@ -71,8 +72,17 @@ import httpx
 import numpy as np
 import openai
 
-MAX_TOKENS = (8, 128)
-MAX_PROMPT = 120
+# The run's sizes (every results file's), and --quick's: 4 rows under 8 streams (the continuous phase queues), prompts
+# over 16 tokens fed in pieces: 5 programs to compile (admit for groups of 1 and 4 at one length bucket, decode,
+# feed, place), the same code paths.
+SIZES = {
+    "full": dict(overrides=["model.max_seq_len=256"], max_prompt=120, max_tokens=(8, 128), streams=64, requests=384,
+                 rate=100.0, seconds=60.0, drain=120.0, sequential=24, lone=5, malformed=1000, max_batch=64,
+                 prefill_chunk=128),
+    "quick": dict(overrides=["model.d_model=32", "model.n_layers=2", "model.max_seq_len=128"], max_prompt=40,
+                  max_tokens=(4, 40), streams=8, requests=48, rate=50.0, seconds=60.0, drain=120.0, sequential=8,
+                  lone=2, malformed=100, max_batch=4, chunk=8, prefill_chunk=16),
+}
 LONE_PROMPT = 60
 LONE_TEXT = "the quick brown fox jumps over the lazy dog, " * 2
 MALFORMED_AT_ONCE = 16
@@ -347,25 +357,10 @@ def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--quick", action="store_true",
                  help="a micro model on 4 rows, 8 streams, 48 requests, 100 malformed requests (seconds, not minutes)")
-  p.add_argument("--streams", type=int, default=64, help="streams open at once at most (default 64)")
-  p.add_argument("--requests", type=int, default=384, help="requests in the continuous and static phases")
-  p.add_argument("--rate", type=float, default=100.0,
-                 help="Poisson arrivals per second (above what 2 cores complete, so the streams stay full)")
-  p.add_argument("--seconds", type=float, default=60.0, help="arrivals after this are not sent")
-  p.add_argument("--drain", type=float, default=120.0,
-                 help="streams still open this long after --seconds are cut (lone, sequential: after the start)")
-  p.add_argument("--sequential", type=int, default=24, help="requests sent one at a time")
-  p.add_argument("--lone", type=int, default=5, help="runs of the lone request")
-  p.add_argument("--malformed", type=int, default=1000)
-  p.add_argument("--max-batch", type=int, default=64)
-  p.add_argument("--chunk", type=int, default=16)
-  p.add_argument("--prefill-chunk", type=int, default=128)
+  p.add_argument("--chunk", type=int, default=16, help="ltm serve --chunk (--quick: 8)")
   p.add_argument("--prefill-budget", type=int, default=0,
                  help="ltm serve --prefill-budget for the continuous server (its lone and sequential phases too; the "
                       "static baseline runs without): prompt tokens one admission round may prefill (0: off)")
-  p.add_argument("--waiting-chunk", type=int, default=0,
-                 help="ltm serve --waiting-chunk for the continuous server: decode steps per chunk while requests "
-                      "wait (0: the server's default)")
   p.add_argument("--stream-per-chunk", action="store_true",
                  help="the servers hand text out per decode chunk, not per step (ltm serve --stream-per-chunk)")
   p.add_argument("--pin", action="store_true",
@@ -374,21 +369,15 @@ def main() -> None:
   p.add_argument("--name", default=None,
                  help="results file: benchmarks/results/NAME-<device>.json (default serve-load, or serve-load-quick)")
   args = p.parse_args()
-  overrides, max_prompt, max_tokens = ["model.max_seq_len=256"], MAX_PROMPT, MAX_TOKENS
-  if args.quick:
-    overrides = ["model.d_model=32", "model.n_layers=2", "model.max_seq_len=128"]
-    max_prompt, max_tokens = 40, (4, 40)
-    args.streams, args.requests, args.rate, args.sequential, args.lone, args.malformed = 8, 48, 50.0, 8, 2, 100
-    # 4 rows under 8 streams (the continuous phase queues), prompts over 16 tokens fed in pieces: 5 programs
-    # to compile (admit for groups of 1 and 4 at one length bucket, decode, feed, place), the same code paths.
-    args.max_batch, args.chunk, args.prefill_chunk = 4, 8, 16
+  vars(args).update(SIZES["quick" if args.quick else "full"])
+  overrides, max_prompt, max_tokens = args.overrides, args.max_prompt, args.max_tokens
   bodies = _requests(max(args.requests, args.sequential), max_prompt, max_tokens)
   arrivals = np.cumsum(np.random.default_rng(1).exponential(1 / args.rate, args.requests)).tolist()
   lone_body = {**_requests(1, 4, (max_tokens[1], max_tokens[1]))[0], "prompt": LONE_TEXT[:LONE_PROMPT]}
   lone = [{**lone_body, "seed": i} for i in range(args.lone)]
   options = ["--max-batch", str(args.max_batch), "--chunk", str(args.chunk), "--prefill-chunk", str(args.prefill_chunk)]
   options += ["--stream-per-chunk"] if args.stream_per_chunk else []
-  admission = ["--prefill-budget", str(args.prefill_budget), "--waiting-chunk", str(args.waiting_chunk)]
+  admission = ["--prefill-budget", str(args.prefill_budget)]
   server_cpus = None
   if args.pin:
     cpus = sorted(os.sched_getaffinity(0))
@@ -445,7 +434,7 @@ def main() -> None:
       "micro (init weights)" if args.quick else "tiny (init weights)"), overrides=overrides, streams=args.streams,
       requests=args.requests, rate=args.rate, seconds=args.seconds, drain=args.drain, sequential=args.sequential,
       lone=args.lone, max_batch=args.max_batch, chunk=args.chunk, prefill_chunk=args.prefill_chunk,
-      stream_per_chunk=args.stream_per_chunk, prefill_budget=args.prefill_budget, waiting_chunk=args.waiting_chunk,
+      stream_per_chunk=args.stream_per_chunk, prefill_budget=args.prefill_budget,
       pinned={"server": sorted(server_cpus), "client": sorted(os.sched_getaffinity(0))} if args.pin else None,
       prompt_bytes=[4, max_prompt], max_tokens=list(max_tokens), lone_prompt_bytes=LONE_PROMPT,
       lone_tpot_ms=lone_tpot, goals=goals, malformed=malformed, continuous_server=continuous_server,
