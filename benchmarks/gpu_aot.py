@@ -331,6 +331,7 @@ MGPU_CASES = {
     "wkv7_mgpu_ckpt_n128_bf16": (128, "bfloat16", "wkv7 Mosaic GPU forward with chunk states bf16 B8 T4096 C4096 N128"),
     "wkv7_mgpu_bwd_n64_bf16": (64, "bfloat16", "wkv7 Mosaic GPU backward bf16 B8 T4096 C4096 N64"),
     "wkv7_mgpu_bwd_n128_bf16": (128, "bfloat16", "wkv7 Mosaic GPU backward bf16 B8 T4096 C4096 N128"),
+    "wkv7_mgpu_bwd_n128_f32": (128, "float32", "wkv7 Mosaic GPU backward f32 B8 T4096 C4096 N128 (float32 dv tile)"),
 }
 MGPU_SHAPE = (8, 4096, 4096)  # Batch, tokens, channels.
 

@@ -370,25 +370,32 @@ def _backward_kernel(rh_ref, kc_ref, ah_ref, bc_ref, v_ref, dy_ref, ckpt_ref, de
     dm_ak_s[...] = jnp.where(strict, product(pairs, (x_s, v_s.T)), 0.0).astype(OPERANDS)
     plgpu.commit_smem()
 
-    def emit(value, ref, start):
+    def emit(value, ref, start, out_s):
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       out_s[...] = value
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(out_s, ref.at[block, batch, tokens, head, pl.ds(start, BLOCK)])
 
     def key_piece(j, carry):
+      # The tiles again at an opaque zero: their wgmma descriptors stay in this loop's body, not hoisted before it.
+      piece_slot = lax.optimization_barrier(j) - j
+      (rh_s, kc_s, ah_s, bc_s, v_s, dy_s, s0_s, dsb_s, _, m_ak_s, p_rb_s, p_rk_s, _, solve_s, x_s, u_s, out_s,
+       row_s, _) = (tile.at[piece_slot] for tile in tiles)
+      dp_rb_s, dp_rk_s, dm_ab_s, dm_ak_s = p_rb_s, p_rk_s, solve_s, m_ak_s
       start = pl.multiple_of(j * BLOCK, BLOCK)
       cols = (slice(None), pl.ds(start, BLOCK))
-      emit(product(piece, (dy_s, s0_s.at[cols]), (dp_rb_s, bc_s.at[cols]), (dp_rk_s, kc_s.at[cols])), dr_ref, start)
-      emit(product(piece, (x_s, s0_s.at[cols]), (dm_ab_s, bc_s.at[cols]), (dm_ak_s, kc_s.at[cols])), da_ref, start)
+      emit(product(piece, (dy_s, s0_s.at[cols]), (dp_rb_s, bc_s.at[cols]), (dp_rk_s, kc_s.at[cols])), dr_ref, start,
+           out_s)
+      emit(product(piece, (x_s, s0_s.at[cols]), (dm_ab_s, bc_s.at[cols]), (dm_ak_s, kc_s.at[cols])), da_ref, start,
+           out_s)
       # The state after the chunk takes B̌ and Ǩ through U dS̄ and V dS̄; with them, g_L's gradient.
-      for rows_s, key_s in ((u_s, bc_s), (v_s, kc_s)):
-        end = jnp.sum(product(piece, (rows_s, dsb_s.at[cols])) * load(key_s.at[cols]), axis=0)
+      for side_s, key_s in ((u_s, bc_s), (v_s, kc_s)):
+        end = jnp.sum(product(piece, (side_s, dsb_s.at[cols])) * load(key_s.at[cols]), axis=0)
         row_s[pl.ds(start, BLOCK)] = plgpu.load(row_s.at[pl.ds(start, BLOCK)], layout=row_layout) + end
       emit(product(piece, (dp_rb_s.T, rh_s.at[cols]), (dm_ab_s.T, ah_s.at[cols]), (u_s, dsb_s.at[cols])), db_ref,
-           start)
+           start, out_s)
       emit(product(piece, (dp_rk_s.T, rh_s.at[cols]), (dm_ak_s.T, ah_s.at[cols]), (v_s, dsb_s.at[cols])), dk_ref,
-           start)
+           start, out_s)
       return carry
 
     lax.fori_loop(0, size // BLOCK, key_piece, 0)
