@@ -39,7 +39,6 @@ import numpy as np
 
 import ltm_jax
 from ltm_jax import model as model_lib
-from ltm_jax.inference import generate as generation
 
 PLANS = {
     "cpu": dict(decode_plan="cpu", prompt=128, steps=64, group=128, groups=(128, 64, 32), small_group=32),
@@ -129,7 +128,7 @@ def section_drift(plan: dict, models: dict[str, ltm_jax.LanguageModel], began: f
   return rows
 
 
-def section_memory(plan: dict, dplan: decode_bench.Plan, models: dict[str, ltm_jax.LanguageModel]) -> list[dict]:
+def section_memory(plan: dict, models: dict[str, ltm_jax.LanguageModel]) -> list[dict]:
   rows = []
   for kind, base in models.items():
     variants = [("float32", base, None), ("int8", base.quantize("int8"), None),
@@ -140,10 +139,7 @@ def section_memory(plan: dict, dplan: decode_bench.Plan, models: dict[str, ltm_j
     for variant, lm, keep in variants:
       model = decode_bench.decode_model(lm, decode_bench.cache_capacity(lm, plan["prompt"] + plan["steps"]))
       decoding = decode_bench.prefill(lm, model, prompt)
-      began = time.perf_counter()
-      compiled = generation.decode.lower(model, lm.params, decoding, jax.random.key(0), steps=plan["steps"],
-                                         kernels_as_stored=keep).compile()
-      compile_s = time.perf_counter() - began
+      compiled, compile_s = decode_bench.compile_decode(model, lm.params, decoding, plan["steps"], keep)
       stats = compiled.memory_analysis()
       row = {"section": "memory", "model": kind, "variant": variant, "param_bytes": lm.param_bytes,
              "argument_bytes": stats.argument_size_in_bytes, "temp_bytes": stats.temp_size_in_bytes,
@@ -168,7 +164,7 @@ def main():
   if "drift" in args.sections:
     rows += section_drift(plan, models, began)
   if "memory" in args.sections:
-    rows += section_memory(plan, dplan, models)
+    rows += section_memory(plan, models)
   path = common.write_results(
       "quantize-decode" + ("-quick" if args.quick else ""), rows, plan=plan, size=dplan.size,
       sections=list(args.sections), seconds=time.perf_counter() - began, load_average_end=list(os.getloadavg()),
