@@ -1,5 +1,5 @@
-"""WKV-7 chunked forward as a Pallas Mosaic GPU kernel for Hopper (sm_90+): wgmma chunk products, TMA tile loads,
-the state kept on chip (registers and shared memory) from the first chunk to the last.
+"""WKV-7 chunked forward and backward as Pallas Mosaic GPU kernels for Hopper (sm_90+): wgmma chunk products, TMA
+tile loads, the state (forward) or its gradient (backward) kept on chip from the first chunk to the last.
 
 The math is `wkv7_chunked`'s WY form (see that module for the derivation). Per (batch, head) and chunk of L tokens,
 with g the chunk's cumulative log-decays, g⁻ = g - w, S_0 the state entering the chunk and every [L, N] tile holding
@@ -40,10 +40,42 @@ N = 128, 168 64-bit values defined before the loop are used in it without the sl
 made, the float32 state waits in g⁻'s tile through the chunk's products instead of in registers. The decays are
 applied in [64, 64] column pieces, reading g from shared memory at each use (3 to 4 registers fewer at N = 128).
 
+Checkpoints. With `checkpoints`, the forward also writes the state entering each chunk, [B, H, T / L, N, N] in
+bfloat16, by TMA from the S_0 operand tile: the backward's residual. bfloat16 because the backward reads S_0 only as
+a product operand (and in one column sum, below), and the forward's products read it in bfloat16 too: the backward
+recomputes U from exactly the forward's operands, at half the bytes of float32 (1 GiB at B 8, T 4096, C 4096, N 128).
+
+Backward (`backward`). Chunks in reverse, same grid and warpgroup; a program carries its [BV, N] float32 block of dS
+(the gradient of the state leaving the chunk) in a shared-memory tile. Its inputs per chunk, by TMA: the decayed
+tiles R̂, Ǩ, Â, B̌ [L, N] in bfloat16 (made by XLA beside the kernel, rounded as the forward rounds them), v and
+dy [L, BV], the chunk's S_0 block [BV, N] and e^{g_L} [N]. With dS̄ = dS diag(e^{g_L}) (the only form in which the
+chunk uses dS), the adjoint of the equations above is
+
+  U as in the forward; dU = P_rb^T dY + B̌ dS̄^T; dX = (I - M_ab)^{-T} dU
+  dV = P_rk^T dY + M_ak^T dX + Ǩ dS̄^T;  dS_0 = dY^T R̂ + dX^T Â + dS̄  (carried to the chunk before)
+  dP_rb = incl(dY U^T), dP_rk = incl(dY V^T), dM_ab = strict(dX U^T), dM_ak = strict(dX V^T)
+  dR̂ = dY S_0 + dP_rb B̌ + dP_rk Ǩ,  dÂ = dX S_0 + dM_ab B̌ + dM_ak Ǩ
+  dB̌ = dP_rb^T R̂ + dM_ab^T Â + U dS̄,  dǨ = dP_rk^T R̂ + dM_ak^T Â + V dS̄
+  dg_L = Σ_i dS̄_i ⊙ S_0,i + column sums of (U dS̄) ⊙ B̌ + (V dS̄) ⊙ Ǩ   (the gradient of g_L, a row [N])
+
+dV is local to the program's value rows and leaves whole. The key-side gradients dR̂, dÂ, dB̌, dǨ [L, N] and the
+row dg_L sum over all value rows: each program writes its block's share, float32, to its own slice of outputs
+[N / BV, B, T, H, N] (and [N / BV, B, H, T / L, N]), and XLA beside the kernel adds the N / BV shares (no atomics),
+multiplies by the decay factors (dr = dR̂ e^{g}, da = dÂ e^{g⁻}, db = dB̌ e^{-g}, dk = dǨ e^{-g}) and takes the
+log-decays' gradient: g_t gets dr r - db b - dk k, g⁻_t gets da a and g_L the row; w_s enters g_t for t >= s,
+g⁻_t for t > s and g_L, so dw is a reverse cumulative sum within each chunk. The key-side products run in [L, 64]
+column pieces, each leaving by TMA through one float32 tile. Every product has bfloat16 operands as in the forward,
+dU and dX and the [L, L] gradients included.
+
 Compiled for an H100 without one (sm_90a; `benchmarks/gpu_aot.py --mgpu` reads ptxas' report and the launch from
-Mosaic GPU's dump): dynamic shared memory 141,376 B at N = 64 (bfloat16), 215,104 B at N = 128 (bfloat16) and
-223,296 B at N = 128 (float32 y); 185, 215 and 219 registers a thread, no spills. The loads of a chunk are not
-overlapped with the products of the previous one.
+Mosaic GPU's dump; benchmarks/results/gpu-aot-h100-wkv7-mgpu.json). Forward: dynamic shared memory 141,376 B at N =
+64 (bfloat16), 215,104 B at N = 128 (bfloat16) and 223,296 B at N = 128 (float32 y); 185, 215 and 219 registers a
+thread (219 at N = 128 bfloat16 with checkpoints), no spills. Backward: 159,816 B and 235 registers at N = 64,
+225,352 B and 239 (bfloat16) or 240 (float32 dv) registers at N = 128, no spills; as in the forward the tiles are
+indexed at an opaque zero in the chunk loop, and in the loop over the key-side pieces too (254 registers at N = 128
+without it), the masks are made in the loop, and the [L, 64] pieces are loops rather than unrolled (the unrolled
+key-side pieces spilled 80 B at N = 128). Neither kernel overlaps a chunk's loads with the previous chunk's
+products, and the backward's key-side pieces leave one at a time through their one tile.
 """
 
 from __future__ import annotations
@@ -233,8 +265,8 @@ def forward(r, w, k, v, a, b, state, *, interpret: bool | None = None, checkpoin
 
   r, w, k, v, a, b: [B, T, H, N], any float dtype and any T (padded to a multiple of CHUNK with identity tokens), N
   in SIZES, w >= min_log_decay() (`in_range`; stronger decays overflow the factored form). state: [B, H, N, N]
-  float32. interpret: Mosaic GPU interpret mode (None: interpret unless compiling for a GPU). No derivative: the op
-  backend (`ltm_jax.ops.wkv7.pallas_mgpu`) supplies one.
+  float32. interpret: Mosaic GPU interpret mode (None: interpret unless compiling for a GPU). Not differentiable
+  itself: the op backend (`ltm_jax.ops.wkv7.pallas_mgpu`) pairs it with `backward`.
   """
   batch, length, heads, size = r.shape
   if not supported(size):
