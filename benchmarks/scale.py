@@ -1,8 +1,7 @@
 """The train step of configs/base_125m.py under every kind of mesh layout on 8 simulated CPU devices: compiled temp
 memory per device, the collectives in the compiled program, the step time, and the MFU projected for 8 H100s.
 
-  python benchmarks/scale.py                       # all layouts (11 minutes on 2 CPU cores shared with other jobs)
-  python benchmarks/scale.py --batch 8 --seq 32    # the shape the CPU run used (the defaults)
+  python benchmarks/scale.py                       # all layouts at batch 8 x 32 (11 minutes on 2 shared CPU cores)
   python benchmarks/scale.py --batch 64 --seq 2048 --runs 0 --pipeline-micro-batches 16 --tag full
                                                    # base_125m's own batch, compiled and analysed only
 
@@ -17,7 +16,7 @@ model.scan_layers=true, at a reduced batch and sequence so the CPU run stays sho
                   cores, so this is no guide to a GPU and only compares layouts loosely.
   bubble          the pipeline's idle fraction (S - 1) / (M + S - 1).
   mfu_h100        projected MFU on 8 H100 SXM (989 dense bf16 TFLOP/s each): model FLOPs / (8 * flops_dev), times an
-                  assumed per-device efficiency (--efficiency, default 0.5 of peak for the FLOPs each device runs).
+                  assumed per-device efficiency (EFFICIENCY: 0.5 of peak for the FLOPs each device runs).
                   The per-device FLOPs already hold what a layout wastes: work replicated across devices (the
                   embedding and head on every stage, whole-batch recomputation) and the pipeline bubble's
                   iterations, which this implementation computes on stale inputs rather than idling. Not modelled:
@@ -54,6 +53,10 @@ from ltm_jax.train.step import make_train_step  # noqa: E402
 
 CONFIG = "configs/base_125m.py"
 H100_TFLOPS = 989.0
+EFFICIENCY = 0.5
+# The 8 simulated devices share this host's memory: a layout whose 8 devices' arguments and scratch exceed this is
+# compiled and analysed but not run.
+TIME_LIMIT_GIB = 4.0
 # name: ((pipeline, data, fsdp, tensor), pipeline micro-batches)
 LAYOUTS = {
     "data8": ((1, 8, 1, 1), 1),
@@ -122,8 +125,7 @@ def dot_flops(hlo: str) -> float:
   return total(entry)
 
 
-def layout_row(name: str, batch: int, seq: int, runs: int, efficiency: float, time_limit_gib: float,
-               micro_batches: int | None = None) -> dict:
+def layout_row(name: str, batch: int, seq: int, runs: int, micro_batches: int | None = None) -> dict:
   sizes, micro = LAYOUTS[name]
   micro = micro if micro_batches is None or sizes[0] == 1 else micro_batches
   overrides = ["model.scan_layers=true", f"model.pipeline_micro_batches={micro}", f"train.batch_size={batch}",
@@ -141,11 +143,9 @@ def layout_row(name: str, batch: int, seq: int, runs: int, efficiency: float, ti
   compile_s = time.perf_counter() - started
   hlo = compiled.as_text()
   memory = compiled.memory_analysis()
-  # The 8 simulated devices share this host's memory: a layout that replicates the train state over many devices
-  # is compiled and analysed but not run when the 8 copies would not fit.
   all_devices_gib = 8 * (memory.argument_size_in_bytes + memory.temp_size_in_bytes) / 2**30
   step_ms = loss = None
-  if runs and all_devices_gib <= time_limit_gib:
+  if runs and all_devices_gib <= TIME_LIMIT_GIB:
     state = parallel.init_state(cfg, optimizer, layout)
     rng = np.random.default_rng(0)
     host = {k: rng.integers(0, cfg.model.vocab_size, (batch, seq), dtype=np.int32) for k in ("inputs", "targets")}
@@ -169,7 +169,7 @@ def layout_row(name: str, batch: int, seq: int, runs: int, efficiency: float, ti
          **collective_counts(hlo), "step_ms": step_ms, "all_devices_GiB": all_devices_gib, "compile_s": compile_s,
          "flops_dev": flops_dev, "model_flops": model_flops,
          "useful_fraction": model_flops / (8 * flops_dev),
-         "mfu_h100": efficiency * model_flops / (8 * flops_dev),
+         "mfu_h100": EFFICIENCY * model_flops / (8 * flops_dev),
          "loss": loss}
   print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
   return row
@@ -180,27 +180,22 @@ def main() -> None:
   parser.add_argument("--batch", type=int, default=8)
   parser.add_argument("--seq", type=int, default=32)
   parser.add_argument("--runs", type=int, default=2, help="timed steps per layout after one warm-up")
-  parser.add_argument("--efficiency", type=float, default=0.5,
-                      help="assumed fraction of the H100 peak at which each device runs its own FLOPs")
   parser.add_argument("--only", default=None, help="comma-separated layout names")
   parser.add_argument("--pipeline-micro-batches", type=int, default=None,
                       help="micro-batches of every pipelined layout (default: each layout's own, at most 4)")
   parser.add_argument("--tag", default="", help="results file scale-cpu8-TAG.json instead of scale-cpu8.json")
-  parser.add_argument("--time-limit-gib", type=float, default=4.0,
-                      help="run (time) a layout only when its 8 devices' arguments and scratch fit in this much memory")
   args = parser.parse_args()
   assert jax.device_count() == 8, jax.devices()
   names = args.only.split(",") if args.only else list(LAYOUTS)
-  rows = [layout_row(name, args.batch, args.seq, args.runs, args.efficiency, args.time_limit_gib,
-                     args.pipeline_micro_batches) for name in names]
+  rows = [layout_row(name, args.batch, args.seq, args.runs, args.pipeline_micro_batches) for name in names]
   common.print_table(rows, ["layout", "micro_batches", "bubble", "temp_MiB", "all_reduce", "all_gather",
                             "reduce_scatter", "collective_permute", "step_ms", "flops_dev", "useful_fraction",
                             "mfu_h100"])
   path = common.write_results(
       "scale", rows, config=CONFIG, batch_size=args.batch, seq_len=args.seq, grad_accum=1, scan_layers=True,
       devices="8 simulated CPU devices (--xla_force_host_platform_device_count=8)", timed_runs=args.runs,
-      time_limit_gib=args.time_limit_gib, pipeline_micro_batches=args.pipeline_micro_batches,
-      h100_peak_tflops=H100_TFLOPS, assumed_efficiency=args.efficiency,
+      time_limit_gib=TIME_LIMIT_GIB, pipeline_micro_batches=args.pipeline_micro_batches,
+      h100_peak_tflops=H100_TFLOPS, assumed_efficiency=EFFICIENCY,
       projection="mfu_h100 = efficiency * model_flops / (8 * flops_dev); communication not modelled")
   # common names files by the first device's kind; these are 8 simulated devices.
   final = path.with_name(f"scale-cpu8{'-' + args.tag if args.tag else ''}.json")

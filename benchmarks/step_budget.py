@@ -573,9 +573,8 @@ def main(argv=None) -> int:
     device = "h100-aot"
     device_desc = gpu_aot.TARGET + ", deviceless"
   else:
-    d = jax.devices()[0]
-    device_desc = getattr(d, "device_kind", d.platform)
-    device = re.sub(r"[^a-z0-9]+", "-", device_desc.lower()).strip("-")
+    import common  # pylint: disable=g-import-not-at-top
+    device, device_desc = common.device_name(), jax.devices()[0].device_kind
   ceilings = {k: getattr(args, k) for k in DEFAULTS}
   print(f"# {cfg.name}: batch {cfg.train.batch_size} x {cfg.train.seq_len}, dtype {cfg.model.dtype}, remat "
         f"{cfg.model.remat}, wkv7_impl {cfg.model.wkv7_impl}; target {device_desc}", flush=True)
