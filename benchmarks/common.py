@@ -7,7 +7,6 @@ sys.path, so they time the working tree's ltm_jax without an install.
 from __future__ import annotations
 
 import datetime
-import importlib.metadata
 import importlib.util
 import json
 import os
@@ -32,6 +31,7 @@ if importlib.util.find_spec("ltm_pallas") is None:
 
 import jax  # noqa: E402  (after the path fix, like every ltm_jax import in the scripts)
 import jaxlib  # noqa: E402
+import peers  # noqa: E402  (benchmarks/peers.py: imports no JAX)
 
 # LTM_BENCH_RESULTS moves every script's results file elsewhere (gpu_sweep.py --results-dir; tests write to a
 # temporary folder, never over the measured tables).
@@ -46,13 +46,6 @@ def device_name() -> str:
   return re.sub(r"[^a-z0-9]+", "-", device.device_kind.lower()).strip("-")
 
 
-def _installed_version(dist: str) -> str | None:
-  try:
-    return importlib.metadata.version(dist)
-  except importlib.metadata.PackageNotFoundError:
-    return None
-
-
 def environment() -> dict[str, Any]:
   """What a result depends on besides the code: device, library versions, host, date."""
   device = jax.devices()[0]
@@ -64,8 +57,8 @@ def environment() -> dict[str, Any]:
       "jax": jax.__version__,
       "jaxlib": jaxlib.__version__,
       # Read from the installed metadata, not imported: importing torch would slow every JAX-only script.
-      "torch": _installed_version("torch"),
-      "triton": _installed_version("triton"),
+      "torch": peers.installed_version(("torch",)),
+      "triton": peers.installed_version(("triton",)),
       "python": platform.python_version(),
       "host_cpus": os.cpu_count(),
       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

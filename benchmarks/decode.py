@@ -75,6 +75,7 @@ import common  # First: puts the checkout on sys.path.
 import jax
 import jax.numpy as jnp
 import numpy as np
+import peers
 
 import ltm_jax
 from ltm_jax import model as model_lib
@@ -576,7 +577,8 @@ def section_official(plan: Plan, strategy: str) -> list[dict]:
       model_name = {"x070": "rwkv7 (x070)", "rwkv4": "rwkv4"}[version]
       ours = {"section": "official", "model": model_name, "impl": "ltm_jax decode loop", **loop.result(1),
               "params": lm.num_params, "convert_s": convert_s, "prompt_logit_diff_rel": diff}
-      official = {"section": "official", "model": model_name, "impl": f"rwkv {_rwkv_version()} forward ({strategy})",
+      official = {"section": "official", "model": model_name,
+                  "impl": f"rwkv {peers.installed_version(('rwkv',))} forward ({strategy})",
                   "ms_per_token": ms, "min_ms_per_token": min(theirs["ms"]), "max_ms_per_token": max(theirs["ms"]),
                   "tokens_per_s": 1e3 / ms, "runs": len(theirs["ms"]), "steps": 1, "load_s": theirs["load_s"],
                   "torch": theirs["torch"], "torch_threads": theirs["threads"], "prompt_logit_diff_rel": diff}
@@ -585,11 +587,6 @@ def section_official(plan: Plan, strategy: str) -> list[dict]:
       rows += [ours, official]
       common.print_table(rows[-2:], OFFICIAL_COLUMNS)
   return rows
-
-
-def _rwkv_version() -> str:
-  from importlib import metadata
-  return metadata.version("rwkv")
 
 
 POSITION_COLUMNS = ("model", "position", "ms_per_token", "min_ms_per_token", "vs_first", "vs_first_min", "state_mib",

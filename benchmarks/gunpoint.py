@@ -19,7 +19,6 @@ from ltm_jax.config import load_config
 from ltm_jax.train import train
 from ltm_jax.train.metrics import read_metrics
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 VARIANTS = {  # name: overrides of configs/ts_gunpoint.py
     "seed0": [],
     "seed1": ["train.seed=1"],
@@ -30,7 +29,7 @@ VARIANTS = {  # name: overrides of configs/ts_gunpoint.py
 
 def run(name: str, runs: pathlib.Path) -> dict:
   overrides = VARIANTS[name]
-  cfg = load_config(str(ROOT / "configs" / "ts_gunpoint.py"), overrides)
+  cfg = load_config(str(common.ROOT / "configs" / "ts_gunpoint.py"), overrides)
   workdir = runs / name
   train(cfg, workdir, progress=False)  # A finished run only returns.
   rows = read_metrics(workdir)
