@@ -23,12 +23,13 @@ Cases are `benchmarks/aot_cases.py`: the kernels at their default tiles and at t
 steps and generation, and two controls that must fail (tiles too large for shared memory, tiles that must spill).
 Each case compiles in its own process with its own dump directory and timeout, `--jobs` at a time.
 
-Mosaic GPU kernels (`--mgpu`, cases `MGPU_CASES`: the WKV-7 forward `ltm_pallas.wkv7_mgpu`) compile inside the
-CUDA plugin, not through XLA's PTX emitter, so the dump above never holds them. For them the worker sets
+Mosaic GPU kernels (`--mgpu`, cases `MGPU_CASES`: the WKV-7 forward and backward, `ltm_pallas.wkv7_mgpu`) compile
+inside the CUDA plugin, not through XLA's PTX emitter, so the dump above never holds them. For them the worker sets
 MOSAIC_GPU_DUMP_TO, where Mosaic GPU writes ptxas' report (`*.ptxas`: registers, spills, stack) and the kernel's
 module before layout inference (`*.before_layout_inference.txt`: the launch's grid, threads and dynamic shared
-memory). `--baseline REV` also compiles the kernel file as it was at git revision REV, to compare with. Writes
-benchmarks/results/gpu-aot-h100-wkv7-mgpu.json when every case ran; a current kernel that spills fails.
+memory). `--baseline REV` also compiles the kernel file as it was at git revision REV, to compare with (the cases
+whose function that file has). Writes benchmarks/results/gpu-aot-h100-wkv7-mgpu.json when every case ran; a current
+kernel that spills fails.
 
 Writes benchmarks/results/gpu-aot-h100.json when every case ran (or to --json). Exit status 1 when a case fails to
 compile, a kernel is missing from its program, a kernel spills (except in the cases marked as known spills, whose
@@ -341,6 +342,13 @@ def _mgpu_entry(name: str) -> str:
   return "backward" if "_bwd_" in name else "checkpoints" if "_ckpt_" in name else "forward"
 
 
+def _mgpu_has_entry(kernel_file: str, name: str) -> bool:
+  """Whether the kernel module at `kernel_file` has case `name`'s function (a baseline revision may predate the
+  backward or the chunk states' output)."""
+  marks = {"forward": "def forward(", "checkpoints": "checkpoints: bool", "backward": "def backward("}
+  return marks[_mgpu_entry(name)] in pathlib.Path(kernel_file).read_text()
+
+
 def _mgpu_worker(name: str, kernel_file: str) -> int:
   """Compiles case `name` of MGPU_CASES with the kernel module at `kernel_file` (the current one or a baseline)."""
   result = {"stage": "setup", "ok": False}
@@ -454,7 +462,7 @@ def _mgpu_main(args, versions: dict, ptxas_version: list[str]) -> int:
   print(f"# target {TARGET}; {versions}; ptxas {ptxas_version[-1] if ptxas_version else '?'}")
   print("# Mosaic GPU kernels; smem = dynamic (launch) + static (ptxas) shared memory per block")
   started = time.time()
-  jobs = [(n, v, f) for v, f in variants for n in names]
+  jobs = [(n, v, f) for v, f in variants for n in names if v == "current" or _mgpu_has_entry(f, n)]
   with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
     done = list(pool.map(lambda job: _run_mgpu_case(*job, args, dump_root), jobs))
   if not args.keep_dumps:

@@ -71,11 +71,12 @@ Compiled for an H100 without one (sm_90a; `benchmarks/gpu_aot.py --mgpu` reads p
 Mosaic GPU's dump; benchmarks/results/gpu-aot-h100-wkv7-mgpu.json). Forward: dynamic shared memory 141,376 B at N =
 64 (bfloat16), 215,104 B at N = 128 (bfloat16) and 223,296 B at N = 128 (float32 y); 185, 215 and 219 registers a
 thread (219 at N = 128 bfloat16 with checkpoints), no spills. Backward: 159,816 B and 235 registers at N = 64,
-225,352 B and 239 (bfloat16) or 240 (float32 dv) registers at N = 128, no spills; as in the forward the tiles are
-indexed at an opaque zero in the chunk loop, and in the loop over the key-side pieces too (254 registers at N = 128
-without it), the masks are made in the loop, and the [L, 64] pieces are loops rather than unrolled (the unrolled
-key-side pieces spilled 80 B at N = 128). Neither kernel overlaps a chunk's loads with the previous chunk's
-products, and the backward's key-side pieces leave one at a time through their one tile.
+225,352 B and 239 (bfloat16) or 240 (float32 dv) registers at N = 128, no spills. What keeps the backward from
+spilling (docs/kernels.md has each step's registers): the tiles indexed at an opaque zero as in the forward, in the
+chunk loop and again in the loop over the key-side pieces; the [L, L] masks made inside the chunk loop; the [L, 64]
+pieces as loops rather than unrolled; g_L's column sums one product at a time. Neither kernel overlaps a chunk's
+loads with the previous chunk's products, and the backward's key-side pieces leave one at a time through their one
+tile.
 """
 
 from __future__ import annotations
