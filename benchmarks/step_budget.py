@@ -548,7 +548,7 @@ def main(argv=None) -> int:
   parser.add_argument("overrides", nargs="*", help="key=value config overrides (e.g. model.remat=minimal)")
   parser.add_argument("--batch", type=int, default=None, help="train.batch_size (default: the config's)")
   parser.add_argument("--seq", type=int, default=None, help="train.seq_len (default: the config's)")
-  parser.add_argument("--quick", action="store_true", help="the config at toy sizes (benchmarks/train.py toy)")
+  parser.add_argument("--quick", action="store_true", help="the config at toy sizes (common.toy_config)")
   parser.add_argument("--target", default="auto", choices=("auto", "device", "h100-aot"),
                       help="auto: deviceless H100 where the CUDA plugin is installed and there is no GPU, else the "
                       "default device (a GPU if there is one, else the host CPU)")
