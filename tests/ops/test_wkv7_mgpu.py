@@ -4,13 +4,16 @@ float64 reference and its gradients.
 Platform: the kernels run in Mosaic GPU interpret mode on the CPU, which needs jax >= 0.11 (Python 3.12): the AOT
 venv's (.venv-aot, built by `make test`/`make gpu-aot`). tests/ops/wkv7_mgpu_worker.py runs them there in a
 subprocess (about 45 s on 2 cores) and saves inputs, outputs and gradients; the references are computed here, in
-float64. Without .venv-aot the tests skip. Compiled runs on a Hopper GPU are not covered here; the deviceless sm_90a
-compile is (`benchmarks/gpu_aot.py --mgpu`: registers, spills and shared memory, see COMPILED_CASES).
+float64. Without .venv-aot the tests skip. On a Hopper GPU, `.venv-aot/bin/python tests/ops/wkv7_mgpu_worker.py
+--compiled OUT.npz` runs the cases compiled, and WKV7_MGPU_RESULTS=OUT.npz has these tests check that file instead.
+Without such a file, compiled runs are not covered here; the deviceless sm_90a compile is (`benchmarks/gpu_aot.py
+--mgpu`: registers, spills and shared memory, see COMPILED_CASES).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 
 import jax
@@ -45,6 +48,9 @@ SMEM_PER_BLOCK = 232448  # Hopper's opt-in shared memory per block, 227 KiB.
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
+  if given := os.environ.get("WKV7_MGPU_RESULTS"):  # The worker's output from elsewhere (--compiled on a GPU).
+    with np.load(given) as saved:
+      return dict(saved)
   if not (ROOT / ".venv-aot" / ".installed").exists():
     pytest.skip("needs .venv-aot (jax >= 0.11 for Mosaic GPU interpret mode; `make gpu-aot` builds it)")
   out = tmp_path_factory.mktemp("wkv7_mgpu") / "results.npz"

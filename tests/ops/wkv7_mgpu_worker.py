@@ -1,7 +1,9 @@
-"""Runs the Mosaic GPU WKV-7 kernel (`ltm_pallas.wkv7_mgpu`) in Mosaic GPU interpret mode on the CPU and saves its
-inputs and outputs for tests/ops/test_wkv7_mgpu.py to check against the float64 reference.
+"""Runs the Mosaic GPU WKV-7 kernels (`ltm_pallas.wkv7_mgpu`) in Mosaic GPU interpret mode on the CPU and saves their
+inputs, outputs and gradients for tests/ops/test_wkv7_mgpu.py to check against the float64 reference.
 
 Needs jax >= 0.11 (Mosaic GPU interpret mode): run by .venv-aot's Python, `python wkv7_mgpu_worker.py OUT.npz`.
+`python wkv7_mgpu_worker.py --compiled OUT.npz` on a Hopper GPU runs the same cases compiled on it instead; the test
+file checks such a file in place of its own run with WKV7_MGPU_RESULTS=OUT.npz.
 Cases (name -> shape, dtype, log-decays):
   kernel_f32_ragged:   [1, 100, 2, 64] float32, T = one chunk and 36 tokens
   kernel_bf16:         [1, 150, 1, 64] bfloat16 (y bfloat16), three chunks, the last padded
@@ -56,15 +58,15 @@ def inputs(seed: int, shape, strong_decay: bool = False):
   return [np.asarray(x, np.float32) for x in (r, w, k, v, a, b, state)]
 
 
-def main(path: str) -> None:
-  saved = {}
+def main(path: str, compiled: bool = False) -> None:
+  saved = {"device": np.array(str(jax.devices()[0].device_kind))}
   started = time.time()
-  kernel = jax.jit(lambda *x: wkv7_mgpu.forward(*x, interpret=True))
+  kernel = jax.jit(lambda *x: wkv7_mgpu.forward(*x, interpret=not compiled))
 
   @jax.jit
   def op_and_pullback(args, cot):
     """The op's (y, state) and the pullback of the cotangents `cot` (y's, the state's) to all seven inputs."""
-    outputs, pullback = jax.vjp(lambda *x: op(*x, impl="pallas_mgpu"), *args)
+    outputs, pullback = jax.vjp(lambda *x: op(*x, impl="pallas_mgpu"), *args)  # Compiled on a GPU, else interpreted.
     return outputs, pullback(cot)
 
   for seed, (name, (shape, dtype)) in enumerate(CASES.items()):
@@ -90,4 +92,4 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-  main(sys.argv[1])
+  main(sys.argv[-1], compiled="--compiled" in sys.argv[1:-1])
