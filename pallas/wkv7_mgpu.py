@@ -47,8 +47,9 @@ recomputes U from exactly the forward's operands, at half the bytes of float32 (
 
 Backward (`backward`). Chunks in reverse, same grid and warpgroup; a program carries its [BV, N] float32 block of dS
 (the gradient of the state leaving the chunk) in a shared-memory tile. Its inputs per chunk, by TMA: the decayed
-tiles R̂, Ǩ, Â, B̌ [L, N] in bfloat16 (made by XLA beside the kernel, rounded as the forward rounds them), v and
-dy [L, BV], the chunk's S_0 block [BV, N] and e^{g_L} [N]. With dS̄ = dS diag(e^{g_L}) (the only form in which the
+tiles R̂, Ǩ, Â, B̌ [L, N] in bfloat16 (made by XLA beside the kernel, rounded as the forward rounds them: g and g⁻
+as float32 tiles in the kernel would take another 64 KiB at N = 128, beyond Hopper's 227 KiB), v and dy [L, BV], the
+chunk's S_0 block [BV, N] and e^{g_L} [N]. With dS̄ = dS diag(e^{g_L}) (the only form in which the
 chunk uses dS), the adjoint of the equations above is
 
   U as in the forward; dU = P_rb^T dY + B̌ dS̄^T; dX = (I - M_ab)^{-T} dU
