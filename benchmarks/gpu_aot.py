@@ -324,7 +324,9 @@ def _case_status(summary: dict, rows: list[dict]) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 # Mosaic GPU kernels (--mgpu).
 
-# name -> (head size N, dtype of the inputs and y, description); inputs [B, T, C / N, N] at B 8, T 4096, C 4096.
+# name -> (head size N, dtype of the inputs and y, description); inputs [B, T, C / N, N] at B 8, T 4096, C 4096. The
+# cases without "_pipe_" compile each chunk's loads before its products (`pipelined=False`, the only form at N = 128);
+# those with it overlap them with the previous chunk's products (`pipelined=True`, the default at N = 64).
 MGPU_CASES = {
     "wkv7_mgpu_n64_bf16": (64, "bfloat16", "wkv7 Mosaic GPU forward bf16 B8 T4096 C4096 N64"),
     "wkv7_mgpu_n128_bf16": (128, "bfloat16", "wkv7 Mosaic GPU forward bf16 B8 T4096 C4096 N128"),
@@ -333,6 +335,15 @@ MGPU_CASES = {
     "wkv7_mgpu_bwd_n64_bf16": (64, "bfloat16", "wkv7 Mosaic GPU backward bf16 B8 T4096 C4096 N64"),
     "wkv7_mgpu_bwd_n128_bf16": (128, "bfloat16", "wkv7 Mosaic GPU backward bf16 B8 T4096 C4096 N128"),
     "wkv7_mgpu_bwd_n128_f32": (128, "float32", "wkv7 Mosaic GPU backward f32 B8 T4096 C4096 N128 (float32 dv tile)"),
+    "wkv7_mgpu_pipe_n64_bf16": (64, "bfloat16", "wkv7 Mosaic GPU forward, loads overlapped, bf16 B8 T4096 C4096 N64"),
+    "wkv7_mgpu_pipe_n64_f32": (64, "float32", "wkv7 Mosaic GPU forward, loads overlapped, f32 B8 T4096 C4096 N64 "
+                               "(float32 y tile)"),
+    "wkv7_mgpu_pipe_ckpt_n64_bf16": (64, "bfloat16", "wkv7 Mosaic GPU forward with chunk states, loads overlapped, "
+                                     "bf16 B8 T4096 C4096 N64"),
+    "wkv7_mgpu_pipe_bwd_n64_bf16": (64, "bfloat16", "wkv7 Mosaic GPU backward, loads overlapped, bf16 B8 T4096 C4096 "
+                                    "N64"),
+    "wkv7_mgpu_pipe_bwd_n64_f32": (64, "float32", "wkv7 Mosaic GPU backward, loads overlapped, f32 B8 T4096 C4096 N64 "
+                                   "(float32 dv tile)"),
 }
 MGPU_SHAPE = (8, 4096, 4096)  # Batch, tokens, channels.
 
@@ -344,9 +355,10 @@ def _mgpu_entry(name: str) -> str:
 
 def _mgpu_has_entry(kernel_file: str, name: str) -> bool:
   """Whether the kernel module at `kernel_file` has case `name`'s function (a baseline revision may predate the
-  backward or the chunk states' output)."""
+  backward, the chunk states' output or the overlapped loads)."""
   marks = {"forward": "def forward(", "checkpoints": "checkpoints: bool", "backward": "def backward("}
-  return marks[_mgpu_entry(name)] in pathlib.Path(kernel_file).read_text()
+  text = pathlib.Path(kernel_file).read_text()
+  return marks[_mgpu_entry(name)] in text and ("_pipe_" not in name or "pipelined: bool" in text)
 
 
 def _mgpu_worker(name: str, kernel_file: str) -> int:
@@ -368,12 +380,14 @@ def _mgpu_worker(name: str, kernel_file: str) -> int:
     state = abstract((batch, channels // size, size, size), jnp.float32)
     result["stage"] = "build"
     entry = _mgpu_entry(name)
+    # The form the case names, where the file has both (an older one has only the loads before the products).
+    form = {"pipelined": "_pipe_" in name} if "pipelined: bool" in pathlib.Path(kernel_file).read_text() else {}
     if entry == "backward":  # Inputs, the chunk states, dy and the final state's gradient.
       ckpt = abstract((batch, channels // size, length // kernel.CHUNK, size, size), jnp.bfloat16)
-      fn = lambda r, w, k, v, a, b, c, dy, ds: kernel.backward(r, w, k, v, a, b, c, dy, ds, interpret=False)
+      fn = lambda r, w, k, v, a, b, c, dy, ds: kernel.backward(r, w, k, v, a, b, c, dy, ds, interpret=False, **form)
       _compile(mesh, fn, (*inputs, ckpt, inputs[0], state), result)
     else:
-      fn = lambda r, w, k, v, a, b, s: kernel.forward(r, w, k, v, a, b, s, interpret=False,
+      fn = lambda r, w, k, v, a, b, s: kernel.forward(r, w, k, v, a, b, s, interpret=False, **form,
                                                       **({"checkpoints": True} if entry == "checkpoints" else {}))
       _compile(mesh, fn, (*inputs, state), result)
   except Exception as e:  # pylint: disable=broad-except  (reported in the case's row)

@@ -25,6 +25,14 @@ a shared-memory tile: Mosaic GPU interpret mode takes no register operand, and o
 of the unit lower-triangular I - M_ab is the finite series (I + M)(I + M^2)(I + M^4)(I + M^8)(I + M^16)(I + M^32),
 exact since M^64 = 0, on bfloat16 operands with float32 accumulation. y leaves by TMA from shared memory.
 
+Overlapped loads (`pipelined`, default `pipelines(N)`). Where two slots of every input tile fit Hopper's shared
+memory (N = 64), each input tile has two, each with its own TMA barriers: before chunk c's products the program
+starts chunk c + 1's loads (chunk c - 1's in the backward) into the other slot, whose last reader was chunk c - 1, so
+those loads run during chunk c's products and chunk c + 1 waits only for what is left of them. At N = 128 a second
+slot of the inputs would take 136 KiB (forward) or 96 KiB (backward) beyond the 215,104 B and 225,352 B the kernels
+take of Hopper's 232,448, so there each chunk's loads come before its products (one slot; `pipelined=False` at N =
+64 too). Both forms run the same products on the same operands.
+
 Operands. Every product takes bfloat16 operands (the decayed keys, the state, U, the pair matrices), float32 inputs
 included: Hopper's float32 wgmma (TF32) needs both operands K-major, which the V, U and U^T products are not. The
 chunk's cumulative log-decays g and g⁻ are float32 inputs, computed by XLA beside the kernel (`chunk_log_decays`).
@@ -33,8 +41,9 @@ Range. As in `wkv7_chunked`, factoring e^{g_t - g_s} = e^{g_t} e^{-g_s} needs ev
 w >= min_log_decay() = -LOG_RANGE / 64 = -0.9375 (RWKV-7's layers keep w >= -0.61); `in_range` checks it.
 
 Registers. One warpgroup holds every float32 [64, 64] tile in 32 registers a thread (the [64, N] state in N / 2),
-within ptxas' 255. Two choices keep the chunk loop from spilling: (1) every shared-memory tile is the single slot of
-a [1, ...] buffer, indexed in the loop body by a zero the compiler cannot see through (`one_chunk`), so that LLVM
+within ptxas' 255. Two choices keep the chunk loop from spilling: (1) every working tile is the single slot of a
+[1, ...] buffer, indexed in the loop body by a zero the compiler cannot see through (`one_chunk`; the input tiles at
+that zero plus the chunk's slot), so that LLVM
 does not hoist the tiles' element addresses out of the loop and hold them in registers across it (in the PTX at
 N = 128, 168 64-bit values defined before the loop are used in it without the slot, 20 with it); (2) once Â is
 made, the float32 state waits in g⁻'s tile through the chunk's products instead of in registers. The decays are
@@ -69,20 +78,25 @@ column pieces, each leaving by TMA through one float32 tile. Every product has b
 dU and dX and the [L, L] gradients included.
 
 Compiled for an H100 without one (sm_90a; `benchmarks/gpu_aot.py --mgpu` reads ptxas' report and the launch from
-Mosaic GPU's dump; benchmarks/results/gpu-aot-h100-wkv7-mgpu.json). Forward: dynamic shared memory 141,376 B at N =
-64 (bfloat16), 215,104 B at N = 128 (bfloat16) and 223,296 B at N = 128 (float32 y); 185, 215 and 219 registers a
-thread (219 at N = 128 bfloat16 with checkpoints), no spills. Backward: 159,816 B and 235 registers at N = 64,
-225,352 B and 239 (bfloat16) or 240 (float32 dv) registers at N = 128, no spills. What keeps the backward from
+Mosaic GPU's dump; benchmarks/results/gpu-aot-h100-wkv7-mgpu.json). Forward, loads before products: dynamic shared
+memory 141,376 B at N = 64 (bfloat16), 215,104 B at N = 128 (bfloat16) and 223,296 B at N = 128 (float32 y); 185,
+215 and 219 registers a thread (219 at N = 128 bfloat16 with checkpoints), no spills. Forward, loads overlapped (N =
+64): 215,160 B (bfloat16 y) or 223,352 B (float32 y), 180 registers (185 with checkpoints), no spills. Backward,
+loads before products: 159,816 B and 235 registers at N = 64, 225,352 B and 239 (bfloat16) or 240 (float32 dv)
+registers at N = 128; loads overlapped (N = 64): 217,224 B and 233 (bfloat16) or 236 (float32 dv) registers; no
+spills. The barriers of the overlapped loads are indexed by the chunk's slot number without the opaque zero (the
+other form's by constants): indexed at the tiles' opaque slot, the backward took 247 registers instead of 239 at
+N = 128 and 245 instead of 236 overlapped (float32 dv). What keeps the backward from
 spilling (docs/kernels.md has each step's registers): the tiles indexed at an opaque zero as in the forward, in the
 chunk loop and again in the loop over the key-side pieces; the [L, L] masks made inside the chunk loop; the [L, 64]
-pieces as loops rather than unrolled; g_L's column sums one product at a time. Neither kernel overlaps a chunk's
-loads with the previous chunk's products, and the backward's key-side pieces leave one at a time through their one
-tile.
+pieces as loops rather than unrolled; g_L's column sums one product at a time. The backward's key-side pieces
+leave one at a time through their one tile. Nothing here has run on a GPU: whether the overlap pays is not measured.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -123,17 +137,58 @@ def chunk_log_decays(w: jax.Array, chunk: int = CHUNK) -> tuple[jax.Array, jax.A
   return g.reshape(batch, length, heads, size), g_before.reshape(batch, length, heads, size)
 
 
-def _smem(shape, dtype):
-  """A shared-memory tile [1, *shape] (one slot, see `one_chunk`) in the layout wgmma and TMA use: (8, 128-byte)
-  tiles, 128-byte swizzle."""
+def _smem(shape, dtype, slots: int = 1):
+  """A shared-memory buffer [slots, *shape] in the layout wgmma and TMA use: (8, 128-byte) tiles, 128-byte swizzle.
+  One slot for a working tile (see `one_chunk`), two for a double-buffered input (`pipelines`)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
   tiling = plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize))
-  return plgpu.SMEM((1, *shape), dtype, transforms=(tiling, plgpu.SwizzleTransform(128)))
+  return plgpu.SMEM((slots, *shape), dtype, transforms=(tiling, plgpu.SwizzleTransform(128)))
 
 
-def _kernel(r_ref, k_ref, a_ref, b_ref, v_ref, g_ref, gp_ref, s0_ref, y_ref, s_ref, *refs, num_chunks, checkpoints):
+def _tile_bytes(shapes_dtypes) -> int:
+  return sum(math.prod(shape) * jnp.dtype(dtype).itemsize for shape, dtype in shapes_dtypes)
+
+
+def _forward_tiles(size: int, y_dtype, slots: int) -> tuple[list, list]:
+  """(inputs, working tiles) of the forward as (shape, dtype) pairs; each input [slots, ...]: r, k, a, b (then R̂,
+  Ǩ, Â, B̌), g, g⁻, v; working tiles: S_0, X then U, M_ak, P_rb, P_rk, M^(2^i), the inverse, y."""
+  inputs = [((slots, CHUNK, size), OPERANDS)] * 4 + [((slots, CHUNK, size), jnp.float32)] * 2
+  inputs.append(((slots, CHUNK, BLOCK), OPERANDS))
+  work = [((1, BLOCK, size), OPERANDS), ((1, CHUNK, BLOCK), OPERANDS)] + [((1, CHUNK, CHUNK), OPERANDS)] * 5
+  work.append(((1, CHUNK, BLOCK), y_dtype))
+  return inputs, work
+
+
+def _backward_tiles(size: int, slots: int) -> tuple[list, list]:
+  """(inputs, working tiles) of the backward as (shape, dtype) pairs; each input [slots, ...]: R̂, Ǩ, Â, B̌, v, dy,
+  S_0, e^{g_L}; working tiles: dS̄, dS, M_ak, P_rb, P_rk, M^(2^i), the inverse, X, U, the key-side pieces' float32
+  tile, the log-decay row (dv leaves through M^(2^i)'s tile or the float32 one)."""
+  inputs = [((slots, CHUNK, size), OPERANDS)] * 4 + [((slots, CHUNK, BLOCK), OPERANDS)] * 2
+  inputs += [((slots, BLOCK, size), OPERANDS), ((slots, size), jnp.float32)]
+  work = [((1, BLOCK, size), OPERANDS), ((1, BLOCK, size), jnp.float32)] + [((1, CHUNK, CHUNK), OPERANDS)] * 5
+  work += [((1, CHUNK, BLOCK), OPERANDS)] * 2 + [((1, CHUNK, BLOCK), jnp.float32), ((1, size), jnp.float32)]
+  return inputs, work
+
+
+# Shared memory a block may take on Hopper (227 KiB), less a margin for what the launch takes beyond the tiles
+# themselves (their alignment, the barriers, Mosaic GPU's own scratch; measured at N = 64: 2,112 to 2,168 B in the
+# forward, 3,464 to 3,656 B in the backward).
+SMEM_BUDGET = 232448 - 8192
+
+
+def pipelines(size: int, backward: bool = False, y_dtype="float32") -> bool:
+  """Whether the forward (or with `backward` the backward) overlaps each chunk's loads with the previous chunk's
+  products by default at head size `size`: where two slots of every input tile fit Hopper's shared memory (N = 64,
+  not N = 128). `y_dtype`: the forward's y (a float32 y tile takes 8 KiB more than a bfloat16 one)."""
+  inputs, work = _backward_tiles(size, 2) if backward else _forward_tiles(size, y_dtype, 2)
+  return _tile_bytes(inputs + work) <= SMEM_BUDGET
+
+
+def _kernel(r_ref, k_ref, a_ref, b_ref, v_ref, g_ref, gp_ref, s0_ref, y_ref, s_ref, *refs, num_chunks, checkpoints,
+            slots):
   """One program: BV value rows of one (batch, head)'s state through every chunk; with `checkpoints`, the first of
-  `refs` is the output [B, H, T / L, N, N] of the (bfloat16) state entering each chunk."""
+  `refs` is the output [B, H, T / L, N, N] of the (bfloat16) state entering each chunk. The input tiles have `slots`
+  slots: with two, chunk c + 1's loads go to one while chunk c's products read the other."""
   ckpt_ref, refs = (refs[0], refs[1:]) if checkpoints else (None, refs)
   r_s, k_s, a_s, b_s, g_s, gp_s, v_s, state_s, x_s, m_ak_s, p_rb_s, p_rk_s, power_s, solve_s, y_s, barriers = refs
   from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
@@ -157,26 +212,46 @@ def _kernel(r_ref, k_ref, a_ref, b_ref, v_ref, g_ref, gp_ref, s0_ref, y_ref, s_r
   cols_iota = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1, layout=wgmma_layout)
   strict, incl = rows_iota > cols_iota, rows_iota >= cols_iota
 
-  # The state block enters through g's tile (both [64, N] float32).
-  plgpu.copy_gmem_to_smem(s0_ref.at[batch, head, values], g_s.at[0], barriers.at[7])
-  plgpu.barrier_wait(barriers.at[7])
-  state = plgpu.load(g_s.at[0], layout=wgmma_layout)
+  inputs = (r_s, k_s, a_s, b_s, g_s, gp_s, v_s)
+  work = (state_s, x_s, m_ak_s, p_rb_s, p_rk_s, power_s, solve_s, y_s)
+  entry = len(inputs) * slots  # The barrier of the state's entry; barriers [7 s, 7 s + 7) track slot s's loads.
 
-  tiles = (r_s, k_s, a_s, b_s, g_s, gp_s, v_s, state_s, x_s, m_ak_s, p_rb_s, p_rk_s, power_s, solve_s, y_s)
-
-  def one_chunk(c, state):
-    # Each tile is the only slot of a [1, ...] buffer, taken at an index that is 0 but opaque to the compiler: the
-    # tiles' addresses then stay in the loop body instead of being hoisted out of it and held in registers across it.
-    slot = lax.optimization_barrier(c) - c
-    r_s, k_s, a_s, b_s, g_s, gp_s, v_s, state_s, x_s, m_ak_s, p_rb_s, p_rk_s, power_s, solve_s, y_s = (
-        tile.at[slot] for tile in tiles)
+  def fetch(c, slot, parity):
+    """Starts chunk c's loads into input slot `slot`, which is `parity` (a Python int where known) plus an opaque
+    zero, tracked by that slot's barriers."""
     tokens = pl.ds(c * CHUNK, CHUNK)
     sources = (r_ref, k_ref, a_ref, b_ref, g_ref, gp_ref)
-    for i, (src, dst) in enumerate(zip(sources, (r_s, k_s, a_s, b_s, g_s, gp_s))):
-      plgpu.copy_gmem_to_smem(src.at[batch, tokens, head], dst, barriers.at[i])
-    plgpu.copy_gmem_to_smem(v_ref.at[batch, tokens, head, values], v_s, barriers.at[6])
-    for i in range(7):
-      plgpu.barrier_wait(barriers.at[i])
+    for i, (src, dst) in enumerate(zip(sources, inputs)):
+      plgpu.copy_gmem_to_smem(src.at[batch, tokens, head], dst.at[slot], barriers.at[parity * len(inputs) + i])
+    plgpu.copy_gmem_to_smem(v_ref.at[batch, tokens, head, values], v_s.at[slot],
+                            barriers.at[parity * len(inputs) + 6])
+
+  if slots == 2:
+    fetch(0, 0, 0)
+  # The state block enters through g's last slot (both [64, N] float32), which chunk 0 does not load.
+  plgpu.copy_gmem_to_smem(s0_ref.at[batch, head, values], g_s.at[slots - 1], barriers.at[entry])
+  plgpu.barrier_wait(barriers.at[entry])
+  state = plgpu.load(g_s.at[slots - 1], layout=wgmma_layout)
+
+  def one_chunk(c, state):
+    # Each working tile is the only slot of a [1, ...] buffer, taken at an index that is 0 but opaque to the
+    # compiler: the tiles' addresses then stay in the loop body instead of being hoisted out of it and held in
+    # registers across it. The input tiles are taken at the same zero plus the chunk's slot.
+    slot = lax.optimization_barrier(c) - c
+    parity = lax.rem(c, slots) if slots > 1 else 0
+    here = slot + parity if slots > 1 else slot
+    r_s, k_s, a_s, b_s, g_s, gp_s, v_s = (tile.at[here] for tile in inputs)
+    state_s, x_s, m_ak_s, p_rb_s, p_rk_s, power_s, solve_s, y_s = (tile.at[slot] for tile in work)
+    tokens = pl.ds(c * CHUNK, CHUNK)
+    plgpu.commit_smem()  # Every thread is done with the input slot loaded next (the previous chunk's).
+    if slots == 1:
+      fetch(c, here, 0)
+    else:
+      @pl.when(c + 1 < num_chunks)
+      def _():
+        fetch(c + 1, slot + 1 - parity, 1 - parity)
+    for i in range(len(inputs)):
+      plgpu.barrier_wait(barriers.at[parity * len(inputs) + i])
 
     for start in range(0, size, BLOCK):  # [64, 64] pieces: fewer float32 values live beside the state.
       cols = (slice(None), pl.ds(start, BLOCK))
@@ -236,24 +311,29 @@ def _kernel(r_ref, k_ref, a_ref, b_ref, v_ref, g_ref, gp_ref, s0_ref, y_ref, s_r
   plgpu.wait_smem_to_gmem(0)
 
 
-def _build(shape: tuple[int, int, int, int], y_dtype: str, checkpoints: bool, interpreted: bool):
+def _scratch(tiles):
+  """Shared-memory buffers for (shape, dtype) pairs [slots, ...]: wgmma/TMA tiles, or plain rows [slots, N]."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+  return [_smem(shape[1:], dtype, shape[0]) if len(shape) == 3 else plgpu.SMEM(shape, dtype)
+          for shape, dtype in tiles]
+
+
+def _build(shape: tuple[int, int, int, int], y_dtype: str, checkpoints: bool, slots: int, interpreted: bool):
   """The kernel for inputs [B, T, H, N] (T a multiple of CHUNK), y in `y_dtype`, with or without the chunk states'
-  output: interpreted on the CPU (Mosaic GPU interpret mode) or compiled."""
+  output, with `slots` slots per input tile (2: double-buffered): interpreted on the CPU (Mosaic GPU interpret mode)
+  or compiled."""
   from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
   batch, length, heads, size = shape
-  scratch = [_smem((CHUNK, size), OPERANDS) for _ in range(4)]  # r, k, a, b; then R̂, Ǩ, Â, B̌.
-  scratch += [_smem((CHUNK, size), jnp.float32) for _ in range(2)]  # g, g⁻.
-  scratch += [_smem((CHUNK, BLOCK), OPERANDS), _smem((BLOCK, size), OPERANDS), _smem((CHUNK, BLOCK), OPERANDS)]  # v, S_0, X then U.
-  scratch += [_smem((CHUNK, CHUNK), OPERANDS) for _ in range(5)]  # M_ak, P_rb, P_rk, M^(2^i), the inverse.
-  scratch.append(_smem((CHUNK, BLOCK), y_dtype))
-  scratch.append(plgpu.Barrier(num_barriers=8))
+  inputs, work = _forward_tiles(size, y_dtype, slots)
+  scratch = _scratch(inputs + work)
+  scratch.append(plgpu.Barrier(num_barriers=len(inputs) * slots + 1))
   params = dict(interpret=plgpu.InterpretGPUParams()) if interpreted else dict(
       compiler_params=plgpu.CompilerParams())
   out_type = [jax.ShapeDtypeStruct(shape, y_dtype), jax.ShapeDtypeStruct((batch, heads, size, size), jnp.float32)]
   if checkpoints:
     out_type.append(jax.ShapeDtypeStruct((batch, heads, length // CHUNK, size, size), OPERANDS))
   return plgpu.kernel(
-      functools.partial(_kernel, num_chunks=length // CHUNK, checkpoints=checkpoints),
+      functools.partial(_kernel, num_chunks=length // CHUNK, checkpoints=checkpoints, slots=slots),
       out_type=tuple(out_type),
       scratch_types=scratch,
       grid=(batch, heads, size // BLOCK),
@@ -261,14 +341,17 @@ def _build(shape: tuple[int, int, int, int], y_dtype: str, checkpoints: bool, in
       **params)
 
 
-def forward(r, w, k, v, a, b, state, *, interpret: bool | None = None, checkpoints: bool = False):
+def forward(r, w, k, v, a, b, state, *, interpret: bool | None = None, checkpoints: bool = False,
+            pipelined: bool | None = None):
   """WKV-7 forward: (y [B, T, H, N] in v's dtype, the final state [B, H, N, N] float32), and with `checkpoints` also
   the state entering each chunk, [B, H, ceil(T / CHUNK), N, N] bfloat16 (`backward`'s residual).
 
   r, w, k, v, a, b: [B, T, H, N], any float dtype and any T (padded to a multiple of CHUNK with identity tokens), N
   in SIZES, w >= min_log_decay() (`in_range`; stronger decays overflow the factored form). state: [B, H, N, N]
-  float32. interpret: Mosaic GPU interpret mode (None: interpret unless compiling for a GPU). Not differentiable
-  itself: the op backend (`ltm_jax.ops.wkv7.pallas_mgpu`) pairs it with `backward`.
+  float32. interpret: Mosaic GPU interpret mode (None: interpret unless compiling for a GPU). pipelined: each
+  chunk's loads overlap the previous chunk's products (two slots per input tile; None: `pipelines(N)`, where they
+  fit shared memory). Not differentiable itself: the op backend (`ltm_jax.ops.wkv7.pallas_mgpu`) pairs it with
+  `backward`.
   """
   batch, length, heads, size = r.shape
   if not supported(size):
@@ -277,7 +360,10 @@ def forward(r, w, k, v, a, b, state, *, interpret: bool | None = None, checkpoin
   g, g_exclusive = chunk_log_decays(w)
   operands = [x.astype(OPERANDS) for x in (r, k, a, b, v)]
   y_dtype = jnp.dtype(v.dtype).name
-  run = backend.mosaic_gpu_call(functools.partial(_build, r.shape, y_dtype, checkpoints), interpret)
+  if pipelined is None:
+    pipelined = pipelines(size, y_dtype=y_dtype)
+  run = backend.mosaic_gpu_call(functools.partial(_build, r.shape, y_dtype, checkpoints, 2 if pipelined else 1),
+                                interpret)
   outputs = run(*operands, g, g_exclusive, state.astype(jnp.float32))
   return (outputs[0][:, :length],) + tuple(outputs[1:])
 
@@ -285,8 +371,10 @@ def forward(r, w, k, v, a, b, state, *, interpret: bool | None = None, checkpoin
 def _backward_kernel(rh_ref, kc_ref, ah_ref, bc_ref, v_ref, dy_ref, ckpt_ref, decay_ref, ds_ref,
                      dv_ref, dr_ref, da_ref, db_ref, dk_ref, dg_ref, ds0_ref,
                      rh_s, kc_s, ah_s, bc_s, v_s, dy_s, s0_s, dsb_s, ds_s, m_ak_s, p_rb_s, p_rk_s, power_s, solve_s,
-                     x_s, u_s, out_s, row_s, decay_s, barriers, *, num_chunks):
-  """One program: BV value rows of one (batch, head)'s state gradient through every chunk, last chunk first."""
+                     x_s, u_s, out_s, row_s, decay_s, barriers, *, num_chunks, slots):
+  """One program: BV value rows of one (batch, head)'s state gradient through every chunk, last chunk first. The
+  input tiles (R̂, Ǩ, Â, B̌, v, dy, S_0, e^{g_L}) have `slots` slots: with two, the next chunk's loads go to one while
+  this chunk's products read the other."""
   from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
   wgmma_layout, row_layout = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(0)
   batch, head, block = lax.axis_index("batch"), lax.axis_index("head"), lax.axis_index("block")
@@ -312,30 +400,51 @@ def _backward_kernel(rh_ref, kc_ref, ah_ref, bc_ref, v_ref, dy_ref, ckpt_ref, de
     cols_iota = plgpu.broadcasted_iota(jnp.int32, pairs, 1, layout=wgmma_layout)
     return rows_iota > cols_iota, rows_iota >= cols_iota, rows_iota == cols_iota
 
-  # dS [BV, N] float32 lives in ds_s from the first chunk to the last.
-  plgpu.copy_gmem_to_smem(ds_ref.at[batch, head, values], ds_s.at[0], barriers.at[8])
-  plgpu.barrier_wait(barriers.at[8])
-
   tiles = (rh_s, kc_s, ah_s, bc_s, v_s, dy_s, s0_s, dsb_s, ds_s, m_ak_s, p_rb_s, p_rk_s, power_s, solve_s, x_s, u_s,
            out_s, row_s, decay_s)
+  inputs = (0, 1, 2, 3, 4, 5, 6, 18)  # The positions in `tiles` of the loaded ones, `slots` slots each.
+  entry = len(inputs) * slots  # The barrier of dS's entry; barriers [8 s, 8 s + 8) track slot s's loads.
   dv_stage = 12 if dv_ref.dtype == OPERANDS else 16  # dv leaves through M^(2^i)'s tile (spent) or the float32 one.
+
+  def at(slot, here):
+    """The tiles, the working ones at `slot` (an opaque zero) and the loaded ones at `here` (that plus the slot)."""
+    return [tile.at[here if n in inputs else slot] for n, tile in enumerate(tiles)]
+
+  def fetch(c, slot, parity):
+    """Starts chunk c's loads into input slot `slot`, which is `parity` (a Python int where known) plus an opaque
+    zero, tracked by that slot's barriers."""
+    tokens = pl.ds(c * CHUNK, CHUNK)
+    sources = (rh_ref.at[batch, tokens, head], kc_ref.at[batch, tokens, head], ah_ref.at[batch, tokens, head],
+               bc_ref.at[batch, tokens, head], v_ref.at[batch, tokens, head, values],
+               dy_ref.at[batch, tokens, head, values], ckpt_ref.at[batch, head, c, values], decay_ref.at[batch, head, c])
+    for n, (src, position) in enumerate(zip(sources, inputs)):
+      plgpu.copy_gmem_to_smem(src, tiles[position].at[slot], barriers.at[parity * len(inputs) + n])
+
+  if slots == 2:
+    fetch(num_chunks - 1, 0, 0)
+  # dS [BV, N] float32 lives in ds_s from the first chunk to the last.
+  plgpu.copy_gmem_to_smem(ds_ref.at[batch, head, values], ds_s.at[0], barriers.at[entry])
+  plgpu.barrier_wait(barriers.at[entry])
 
   def one_chunk(i, carry):
     c = num_chunks - 1 - i
     slot = lax.optimization_barrier(i) - i  # As in the forward: tile addresses stay in the loop body.
-    here = [tile.at[slot] for tile in tiles]
+    parity = lax.rem(i, slots) if slots > 1 else 0
+    this = slot + parity if slots > 1 else slot
+    here = at(slot, this)
     (rh_s, kc_s, ah_s, bc_s, v_s, dy_s, s0_s, dsb_s, ds_s, m_ak_s, p_rb_s, p_rk_s, power_s, solve_s, x_s, u_s, out_s,
      row_s, decay_s) = here
     dv_s = here[dv_stage]
     tokens = pl.ds(c * CHUNK, CHUNK)
-    for n, (src, dst) in enumerate(zip((rh_ref, kc_ref, ah_ref, bc_ref), (rh_s, kc_s, ah_s, bc_s))):
-      plgpu.copy_gmem_to_smem(src.at[batch, tokens, head], dst, barriers.at[n])
-    plgpu.copy_gmem_to_smem(v_ref.at[batch, tokens, head, values], v_s, barriers.at[4])
-    plgpu.copy_gmem_to_smem(dy_ref.at[batch, tokens, head, values], dy_s, barriers.at[5])
-    plgpu.copy_gmem_to_smem(ckpt_ref.at[batch, head, c, values], s0_s, barriers.at[6])
-    plgpu.copy_gmem_to_smem(decay_ref.at[batch, head, c], decay_s, barriers.at[7])
-    for n in range(8):
-      plgpu.barrier_wait(barriers.at[n])
+    # The input slot loaded next was last read before the previous chunk's closing commit_smem (a warpgroup barrier).
+    if slots == 1:
+      fetch(c, this, 0)
+    else:
+      @pl.when(c > 0)
+      def _():
+        fetch(c - 1, slot + 1 - parity, 1 - parity)
+    for n in range(len(inputs)):
+      plgpu.barrier_wait(barriers.at[parity * len(inputs) + n])
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # The previous chunk's outputs have left their tiles.
 
     # dS̄ = dS diag(e^{g_L}): the only form in which the chunk uses dS. The row tile starts the log-decays' chunk
@@ -414,7 +523,7 @@ def _backward_kernel(rh_ref, kc_ref, ah_ref, bc_ref, v_ref, dy_ref, ckpt_ref, de
       # The tiles again at an opaque zero: their wgmma descriptors stay in this loop's body, not hoisted before it.
       piece_slot = lax.optimization_barrier(j) - j
       (rh_s, kc_s, ah_s, bc_s, v_s, dy_s, s0_s, dsb_s, _, m_ak_s, p_rb_s, p_rk_s, _, solve_s, x_s, u_s, out_s,
-       row_s, _) = (tile.at[piece_slot] for tile in tiles)
+       row_s, _) = at(piece_slot, piece_slot + parity if slots > 1 else piece_slot)
       dp_rb_s, dp_rk_s, dm_ab_s, dm_ak_s = p_rb_s, p_rk_s, solve_s, m_ak_s
       start = pl.multiple_of(j * BLOCK, BLOCK)
       cols = (slice(None), pl.ds(start, BLOCK))
@@ -443,25 +552,22 @@ def _backward_kernel(rh_ref, kc_ref, ah_ref, bc_ref, v_ref, dy_ref, ckpt_ref, de
   plgpu.wait_smem_to_gmem(0)
 
 
-def _build_backward(shape: tuple[int, int, int, int], dv_dtype: str, interpreted: bool):
-  """The backward kernel for inputs [B, T, H, N] (T a multiple of CHUNK), dv in `dv_dtype` (bfloat16 or float32)."""
+def _build_backward(shape: tuple[int, int, int, int], dv_dtype: str, slots: int, interpreted: bool):
+  """The backward kernel for inputs [B, T, H, N] (T a multiple of CHUNK), dv in `dv_dtype` (bfloat16 or float32),
+  `slots` slots per input tile (2: double-buffered)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
   batch, length, heads, size = shape
   chunks, blocks = length // CHUNK, size // BLOCK
-  scratch = [_smem((CHUNK, size), OPERANDS) for _ in range(4)]  # R̂, Ǩ, Â, B̌.
-  scratch += [_smem((CHUNK, BLOCK), OPERANDS) for _ in range(2)]  # v, dy.
-  scratch += [_smem((BLOCK, size), OPERANDS) for _ in range(2)]  # S_0, dS̄.
-  scratch.append(_smem((BLOCK, size), jnp.float32))  # dS.
-  scratch += [_smem((CHUNK, CHUNK), OPERANDS) for _ in range(5)]  # M_ak, P_rb, P_rk, M^(2^i), the inverse.
-  scratch += [_smem((CHUNK, BLOCK), OPERANDS) for _ in range(2)]  # X, dU, dX; U.
-  scratch.append(_smem((CHUNK, BLOCK), jnp.float32))  # The key-side gradients' [L, 64] pieces on their way out.
-  scratch += [plgpu.SMEM((1, size), jnp.float32) for _ in range(2)]  # The log-decay row; e^{g_L}.
-  scratch.append(plgpu.Barrier(num_barriers=9))
+  inputs, work = _backward_tiles(size, slots)
+  # In the kernel's order: R̂, Ǩ, Â, B̌, v, dy, S_0; dS̄, dS, M_ak, P_rb, P_rk, M^(2^i), the inverse, X (then dU, dX),
+  # U, the key-side gradients' [L, 64] pieces on their way out, the log-decay row; e^{g_L}.
+  scratch = _scratch(inputs[:7] + work + inputs[7:])
+  scratch.append(plgpu.Barrier(num_barriers=len(inputs) * slots + 1))
   params = dict(interpret=plgpu.InterpretGPUParams()) if interpreted else dict(
       compiler_params=plgpu.CompilerParams())
   partial = jax.ShapeDtypeStruct((blocks, *shape), jnp.float32)
   return plgpu.kernel(
-      functools.partial(_backward_kernel, num_chunks=chunks),
+      functools.partial(_backward_kernel, num_chunks=chunks, slots=slots),
       out_type=(jax.ShapeDtypeStruct(shape, dv_dtype), partial, partial, partial, partial,
                 jax.ShapeDtypeStruct((blocks, batch, heads, chunks, size), jnp.float32),
                 jax.ShapeDtypeStruct((batch, heads, size, size), jnp.float32)),
@@ -471,10 +577,11 @@ def _build_backward(shape: tuple[int, int, int, int], dv_dtype: str, interpreted
       **params)
 
 
-def backward(r, w, k, v, a, b, checkpoints, dy, ds, *, interpret: bool | None = None):
+def backward(r, w, k, v, a, b, checkpoints, dy, ds, *, interpret: bool | None = None, pipelined: bool | None = None):
   """The gradients (dr, dw, dk, dv, da, db in the inputs' dtypes, dstate [B, H, N, N] float32) of `forward` at
   r, w, k, v, a, b [B, T, H, N], given its chunk states `checkpoints` [B, H, ceil(T / CHUNK), N, N], dy [B, T, H, N]
-  (y's gradient) and ds [B, H, N, N] (the final state's gradient). Same range and sizes as `forward`."""
+  (y's gradient) and ds [B, H, N, N] (the final state's gradient). Same range and sizes as `forward`. pipelined:
+  each chunk's loads overlap the previous chunk's products (None: `pipelines(N, backward=True)`)."""
   batch, length, heads, size = r.shape
   if not supported(size):
     raise ValueError(f"wkv7_mgpu: head size {size} not supported; sizes {SIZES}")
@@ -490,7 +597,10 @@ def backward(r, w, k, v, a, b, checkpoints, dy, ds, *, interpret: bool | None = 
               v.astype(OPERANDS), dy.astype(OPERANDS)]
   decay_total = jnp.swapaxes(grow[:, CHUNK - 1::CHUNK], 1, 2)  # e^{g_L} [B, H, T / L, N].
   dv_dtype = "bfloat16" if v.dtype == jnp.bfloat16 else "float32"
-  run = backend.mosaic_gpu_call(functools.partial(_build_backward, r.shape, dv_dtype), interpret)
+  if pipelined is None:
+    pipelined = pipelines(size, backward=True)
+  run = backend.mosaic_gpu_call(functools.partial(_build_backward, r.shape, dv_dtype, 2 if pipelined else 1),
+                                interpret)
   dv, dr, da, db, dk, dg_total, dstate = run(*operands, checkpoints, decay_total, ds.astype(jnp.float32))
   # The value blocks' shares summed, and each decayed tile's gradient taken back to its input.
   dr, da = dr.sum(0) * grow, da.sum(0) * grow_before

@@ -4,17 +4,21 @@ inputs, outputs and gradients for tests/ops/test_wkv7_mgpu.py to check against t
 Needs jax >= 0.11 (Mosaic GPU interpret mode): run by .venv-aot's Python, `python wkv7_mgpu_worker.py OUT.npz`.
 `python wkv7_mgpu_worker.py --compiled OUT.npz` on a Hopper GPU runs the same cases compiled on it instead; the test
 file checks such a file in place of its own run with WKV7_MGPU_RESULTS=OUT.npz.
-Cases (name -> shape, dtype, log-decays):
+Cases (name -> shape, dtype, log-decays). At N = 64 the kernels overlap each chunk's loads with the previous chunk's
+products (`wkv7_mgpu.pipelines`), at N = 128 they do not:
   kernel_f32_ragged:   [1, 100, 2, 64] float32, T = one chunk and 36 tokens
   kernel_bf16:         [1, 150, 1, 64] bfloat16 (y bfloat16), three chunks, the last padded
   kernel_f32_n128:     [2, 70, 1, 128] float32, two value blocks per head
   kernel_bf16_n128:    [1, 64, 1, 128] bfloat16, one whole chunk
-  op_grad_f32:         [1, 80, 1, 64] float32 through ops.wkv7(impl="pallas_mgpu"): y, state and the gradients of
-                       all seven inputs (the forward kernel with chunk states, then the backward kernel)
-  op_grad_bf16:        [1, 128, 2, 64] bfloat16, the same
+  op_grad_f32:         [1, 150, 1, 64] float32 through ops.wkv7(impl="pallas_mgpu"): y, state and the gradients of
+                       all seven inputs (the forward kernel with chunk states, then the backward kernel), three
+                       chunks, the last padded
+  op_grad_bf16:        [1, 150, 2, 64] bfloat16, the same
   op_grad_bf16_n128:   [1, 100, 1, 128] bfloat16, the same, two value blocks per head
   op_strong_decay_f32: [1, 40, 1, 64] float32, the same with w = -2 in one channel (beyond the kernels' range:
                        "chunked" runs both ways)
+  grad_bf16_serial:    [1, 150, 1, 64] bfloat16, the kernels called directly with pipelined=False (each chunk's loads
+                       before its products, as at N = 128): y, state and the seven gradients
 Log-decays are drawn per channel from [min_log_decay() = -0.9375, -1e-6] unless stated.
 """
 
@@ -35,10 +39,11 @@ CASES = {
     "kernel_bf16": ((1, 150, 1, 64), "bfloat16"),
     "kernel_f32_n128": ((2, 70, 1, 128), "float32"),
     "kernel_bf16_n128": ((1, 64, 1, 128), "bfloat16"),
-    "op_grad_f32": ((1, 80, 1, 64), "float32"),
-    "op_grad_bf16": ((1, 128, 2, 64), "bfloat16"),
+    "op_grad_f32": ((1, 150, 1, 64), "float32"),
+    "op_grad_bf16": ((1, 150, 2, 64), "bfloat16"),
     "op_grad_bf16_n128": ((1, 100, 1, 128), "bfloat16"),
     "op_strong_decay_f32": ((1, 40, 1, 64), "float32"),
+    "grad_bf16_serial": ((1, 150, 1, 64), "bfloat16"),
 }
 
 
@@ -69,6 +74,13 @@ def main(path: str, compiled: bool = False) -> None:
     outputs, pullback = jax.vjp(lambda *x: op(*x, impl="pallas_mgpu"), *args)  # Compiled on a GPU, else interpreted.
     return outputs, pullback(cot)
 
+  @jax.jit
+  def serial_and_gradients(args, cot):
+    """The kernels' (y, state) and gradients as the op composes them, each chunk's loads before its products."""
+    y, state, chunk_states = wkv7_mgpu.forward(*args, interpret=not compiled, checkpoints=True, pipelined=False)
+    grads = wkv7_mgpu.backward(*args[:6], chunk_states, *cot, interpret=not compiled, pipelined=False)
+    return (y, state), grads
+
   for seed, (name, (shape, dtype)) in enumerate(CASES.items()):
     x = inputs(seed, shape, strong_decay=name == "op_strong_decay_f32")
     args = [jnp.asarray(z, dtype) for z in x[:6]] + [jnp.asarray(x[6])]
@@ -78,7 +90,7 @@ def main(path: str, compiled: bool = False) -> None:
       rng = np.random.default_rng(100 + seed)
       # y's cotangent in y's dtype (as autodiff hands it to the op), the state's in float32.
       cot = (jnp.asarray(rng.normal(size=shape), dtype), jnp.asarray(rng.normal(size=x[6].shape), jnp.float32))
-      (y, state), grads = op_and_pullback(args, cot)
+      (y, state), grads = (serial_and_gradients if name.endswith("serial") else op_and_pullback)(args, cot)
       saved.update({f"{name}/cot{i}": np.asarray(c, np.float32) for i, c in enumerate(cot)})
       saved.update({f"{name}/grad_dtype{i}": np.array(str(g.dtype)) for i, g in enumerate(grads)})
       saved.update({f"{name}/grad{i}": np.asarray(g, np.float32) for i, g in enumerate(grads)})
