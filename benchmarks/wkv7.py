@@ -9,9 +9,11 @@ layouts; their cost model.
   python benchmarks/wkv7.py --mode backward                      # GPU: the chunked backward's two layouts
   python benchmarks/wkv7.py --mode backward --shape 1,32,64,16   # CPU: the same kernels interpreted, numerics only
   python benchmarks/wkv7.py --mode cost [--markdown]             # the chunked kernels' cost model (docs/kernels.md)
+  python benchmarks/wkv7.py --mode mgpu --shape 8,4096,4096,64   # Hopper: the Mosaic GPU kernels' two forms
 
-Three modes. `backends` (the default) times every backend and its peers, below. `backward` times the chunked
-backward's two layouts, `cost` models the chunked kernels' cost per kernel: see `backward_layouts` and `cost_model`.
+Four modes. `backends` (the default) times every backend and its peers, below. `backward` times the chunked
+backward's two layouts, `cost` models the chunked kernels' cost per kernel, `mgpu` times the Mosaic GPU kernels with
+and without overlapped loads: see `backward_layouts`, `cost_model` and `mgpu_forms`.
 
 Peers, run in the same process when importable (and reported as missing otherwise): flash-linear-attention's
 `chunk_rwkv7` (PyTorch/Triton, `pip install fla-core`, timed with CUDA events), wind_rwkv's chunked bfloat16 CUDA
@@ -324,6 +326,46 @@ def backward_layouts(args, platform: str) -> None:
     print(common.write_results("wkv7-chunked-backward", rows))
 
 
+def mgpu_forms(args, platform: str) -> None:
+  """The Mosaic GPU kernels' two forms (`ltm_pallas.wkv7_mgpu`): each chunk's loads serial with its products, or
+  overlapped with the previous chunk's (`pipelined`, where shared memory holds two slots: N = 64), timed apart.
+
+  Per head size in SIZES at --shape's B, T, C (bfloat16): the forward with chunk states and the backward, each a
+  jitted call with the XLA work beside the kernel, median ms; and the largest difference of every output of the
+  overlapped form from the serial one's (the same arithmetic: 0 expected). On CPU the kernels run in Mosaic GPU
+  interpret mode (jax >= 0.11), numerics only. Writes benchmarks/results/wkv7-mgpu-forms-<device>.json (on a GPU).
+  """
+  from ltm_pallas import wkv7_mgpu  # pylint: disable=g-import-not-at-top  (needs jax >= 0.11 to run)
+  batch, length, channels, _ = (int(x) for x in args.shape.split(","))
+  on_gpu = platform == "gpu"
+  rows = []
+  for size in wkv7_mgpu.SIZES:
+    r, w, k, v, a, b, dy = (x.astype(jnp.bfloat16) for x in _inputs((batch, length, channels, size)))
+    state = jnp.zeros((batch, channels // size, size, size), jnp.float32)
+    outputs = {}
+    for pipelined in (False, True) if wkv7_mgpu.pipelines(size) else (False,):
+      interpret = None if on_gpu else True
+      forward = jax.jit(lambda *x, p=pipelined: wkv7_mgpu.forward(*x, checkpoints=True, pipelined=p,
+                                                                  interpret=interpret))
+      backward = jax.jit(lambda *x, p=pipelined: wkv7_mgpu.backward(*x, pipelined=p, interpret=interpret))
+      y, final, states = forward(r, w, k, v, a, b, state)
+      grads = backward(r, w, k, v, a, b, states, dy, final)
+      outputs[pipelined] = (y, final, states, *grads)
+      row = dict(size=size, shape=f"{batch}x{length}x{channels}x{size}", dtype="bfloat16", pipelined=pipelined)
+      if on_gpu:
+        row["fwd"] = common.time_fn(forward, r, w, k, v, a, b, state, max_runs=args.runs)
+        row["bwd"] = common.time_fn(backward, r, w, k, v, a, b, states, dy, final, max_runs=args.runs)
+        row.update(fwd_ms=row["fwd"]["median_ms"], bwd_ms=row["bwd"]["median_ms"])
+      if pipelined:
+        diffs = (jnp.abs(jnp.asarray(x, jnp.float32) - jnp.asarray(z, jnp.float32))
+                 for x, z in zip(outputs[True], outputs[False]))
+        row["max_diff_from_serial"] = max(float(jnp.max(d)) for d in diffs)
+      rows.append(row)
+      print({key: val for key, val in row.items() if key not in ("fwd", "bwd")}, flush=True)
+  if on_gpu:
+    print(common.write_results("wkv7-mgpu-forms", rows))
+
+
 AOT = ROOT / "benchmarks" / "results" / "gpu-aot-h100.json"
 # The compile facts of the settings the H100 times were measured with (the backward at N = 128 as 8 programs a head).
 AOT_MEASURED = ROOT / "benchmarks" / "results" / "wkv7-chunked-aot-measured-h100.json"
@@ -578,7 +620,7 @@ def backends(args, platform: str) -> None:
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--mode", choices=("backends", "backward", "cost"), default="backends")
+  parser.add_argument("--mode", choices=("backends", "backward", "cost", "mgpu"), default="backends")
   platform = "cpu" if jax.default_backend() == "cpu" else "gpu"
   group = parser.add_argument_group("backends")
   group.add_argument("--shapes", choices=sorted(SHAPES), default=platform)
@@ -586,14 +628,15 @@ def main():
   group.add_argument("--dtypes", nargs="+", default=None, help="default: float32 on cpu, bfloat16 on gpu")
   group.add_argument("--impls", nargs="+", default=list(AVAILABLE), choices=AVAILABLE)
   group.add_argument("--no-peers", action="store_true")
-  group = parser.add_argument_group("backward")
-  group.add_argument("--shape", default="8,4096,4096,128", help="B,T,C,N")
+  group = parser.add_argument_group("backward, mgpu")
+  group.add_argument("--shape", default="8,4096,4096,128", help="B,T,C,N (mgpu: N is each of the kernels' sizes)")
   group.add_argument("--runs", type=int, default=20)
   group.add_argument("--reference-rows", type=int, default=1, help="batch rows the float32 XLA reference runs on")
   group = parser.add_argument_group("cost")
   group.add_argument("--markdown", action="store_true")
   args = parser.parse_args()
-  {"backends": backends, "backward": backward_layouts, "cost": cost_model}[args.mode](args, platform)
+  modes = {"backends": backends, "backward": backward_layouts, "cost": cost_model, "mgpu": mgpu_forms}
+  modes[args.mode](args, platform)
 
 
 if __name__ == "__main__":
