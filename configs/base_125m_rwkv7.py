@@ -4,7 +4,10 @@ official x070 0.1B model (decay 64, iclr 64, value residual 32, gate 128). Batch
 its attention counterpart. Compiled for one H100 without remat (benchmarks/step_budget.py), its 64 x 2048 step
 needs 76 GiB of temporaries even after XLA's own rematerialization, and 54 GiB at 32 x 2048: on one 80 GB GPU run it
 with train.grad_accum=2 (two micro-batches of 32) or a remat policy. Point `data.source` at your own text or .bin
-tokens for anything beyond a smoke test."""
+tokens for anything beyond a smoke test.
+The residual stream is bfloat16 too (model.residual_dtype; the library's default is float32): its adds and norms
+move half the bytes; in a small RWKV-7 run on the CPU (8 layers, d_model 128, 400 steps) it trained as the float32
+stream did, within seed noise (benchmarks/results/rwkv7-bf16-residual-train-cpu.json; docs/kernels.md)."""
 
 from ltm_jax.config import Config, DataConfig, ModelConfig, TrainConfig
 
@@ -14,7 +17,8 @@ def get_config() -> Config:
       name="base_125m_rwkv7",
       model=ModelConfig(d_model=768, n_layers=12, n_heads=12, layer_pattern="W", max_seq_len=2048,
                         rwkv7_head_size=64, rwkv7_decay_lora=64, rwkv7_iclr_lora=64, rwkv7_value_lora=32,
-                        rwkv7_gate_lora=128, ln0=True, dtype="bfloat16"),
+                        rwkv7_gate_lora=128, ln0=True, dtype="bfloat16",
+                        residual_dtype="bfloat16"),
       data=DataConfig(source="embedded"),
       train=TrainConfig(steps=50_000, batch_size=64, seq_len=2048, lr=6e-4, warmup_steps=2000, eval_every=1000,
                         checkpoint_every=2000, log_every=50),
