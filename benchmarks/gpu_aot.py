@@ -344,19 +344,32 @@ MGPU_CASES = {
                                     "N64"),
     "wkv7_mgpu_pipe_bwd_n64_f32": (64, "float32", "wkv7 Mosaic GPU backward, loads overlapped, f32 B8 T4096 C4096 N64 "
                                    "(float32 dv tile)"),
+    # The state-only kernels of the segmented form (`end_states`, `state_gradients`): loads before products.
+    "wkv7_mgpu_end_n64_bf16": (64, "bfloat16", "wkv7 Mosaic GPU end states bf16 B8 T4096 C4096 N64"),
+    "wkv7_mgpu_end_n128_bf16": (128, "bfloat16", "wkv7 Mosaic GPU end states bf16 B8 T4096 C4096 N128"),
+    "wkv7_mgpu_trans_n64_bf16": (64, "bfloat16", "wkv7 Mosaic GPU transitions (no values) bf16 B8 T4096 C4096 N64"),
+    "wkv7_mgpu_trans_n128_bf16": (128, "bfloat16", "wkv7 Mosaic GPU transitions (no values) bf16 B8 T4096 C4096 N128"),
+    "wkv7_mgpu_sgrad_n64_bf16": (64, "bfloat16", "wkv7 Mosaic GPU state gradients bf16 B8 T4096 C4096 N64"),
+    "wkv7_mgpu_sgrad_n128_bf16": (128, "bfloat16", "wkv7 Mosaic GPU state gradients bf16 B8 T4096 C4096 N128"),
 }
 MGPU_SHAPE = (8, 4096, 4096)  # Batch, tokens, channels.
 
 
 def _mgpu_entry(name: str) -> str:
-  """The kernel function a case compiles: forward, forward with chunk states, or backward."""
-  return "backward" if "_bwd_" in name else "checkpoints" if "_ckpt_" in name else "forward"
+  """The kernel function a case compiles: forward, forward with chunk states, backward, end states, transitions or
+  state gradients."""
+  for mark, entry in (("_bwd_", "backward"), ("_ckpt_", "checkpoints"), ("_end_", "end_states"),
+                      ("_trans_", "transitions"), ("_sgrad_", "state_gradients")):
+    if mark in name:
+      return entry
+  return "forward"
 
 
 def _mgpu_has_entry(kernel_file: str, name: str) -> bool:
   """Whether the kernel module at `kernel_file` has case `name`'s function (a baseline revision may predate the
   backward, the chunk states' output or the overlapped loads)."""
-  marks = {"forward": "def forward(", "checkpoints": "checkpoints: bool", "backward": "def backward("}
+  marks = {"forward": "def forward(", "checkpoints": "checkpoints: bool", "backward": "def backward(",
+           "end_states": "def end_states(", "transitions": "def end_states(", "state_gradients": "def state_gradients("}
   text = pathlib.Path(kernel_file).read_text()
   return marks[_mgpu_entry(name)] in text and ("_pipe_" not in name or "pipelined: bool" in text)
 
@@ -382,7 +395,15 @@ def _mgpu_worker(name: str, kernel_file: str) -> int:
     entry = _mgpu_entry(name)
     # The form the case names, where the file has both (an older one has only the loads before the products).
     form = {"pipelined": "_pipe_" in name} if "pipelined: bool" in pathlib.Path(kernel_file).read_text() else {}
-    if entry == "backward":  # Inputs, the chunk states, dy and the final state's gradient.
+    if entry in ("end_states", "transitions"):
+      values = entry == "end_states"
+      fn = lambda w, k, v, a, b, s: kernel.end_states(w, k if values else None, v if values else None, a, b, s,
+                                                      interpret=False)
+      _compile(mesh, fn, (*inputs[1:], state), result)
+    elif entry == "state_gradients":  # r, w, a, b, dy and the leaving state's gradient.
+      fn = lambda r, w, a, b, dy, ds: kernel.state_gradients(r, w, a, b, dy, ds, interpret=False)
+      _compile(mesh, fn, (*inputs[:2], *inputs[4:6], inputs[0], state), result)
+    elif entry == "backward":  # Inputs, the chunk states, dy and the final state's gradient.
       ckpt = abstract((batch, channels // size, length // kernel.CHUNK, size, size), jnp.bfloat16)
       fn = lambda r, w, k, v, a, b, c, dy, ds: kernel.backward(r, w, k, v, a, b, c, dy, ds, interpret=False, **form)
       _compile(mesh, fn, (*inputs, ckpt, inputs[0], state), result)

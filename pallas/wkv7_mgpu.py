@@ -91,6 +91,18 @@ spilling (docs/kernels.md has each step's registers): the tiles indexed at an op
 chunk loop and again in the loop over the key-side pieces; the [L, L] masks made inside the chunk loop; the [L, 64]
 pieces as loops rather than unrolled; g_L's column sums one product at a time. The backward's key-side pieces
 leave one at a time through their one tile. Nothing here has run on a GPU: whether the overlap pays is not measured.
+
+State-only kernels (`end_states`, `state_gradients`), the extra passes of the segmented form (`wkv7_segmented`):
+same grid, warpgroup and chunks, each chunk's loads before its products, and only the tiles the state or its
+gradient needs. `end_states` walks the chunks keeping U and the state (a float32 [BV, N] block in shared memory, its
+bfloat16 copy the operand): Â, B̌, Ǩ decayed in the kernel from g, g⁻ as in the forward, M_ab and M_ak, the
+inverse, X and U, then S_L = (S_0 + U^T B̌ + V^T Ǩ) diag(e^{g_L}) in [BV, 64] column pieces; no R̂, P matrices or
+y. Without values (k, v None) it skips k, v, Ǩ, M_ak and their products: from the identity, the transition A with
+S_end = S_start A. `state_gradients` walks the chunks in reverse carrying dS: the backward's value side alone on
+R̂, Â, B̌, dy and e^{g_L} (M_ab, P_rb, the inverse, dU, dX, dS_0), no S_0, v or k. The tile code shared with the
+forward and backward (the decays, the series inverse, dS̄, dU and dX, dS_0) is in the module's helpers. Compiled
+(sm_90a, B 8, T 4096, C 4096, bfloat16): end states 170 / 195 registers and 124,985 / 206,905 B at N = 64 / 128,
+transitions 168 / 192 and 100,393 / 174,121 B, state gradients 149 / 174 and 91,185 / 140,337 B; no spills.
 """
 
 from __future__ import annotations
@@ -184,6 +196,100 @@ def pipelines(size: int, backward: bool = False, y_dtype="float32") -> bool:
   return _tile_bytes(inputs + work) <= SMEM_BUDGET
 
 
+def _load(ref):
+  """A shared-memory tile in the wgmma accumulator layout, as float32."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+  return plgpu.load(ref, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+
+
+def _product(shape, *terms):
+  """The sum of x @ y over `terms` [shape] (wgmma, float32 accumulation)."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+
+  def run(acc):
+    for x, y in terms:
+      plgpu.wgmma(acc, x, y)
+    return acc[...]
+  return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+
+def _inverse(m_ab, diagonal, power_s, solve_s):
+  """(I - M_ab)^{-1} = (I + M)(I + M^2)(I + M^4)...(I + M^32) [L, L] into solve_s as a bfloat16 operand: each round
+  squares the power and multiplies it in. m_ab: the strictly lower [L, L] float32 M_ab; diagonal: the [L, L] mask
+  of the diagonal; power_s, solve_s: [L, L] bfloat16 tiles (a wgmma's operands must be two buffers)."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+  pairs = (CHUNK, CHUNK)
+  solve = jnp.where(diagonal, 1.0, m_ab)
+  power, span = m_ab, 2
+  while span < CHUNK:
+    power_s[...] = power.astype(OPERANDS)
+    solve_s[...] = power.astype(OPERANDS)
+    plgpu.commit_smem()
+    power = _product(pairs, (solve_s, power_s))
+    power_s[...] = power.astype(OPERANDS)
+    solve_s[...] = solve.astype(OPERANDS)
+    plgpu.commit_smem()
+    solve = solve + _product(pairs, (solve_s, power_s))
+    span *= 2
+  solve_s[...] = solve.astype(OPERANDS)
+  plgpu.commit_smem()
+
+
+def _decay(size, g_s, gp_s, a_s, b_s, r_s=None, k_s=None):
+  """Â = a e^{g⁻}, R̂ = r e^{g}, B̌ = b e^{-g}, Ǩ = k e^{-g} in place as bfloat16 operands (r, k: where given), in
+  [64, 64] column pieces (fewer float32 values live at once), reading g from shared memory at each use."""
+  for start in range(0, size, BLOCK):
+    cols = (slice(None), pl.ds(start, BLOCK))
+    a_s[cols] = (_load(a_s.at[cols]) * jnp.exp(_load(gp_s.at[cols]))).astype(OPERANDS)
+    if r_s is not None:
+      r_s[cols] = (_load(r_s.at[cols]) * jnp.exp(_load(g_s.at[cols]))).astype(OPERANDS)
+    b_s[cols] = (_load(b_s.at[cols]) * jnp.exp(-_load(g_s.at[cols]))).astype(OPERANDS)
+    if k_s is not None:
+      k_s[cols] = (_load(k_s.at[cols]) * jnp.exp(-_load(g_s.at[cols]))).astype(OPERANDS)
+
+
+def _scale_gradient(ds_s, dsb_s, decay_s, size, s0_s=None, row_s=None):
+  """dS̄ = dS diag(e^{g_L}) in place in ds_s (float32) and as the bfloat16 operand dsb_s, in [BV, 64] column pieces;
+  with s0_s and row_s, row_s starts the log-decays' chunk sum with the column sums of dS̄ ⊙ S_0."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+  row_layout = plgpu.Layout.WGMMA.reduce(0)
+  piece = (BLOCK, BLOCK)
+
+  def scale_piece(j, carry):
+    start = pl.multiple_of(j * BLOCK, BLOCK)
+    cols = (slice(None), pl.ds(start, BLOCK))
+    decay = plgpu.load(decay_s.at[pl.ds(start, BLOCK)], layout=row_layout)
+    ds = _load(ds_s.at[cols]) * lax.broadcast_in_dim(decay, piece, [1])
+    ds_s[cols] = ds
+    dsb_s[cols] = ds.astype(OPERANDS)
+    if row_s is not None:
+      row_s[pl.ds(start, BLOCK)] = jnp.sum(ds * _load(s0_s.at[cols]), axis=0)
+    return carry
+
+  lax.fori_loop(0, size // BLOCK, scale_piece, 0)
+  plgpu.commit_smem()
+
+
+def _value_adjoint(p_rb_s, dy_s, bc_s, dsb_s, solve_s, x_s):
+  """dU = P_rb^T dY + B̌ dS̄^T, then dX = (I - M_ab)^{-T} dU, both into x_s [L, BV] as bfloat16."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+  block_shape = (CHUNK, BLOCK)
+  x_s[...] = _product(block_shape, (p_rb_s.T, dy_s), (bc_s, dsb_s.T)).astype(OPERANDS)
+  plgpu.commit_smem()
+  x_s[...] = _product(block_shape, (solve_s.T, x_s)).astype(OPERANDS)
+  plgpu.commit_smem()
+
+
+def _state_gradient(ds_s, dy_s, rh_s, x_s, ah_s, size):
+  """dS_0 = dY^T R̂ + dX^T Â + dS̄ in place in ds_s (holding dS̄), in [BV, 64] column pieces."""
+  def state_piece(j, carry):
+    cols = (slice(None), pl.ds(pl.multiple_of(j * BLOCK, BLOCK), BLOCK))
+    ds_s[cols] = _load(ds_s.at[cols]) + _product((BLOCK, BLOCK), (dy_s.T, rh_s.at[cols]), (x_s.T, ah_s.at[cols]))
+    return carry
+
+  lax.fori_loop(0, size // BLOCK, state_piece, 0)
+
+
 def _kernel(r_ref, k_ref, a_ref, b_ref, v_ref, g_ref, gp_ref, s0_ref, y_ref, s_ref, *refs, num_chunks, checkpoints,
             slots):
   """One program: BV value rows of one (batch, head)'s state through every chunk; with `checkpoints`, the first of
@@ -197,16 +303,7 @@ def _kernel(r_ref, k_ref, a_ref, b_ref, v_ref, g_ref, gp_ref, s0_ref, y_ref, s_r
   size = r_s.shape[-1]
   values = pl.ds(block * BLOCK, BLOCK)
 
-  def load(ref):
-    return plgpu.load(ref, layout=wgmma_layout).astype(jnp.float32)
-
-  def product(shape, *terms):
-    """The sum of x @ y over `terms` [shape] (wgmma, float32 accumulation)."""
-    def run(acc):
-      for x, y in terms:
-        plgpu.wgmma(acc, x, y)
-      return acc[...]
-    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+  load, product = _load, _product
 
   rows_iota = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0, layout=wgmma_layout)
   cols_iota = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1, layout=wgmma_layout)
@@ -253,12 +350,7 @@ def _kernel(r_ref, k_ref, a_ref, b_ref, v_ref, g_ref, gp_ref, s0_ref, y_ref, s_r
     for i in range(len(inputs)):
       plgpu.barrier_wait(barriers.at[parity * len(inputs) + i])
 
-    for start in range(0, size, BLOCK):  # [64, 64] pieces: fewer float32 values live beside the state.
-      cols = (slice(None), pl.ds(start, BLOCK))
-      a_s[cols] = (load(a_s.at[cols]) * jnp.exp(load(gp_s.at[cols]))).astype(OPERANDS)
-      r_s[cols] = (load(r_s.at[cols]) * jnp.exp(load(g_s.at[cols]))).astype(OPERANDS)
-      b_s[cols] = (load(b_s.at[cols]) * jnp.exp(-load(g_s.at[cols]))).astype(OPERANDS)
-      k_s[cols] = (load(k_s.at[cols]) * jnp.exp(-load(g_s.at[cols]))).astype(OPERANDS)
+    _decay(size, g_s, gp_s, a_s, b_s, r_s, k_s)
     state_s[...] = state.astype(OPERANDS)
     gp_s[...] = state  # g⁻ is spent: the state waits there in float32 through the chunk's products.
     plgpu.commit_smem()
@@ -271,21 +363,7 @@ def _kernel(r_ref, k_ref, a_ref, b_ref, v_ref, g_ref, gp_ref, s0_ref, y_ref, s_r
     p_rb_s[...] = jnp.where(incl, product(pairs, (r_s, b_s.T)), 0.0).astype(OPERANDS)
     p_rk_s[...] = jnp.where(incl, product(pairs, (r_s, k_s.T)), 0.0).astype(OPERANDS)
 
-    # (I - M_ab)^{-1} = (I + M)(I + M^2)(I + M^4)...: each round squares the power and multiplies it in.
-    solve = jnp.where(rows_iota == cols_iota, 1.0, m_ab)
-    power, span = m_ab, 2
-    while span < CHUNK:
-      power_s[...] = power.astype(OPERANDS)
-      solve_s[...] = power.astype(OPERANDS)  # A wgmma's operands must be two buffers.
-      plgpu.commit_smem()
-      power = product(pairs, (solve_s, power_s))
-      power_s[...] = power.astype(OPERANDS)
-      solve_s[...] = solve.astype(OPERANDS)
-      plgpu.commit_smem()
-      solve = solve + product(pairs, (solve_s, power_s))
-      span *= 2
-    solve_s[...] = solve.astype(OPERANDS)
-    plgpu.commit_smem()
+    _inverse(m_ab, rows_iota == cols_iota, power_s, solve_s)
 
     block_shape = (CHUNK, BLOCK)
     x_s[...] = product(block_shape, (a_s, state_s.T), (m_ak_s, v_s)).astype(OPERANDS)
@@ -381,16 +459,7 @@ def _backward_kernel(rh_ref, kc_ref, ah_ref, bc_ref, v_ref, dy_ref, ckpt_ref, de
   size = rh_s.shape[-1]
   values = pl.ds(block * BLOCK, BLOCK)
 
-  def load(ref):
-    return plgpu.load(ref, layout=wgmma_layout).astype(jnp.float32)
-
-  def product(shape, *terms):
-    """The sum of x @ y over `terms` [shape] (wgmma, float32 accumulation)."""
-    def run(acc):
-      for x, y in terms:
-        plgpu.wgmma(acc, x, y)
-      return acc[...]
-    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+  load, product = _load, _product
 
   pairs, block_shape, piece = (CHUNK, CHUNK), (CHUNK, BLOCK), (CHUNK, BLOCK)
 
@@ -449,18 +518,7 @@ def _backward_kernel(rh_ref, kc_ref, ah_ref, bc_ref, v_ref, dy_ref, ckpt_ref, de
 
     # dS̄ = dS diag(e^{g_L}): the only form in which the chunk uses dS. The row tile starts the log-decays' chunk
     # sum with the carried state's share, the column sums of dS̄ ⊙ S_0.
-    def scale_piece(j, carry):
-      start = pl.multiple_of(j * BLOCK, BLOCK)
-      cols = (slice(None), pl.ds(start, BLOCK))
-      decay = plgpu.load(decay_s.at[pl.ds(start, BLOCK)], layout=row_layout)
-      ds = load(ds_s.at[cols]) * lax.broadcast_in_dim(decay, piece, [1])
-      ds_s[cols] = ds
-      dsb_s[cols] = ds.astype(OPERANDS)
-      row_s[pl.ds(start, BLOCK)] = jnp.sum(ds * load(s0_s.at[cols]), axis=0)
-      return carry
-
-    lax.fori_loop(0, size // BLOCK, scale_piece, 0)
-    plgpu.commit_smem()
+    _scale_gradient(ds_s, dsb_s, decay_s, size, s0_s, row_s)
 
     # The forward's tiles: pair matrices, the inverse, X and U.
     strict, incl, diagonal = masks(slot)
@@ -468,40 +526,19 @@ def _backward_kernel(rh_ref, kc_ref, ah_ref, bc_ref, v_ref, dy_ref, ckpt_ref, de
     m_ak_s[...] = jnp.where(strict, product(pairs, (ah_s, kc_s.T)), 0.0).astype(OPERANDS)
     p_rb_s[...] = jnp.where(incl, product(pairs, (rh_s, bc_s.T)), 0.0).astype(OPERANDS)
     p_rk_s[...] = jnp.where(incl, product(pairs, (rh_s, kc_s.T)), 0.0).astype(OPERANDS)
-    solve = jnp.where(diagonal, 1.0, m_ab)
-    power, span = m_ab, 2
-    while span < CHUNK:
-      power_s[...] = power.astype(OPERANDS)
-      solve_s[...] = power.astype(OPERANDS)
-      plgpu.commit_smem()
-      power = product(pairs, (solve_s, power_s))
-      power_s[...] = power.astype(OPERANDS)
-      solve_s[...] = solve.astype(OPERANDS)
-      plgpu.commit_smem()
-      solve = solve + product(pairs, (solve_s, power_s))
-      span *= 2
-    solve_s[...] = solve.astype(OPERANDS)
-    plgpu.commit_smem()
+    _inverse(m_ab, diagonal, power_s, solve_s)
     x_s[...] = product(block_shape, (ah_s, s0_s.T), (m_ak_s, v_s)).astype(OPERANDS)
     plgpu.commit_smem()
     u_s[...] = product(block_shape, (solve_s, x_s)).astype(OPERANDS)
     plgpu.commit_smem()
 
     # Value side: dU = P_rb^T dY + B̌ dS̄^T, dX = (I - M_ab)^{-T} dU (both in x_s), dV, and dS_0 into ds_s.
-    x_s[...] = product(block_shape, (p_rb_s.T, dy_s), (bc_s, dsb_s.T)).astype(OPERANDS)
-    plgpu.commit_smem()
-    x_s[...] = product(block_shape, (solve_s.T, x_s)).astype(OPERANDS)
-    plgpu.commit_smem()
+    _value_adjoint(p_rb_s, dy_s, bc_s, dsb_s, solve_s, x_s)
     dv = product(block_shape, (p_rk_s.T, dy_s), (m_ak_s.T, x_s), (kc_s, dsb_s.T))
     dv_s[...] = dv.astype(dv_s.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(dv_s, dv_ref.at[batch, tokens, head, values])
-    def state_piece(j, carry):
-      cols = (slice(None), pl.ds(pl.multiple_of(j * BLOCK, BLOCK), BLOCK))
-      ds_s[cols] = load(ds_s.at[cols]) + product(piece, (dy_s.T, rh_s.at[cols]), (x_s.T, ah_s.at[cols]))
-      return carry
-
-    lax.fori_loop(0, size // BLOCK, state_piece, 0)
+    _state_gradient(ds_s, dy_s, rh_s, x_s, ah_s, size)
 
     # Key side: the masked pair-matrix gradients into the spent pair tiles, then this block's shares of the
     # gradients of R̂, Â, B̌, Ǩ [L, N] (before their decay factors) in [L, 64] pieces through out_s.
@@ -577,6 +614,11 @@ def _build_backward(shape: tuple[int, int, int, int], dv_dtype: str, slots: int,
       **params)
 
 
+def _decayed(x, factor):
+  """A decayed operand as the forward rounds it: x as the operand (bfloat16), times the factor, rounded again."""
+  return (x.astype(OPERANDS).astype(jnp.float32) * factor).astype(OPERANDS)
+
+
 def backward(r, w, k, v, a, b, checkpoints, dy, ds, *, interpret: bool | None = None, pipelined: bool | None = None):
   """The gradients (dr, dw, dk, dv, da, db in the inputs' dtypes, dstate [B, H, N, N] float32) of `forward` at
   r, w, k, v, a, b [B, T, H, N], given its chunk states `checkpoints` [B, H, ceil(T / CHUNK), N, N], dy [B, T, H, N]
@@ -590,10 +632,7 @@ def backward(r, w, k, v, a, b, checkpoints, dy, ds, *, interpret: bool | None = 
   g, g_exclusive = chunk_log_decays(w)
   grow, shrink, grow_before = jnp.exp(g), jnp.exp(-g), jnp.exp(g_exclusive)
 
-  def decayed(x, factor):  # As the forward rounds them: the operand, then the decayed operand.
-    return (x.astype(OPERANDS).astype(jnp.float32) * factor).astype(OPERANDS)
-
-  operands = [decayed(r, grow), decayed(k, shrink), decayed(a, grow_before), decayed(b, shrink),
+  operands = [_decayed(r, grow), _decayed(k, shrink), _decayed(a, grow_before), _decayed(b, shrink),
               v.astype(OPERANDS), dy.astype(OPERANDS)]
   decay_total = jnp.swapaxes(grow[:, CHUNK - 1::CHUNK], 1, 2)  # e^{g_L} [B, H, T / L, N].
   dv_dtype = "bfloat16" if v.dtype == jnp.bfloat16 else "float32"
@@ -617,3 +656,220 @@ def backward(r, w, k, v, a, b, checkpoints, dy, ds, *, interpret: bool | None = 
   dw = dw.reshape(r.shape)
   grads = [x[:, :length].astype(y.dtype) for x, y in zip((dr, dw, dk, dv, da, db), (r, w, k, v, a, b))]
   return (*grads, dstate)
+
+
+# State-only kernels: the passes that find each segment's entering state (`end_states`) and the gradient of the state
+# entering each segment (`state_gradients`) for `wkv7_segmented`. Same grid, warpgroup and chunks as the forward and
+# backward, with only the tiles the state (or its gradient) needs.
+
+
+def _end_state_kernel(*refs, num_chunks, values):
+  """One program: BV rows of one (batch, head)'s state through every chunk, no y. With `values` the inputs are k, v,
+  a, b, g, g⁻ and the state; without, a, b, g, g⁻ and the state (v = 0: the chunks' transition applied to it).
+
+  Per chunk: Â, B̌ (and Ǩ) decayed in place from g, g⁻ as in the forward; M_ab (and M_ak), the inverse,
+  U = (I - M_ab)^{-1} (Â S_0^T + M_ak V) and S_L = (S_0 + U^T B̌ + V^T Ǩ) diag(e^{g_L}). The float32 state stays in
+  shared memory from the first chunk to the last (updated in [BV, 64] column pieces), its bfloat16 copy the
+  products' operand."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+  if values:
+    (k_ref, v_ref, a_ref, b_ref, g_ref, gp_ref, s0_ref, s_ref,
+     k_s, v_s, a_s, b_s, g_s, gp_s, held_s, state_s, x_s, m_ak_s, power_s, solve_s, barriers) = refs
+    sources, inputs = (k_ref, a_ref, b_ref, g_ref, gp_ref), (k_s, a_s, b_s, g_s, gp_s)
+    work = (held_s, state_s, x_s, m_ak_s, power_s, solve_s)
+  else:
+    (a_ref, b_ref, g_ref, gp_ref, s0_ref, s_ref,
+     a_s, b_s, g_s, gp_s, held_s, state_s, x_s, power_s, solve_s, barriers) = refs
+    sources, inputs = (a_ref, b_ref, g_ref, gp_ref), (a_s, b_s, g_s, gp_s)
+    work = (held_s, state_s, x_s, power_s, solve_s)
+  wgmma_layout = plgpu.Layout.WGMMA
+  batch, head, block = lax.axis_index("batch"), lax.axis_index("head"), lax.axis_index("block")
+  size = a_s.shape[-1]
+  values_block = pl.ds(block * BLOCK, BLOCK)
+  loads = len(inputs) + values  # v is loaded too, with values.
+  v_tile = v_s if values else None
+  plgpu.copy_gmem_to_smem(s0_ref.at[batch, head, values_block], held_s.at[0], barriers.at[loads])
+  plgpu.barrier_wait(barriers.at[loads])
+
+  def one_chunk(c, carry):
+    slot = lax.optimization_barrier(c) - c  # As in the forward: tile addresses stay in the loop body.
+    if values:
+      k_s, v_s = inputs[0].at[slot], v_tile.at[slot]
+    a_s, b_s, g_s, gp_s = (tile.at[slot] for tile in inputs[-4:])
+    held_s, state_s, x_s, *rest = (tile.at[slot] for tile in work)
+    m_ak_s, power_s, solve_s = rest if values else (None, *rest)
+    tokens = pl.ds(c * CHUNK, CHUNK)
+    plgpu.commit_smem()  # Every thread is done with the previous chunk's input tiles.
+    for i, (src, dst) in enumerate(zip(sources, inputs)):
+      plgpu.copy_gmem_to_smem(src.at[batch, tokens, head], dst.at[slot], barriers.at[i])
+    if values:
+      plgpu.copy_gmem_to_smem(v_ref.at[batch, tokens, head, values_block], v_tile.at[slot], barriers.at[len(inputs)])
+    for i in range(loads):
+      plgpu.barrier_wait(barriers.at[i])
+
+    _decay(size, g_s, gp_s, a_s, b_s, k_s=k_s if values else None)
+    state_s[...] = _load(held_s).astype(OPERANDS)
+    plgpu.commit_smem()
+    rows_iota = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0, layout=wgmma_layout) + slot
+    cols_iota = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1, layout=wgmma_layout)
+    strict = rows_iota > cols_iota
+    pairs, block_shape = (CHUNK, CHUNK), (CHUNK, BLOCK)
+    m_ab = jnp.where(strict, _product(pairs, (a_s, b_s.T)), 0.0)
+    if values:
+      m_ak_s[...] = jnp.where(strict, _product(pairs, (a_s, k_s.T)), 0.0).astype(OPERANDS)
+    _inverse(m_ab, rows_iota == cols_iota, power_s, solve_s)
+    terms = ((a_s, state_s.T), (m_ak_s, v_s)) if values else ((a_s, state_s.T),)
+    x_s[...] = _product(block_shape, *terms).astype(OPERANDS)
+    plgpu.commit_smem()
+    x_s[...] = _product(block_shape, (solve_s, x_s)).astype(OPERANDS)
+    plgpu.commit_smem()
+
+    def state_piece(j, carry):
+      cols = (slice(None), pl.ds(pl.multiple_of(j * BLOCK, BLOCK), BLOCK))
+      terms = ((x_s.T, b_s.at[cols]), (v_s.T, k_s.at[cols])) if values else ((x_s.T, b_s.at[cols]),)
+      decay = jnp.exp(jnp.min(_load(g_s.at[cols]), axis=0))  # e^{g_L}: g falls along the chunk (w <= 0).
+      state = _load(held_s.at[cols]) + _product((BLOCK, BLOCK), *terms)
+      held_s[cols] = state * lax.broadcast_in_dim(decay, (BLOCK, BLOCK), [1])
+      return carry
+
+    lax.fori_loop(0, size // BLOCK, state_piece, 0)
+    return carry
+
+  lax.fori_loop(0, num_chunks, one_chunk, 0)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(held_s.at[0], s_ref.at[batch, head, values_block])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _state_tiles(size: int, values: bool) -> list:
+  """The end-state kernel's tiles as (shape, dtype) pairs, in its order: (k,) (v,) a, b, g, g⁻; the float32 state,
+  its bfloat16 operand, X then U, (M_ak,) M^(2^i), the inverse."""
+  keys = [((1, CHUNK, size), OPERANDS)]
+  tiles = (keys + [((1, CHUNK, BLOCK), OPERANDS)] if values else []) + keys * 2
+  tiles += [((1, CHUNK, size), jnp.float32)] * 2
+  tiles += [((1, BLOCK, size), jnp.float32), ((1, BLOCK, size), OPERANDS), ((1, CHUNK, BLOCK), OPERANDS)]
+  return tiles + [((1, CHUNK, CHUNK), OPERANDS)] * (3 if values else 2)
+
+
+def _params(interpreted: bool) -> dict:
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+  return dict(interpret=plgpu.InterpretGPUParams()) if interpreted else dict(compiler_params=plgpu.CompilerParams())
+
+
+def _build_end_state(shape: tuple[int, int, int, int], values: bool, interpreted: bool):
+  """The end-state kernel for inputs [B, T, H, N] (T a multiple of CHUNK), with or without values."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+  batch, length, heads, size = shape
+  scratch = _scratch(_state_tiles(size, values))
+  scratch.append(plgpu.Barrier(num_barriers=(6 if values else 4) + 1))
+  return plgpu.kernel(
+      functools.partial(_end_state_kernel, num_chunks=length // CHUNK, values=values),
+      out_type=jax.ShapeDtypeStruct((batch, heads, size, size), jnp.float32),
+      scratch_types=scratch,
+      grid=(batch, heads, size // BLOCK),
+      grid_names=("batch", "head", "block"),
+      **_params(interpreted))
+
+
+def end_states(w, k, v, a, b, state, *, interpret: bool | None = None):
+  """The state after each sequence [B, H, N, N] float32 from `state` [B, H, N, N] before it, without y. w, k, v, a, b:
+  [B, T, H, N], any float dtype and T (padded with identity tokens). With k and v None: the sequences' transitions
+  applied to `state` (v = 0; from the identity, the transition matrices A with S_end = S_start A). Same range and
+  sizes as `forward`, whose operands (bfloat16, the decays taken in the kernel) these are."""
+  size = w.shape[-1]
+  if not supported(size):
+    raise ValueError(f"wkv7_mgpu: head size {size} not supported; sizes {SIZES}")
+  values = v is not None
+  keys = (k, v, a, b) if values else (a, b)
+  w, *keys = wkv7_chunked.pad_tokens(CHUNK, w, *keys)
+  g, g_exclusive = chunk_log_decays(w)
+  operands = [x.astype(OPERANDS) for x in keys]
+  run = backend.mosaic_gpu_call(functools.partial(_build_end_state, w.shape, values), interpret)
+  return run(*operands, g, g_exclusive, state.astype(jnp.float32))
+
+
+def _state_gradient_kernel(rh_ref, ah_ref, bc_ref, dy_ref, decay_ref, ds_ref, ds0_ref,
+                           rh_s, ah_s, bc_s, dy_s, decay_s, ds_s, dsb_s, p_rb_s, power_s, solve_s, x_s, barriers, *,
+                           num_chunks):
+  """One program: BV rows of one (batch, head)'s state gradient through every chunk, last chunk first, without the
+  inputs' gradients. Per chunk, the backward's value side on R̂, Â, B̌ (bfloat16, decayed by XLA as for `backward`),
+  dy and e^{g_L}: dS̄ = dS diag(e^{g_L}), M_ab, P_rb, the inverse, dU = P_rb^T dY + B̌ dS̄^T,
+  dX = (I - M_ab)^{-T} dU and dS_0 = dY^T R̂ + dX^T Â + dS̄ (float32 in shared memory from the last chunk to the
+  first)."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+  wgmma_layout = plgpu.Layout.WGMMA
+  batch, head, block = lax.axis_index("batch"), lax.axis_index("head"), lax.axis_index("block")
+  size = rh_s.shape[-1]
+  values = pl.ds(block * BLOCK, BLOCK)
+  tiles = (rh_s, ah_s, bc_s, dy_s, decay_s, ds_s, dsb_s, p_rb_s, power_s, solve_s, x_s)
+  plgpu.copy_gmem_to_smem(ds_ref.at[batch, head, values], ds_s.at[0], barriers.at[5])
+  plgpu.barrier_wait(barriers.at[5])
+
+  def one_chunk(i, carry):
+    c = num_chunks - 1 - i
+    slot = lax.optimization_barrier(i) - i  # As in the forward: tile addresses stay in the loop body.
+    rh_s, ah_s, bc_s, dy_s, decay_s, ds_s, dsb_s, p_rb_s, power_s, solve_s, x_s = (tile.at[slot] for tile in tiles)
+    tokens = pl.ds(c * CHUNK, CHUNK)
+    plgpu.commit_smem()  # Every thread is done with the previous chunk's input tiles.
+    sources = (rh_ref.at[batch, tokens, head], ah_ref.at[batch, tokens, head], bc_ref.at[batch, tokens, head],
+               dy_ref.at[batch, tokens, head, values], decay_ref.at[batch, head, c])
+    for n, (src, dst) in enumerate(zip(sources, (rh_s, ah_s, bc_s, dy_s, decay_s))):
+      plgpu.copy_gmem_to_smem(src, dst, barriers.at[n])
+    for n in range(len(sources)):
+      plgpu.barrier_wait(barriers.at[n])
+
+    _scale_gradient(ds_s, dsb_s, decay_s, size)
+    pairs = (CHUNK, CHUNK)
+    rows_iota = plgpu.broadcasted_iota(jnp.int32, pairs, 0, layout=wgmma_layout) + slot
+    cols_iota = plgpu.broadcasted_iota(jnp.int32, pairs, 1, layout=wgmma_layout)
+    m_ab = jnp.where(rows_iota > cols_iota, _product(pairs, (ah_s, bc_s.T)), 0.0)
+    p_rb_s[...] = jnp.where(rows_iota >= cols_iota, _product(pairs, (rh_s, bc_s.T)), 0.0).astype(OPERANDS)
+    _inverse(m_ab, rows_iota == cols_iota, power_s, solve_s)
+    _value_adjoint(p_rb_s, dy_s, bc_s, dsb_s, solve_s, x_s)
+    _state_gradient(ds_s, dy_s, rh_s, x_s, ah_s, size)
+    return carry
+
+  lax.fori_loop(0, num_chunks, one_chunk, 0)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(ds_s.at[0], ds0_ref.at[batch, head, values])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _gradient_tiles(size: int) -> list:
+  """The state-gradient kernel's tiles as (shape, dtype) pairs, in its order: R̂, Â, B̌, dy, e^{g_L}; dS (float32),
+  dS̄ (bfloat16), P_rb, M^(2^i), the inverse, X (dU, then dX)."""
+  keys = [((1, CHUNK, size), OPERANDS)] * 3
+  return keys + [((1, CHUNK, BLOCK), OPERANDS), ((1, size), jnp.float32), ((1, BLOCK, size), jnp.float32),
+                 ((1, BLOCK, size), OPERANDS)] + [((1, CHUNK, CHUNK), OPERANDS)] * 3 + [((1, CHUNK, BLOCK), OPERANDS)]
+
+
+def _build_state_gradient(shape: tuple[int, int, int, int], interpreted: bool):
+  """The state-gradient kernel for inputs [B, T, H, N] (T a multiple of CHUNK)."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+  batch, length, heads, size = shape
+  scratch = _scratch(_gradient_tiles(size))
+  scratch.append(plgpu.Barrier(num_barriers=6))
+  return plgpu.kernel(
+      functools.partial(_state_gradient_kernel, num_chunks=length // CHUNK),
+      out_type=jax.ShapeDtypeStruct((batch, heads, size, size), jnp.float32),
+      scratch_types=scratch,
+      grid=(batch, heads, size // BLOCK),
+      grid_names=("batch", "head", "block"),
+      **_params(interpreted))
+
+
+def state_gradients(r, w, a, b, dy, ds, *, interpret: bool | None = None):
+  """The gradient of the state before each sequence [B, H, N, N] float32, given dy [B, T, H, N] (y's gradient) and ds
+  [B, H, N, N] (the gradient of the state after it), without the inputs' gradients. r, w, a, b: [B, T, H, N], any
+  float dtype and T (padded with identity tokens). Same range and sizes as `forward`; the decayed operands are
+  `backward`'s (XLA shares them where both run on the same inputs)."""
+  size = r.shape[-1]
+  if not supported(size):
+    raise ValueError(f"wkv7_mgpu: head size {size} not supported; sizes {SIZES}")
+  r, w, a, b, dy = wkv7_chunked.pad_tokens(CHUNK, r, w, a, b, dy)
+  g, g_exclusive = chunk_log_decays(w)
+  grow = jnp.exp(g)
+  operands = [_decayed(r, grow), _decayed(a, jnp.exp(g_exclusive)), _decayed(b, jnp.exp(-g)), dy.astype(OPERANDS)]
+  decay_total = jnp.swapaxes(grow[:, CHUNK - 1::CHUNK], 1, 2)  # e^{g_L} [B, H, T / L, N].
+  run = backend.mosaic_gpu_call(functools.partial(_build_state_gradient, r.shape), interpret)
+  return run(*operands, decay_total, ds.astype(jnp.float32))
