@@ -1,8 +1,9 @@
 """The chunked WKV-7 kernels parallel over time: a sequence cut into segments that run side by side.
 
-The chunked kernels (`wkv7_chunked`) run one program per (batch row, head, block of value rows), each walking the
-whole sequence. With few rows and heads (B·H·N/BV programs below the GPU's SM count) most of the GPU idles while a
-few programs walk long sequences. Here the sequence of T tokens is cut into S segments of T/S tokens, folded into the
+One composition serves two kernel sets (`Kernels`): the chunked Triton kernels (`wkv7_chunked`, `chunked_kernels`,
+`wkv7`) and the Mosaic GPU ones (`wkv7_mgpu`, `mgpu_kernels`, run by `run_segments`). Either runs one program per
+(batch row, head, block of value rows), each walking the whole sequence. With few rows and heads (B·H·N/BV programs
+below the GPU's SM count) most of the GPU idles while a few programs walk long sequences. Here the sequence of T tokens is cut into S segments of T/S tokens, folded into the
 batch ([B, T, H, N] -> [B·S, T/S, H, N], a reshape), and the state entering each segment is found first.
 
 Per (batch row, head), the state after a segment is affine in the state before it, value rows never interacting:
@@ -32,7 +33,9 @@ chunked kernels (w >= min_log_decay(chunk)); the caller checks it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +43,7 @@ from jax import lax
 
 from ltm_pallas import backend
 from ltm_pallas import wkv7_chunked as chunked
+from ltm_pallas import wkv7_mgpu as mgpu
 
 _SECOND_ORDER = ("wkv7: impl='pallas_segmented' (the Pallas WKV-7 kernels) has no second derivative; impl='scan' "
                  "and impl='chunked' are differentiable to any order")
@@ -101,13 +105,63 @@ def outgoing_gradients(ds_final: jax.Array, starts: jax.Array, transitions: jax.
   return jnp.concatenate([earlier, starts[-1:], ds_final[None]], axis=0)
 
 
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+  """The kernels a segmented run composes, each on the folded inputs [B·S, T/S, H, N] (T/S a multiple of `chunk`):
+
+    end_states(w, k, v, a, b, state) -> the state after each row [B·S, H, N, N] from `state` before it; with k and v
+      None, the rows' transitions applied to `state`;
+    state_gradients(r, w, a, b, dy, ds) -> the gradient of the state before each row, given ds after it;
+    forward(r, w, k, v, a, b, state, checkpoints) -> (y, the chunk states or None, the final states);
+    backward(r, w, k, v, a, b, chunk_states, dy, ds) -> the gradients of r, w, k, v, a, b and the entering state.
+
+  One instance per static configuration (`chunked_kernels`, `mgpu_kernels`): `_fused` caches on it."""
+  chunk: int
+  end_states: Callable
+  state_gradients: Callable
+  forward: Callable
+  backward: Callable
+  second_order: str = _SECOND_ORDER
+
+
 @functools.lru_cache(maxsize=None)
-def _fused(segments: int, chunk: int, forward_block: int, backward_block: int, backward_loop: bool,
-           forward_warps: int, backward_warps: int, operands: str, interpret: bool | None, optimize_remat: bool):
-  """The custom_vjp function for one static configuration (inputs' T a multiple of segments · chunk)."""
+def chunked_kernels(chunk: int, forward_block: int, backward_block: int, backward_loop: bool, forward_warps: int,
+                    backward_warps: int, operands: str, interpret: bool | None) -> Kernels:
+  """The chunked Triton kernels (`wkv7_chunked`) in one static configuration; the state-only passes take the
+  forward's block and warps."""
   operands = jnp.dtype(operands)
-  forward_settings = dict(chunk=chunk, block=forward_block, warps=forward_warps, operands=operands,
-                          interpret=interpret)
+  settings = dict(chunk=chunk, block=forward_block, warps=forward_warps, operands=operands, interpret=interpret)
+
+  def forward(r, w, k, v, a, b, state, checkpoints):
+    return chunked.forward(r, w, k, v, a, b, state, checkpoints=checkpoints, **settings)
+
+  backward = functools.partial(chunked.backward, chunk=chunk, block=backward_block, loop=backward_loop,
+                               warps=backward_warps, operands=operands, interpret=interpret)
+  return Kernels(chunk, functools.partial(chunked.end_states, **settings),
+                 functools.partial(chunked.state_gradients, **settings), forward, backward)
+
+
+_MGPU_SECOND_ORDER = ("wkv7: impl='pallas_mgpu' (a Mosaic GPU kernel) has no second derivative; impl='scan' and "
+                      "impl='chunked' are differentiable to any order")
+
+
+@functools.lru_cache(maxsize=None)
+def mgpu_kernels(interpret: bool | None) -> Kernels:
+  """The Mosaic GPU kernels (`wkv7_mgpu`: chunks of 64, each kernel's default load form), interpreted off GPU or
+  not (`interpret`: None, unless compiling for a GPU)."""
+
+  def forward(r, w, k, v, a, b, state, checkpoints):
+    out = mgpu.forward(r, w, k, v, a, b, state, checkpoints=checkpoints, interpret=interpret)
+    return out[0], out[2] if checkpoints else None, out[1]
+
+  return Kernels(mgpu.CHUNK, functools.partial(mgpu.end_states, interpret=interpret),
+                 functools.partial(mgpu.state_gradients, interpret=interpret), forward,
+                 functools.partial(mgpu.backward, interpret=interpret), _MGPU_SECOND_ORDER)
+
+
+@functools.lru_cache(maxsize=None)
+def _fused(segments: int, kernels: Kernels, optimize_remat: bool):
+  """The custom_vjp function for one static configuration (inputs' T a multiple of segments · kernels.chunk)."""
 
   def entering(r, w, k, v, a, b, state):
     """Folded inputs, the folded states entering the segments [B·S, H, N, N] and the transitions [S, B, H, N, N]."""
@@ -115,15 +169,15 @@ def _fused(segments: int, chunk: int, forward_block: int, backward_block: int, b
     w, k, v, a, b = (_fold(x, segments) for x in (w, k, v, a, b))
     batch, heads, size = state.shape[0], state.shape[1], state.shape[-1]
     starts = jnp.zeros((batch, segments, heads, size, size), jnp.float32).at[:, 0].set(state)
-    ends = chunked.end_states(w, k, v, a, b, starts.reshape(-1, heads, size, size), **forward_settings)
+    ends = kernels.end_states(w, k, v, a, b, starts.reshape(-1, heads, size, size))
     identity = jnp.broadcast_to(jnp.eye(size, dtype=jnp.float32), (batch * segments, heads, size, size))
-    transitions = _by_segment(chunked.end_states(w, None, None, a, b, identity, **forward_settings), segments)
+    transitions = _by_segment(kernels.end_states(w, None, None, a, b, identity), segments)
     return _by_row(incoming_states(state, _by_segment(ends, segments), transitions)), transitions
 
   def segmented_forward(r, w, k, v, a, b, state, checkpoints):
     starts, transitions = entering(r, w, k, v, a, b, state)
     folded = tuple(_fold(x, segments) for x in (r, w, k, v, a, b))
-    y, ckpt, finals = chunked.forward(*folded, starts, checkpoints=checkpoints, **forward_settings)
+    y, ckpt, finals = kernels.forward(*folded, starts, checkpoints)
     return _unfold(y, segments), _by_segment(finals, segments)[-1], ckpt, transitions
 
   @jax.custom_vjp
@@ -132,27 +186,37 @@ def _fused(segments: int, chunk: int, forward_block: int, backward_block: int, b
     return y, final
 
   def run_fwd(r, w, k, v, a, b, state):
-    r, w, k, v, a, b, state = backend.first_order_only(_SECOND_ORDER, r, w, k, v, a, b, state)
+    r, w, k, v, a, b, state = backend.first_order_only(kernels.second_order, r, w, k, v, a, b, state)
     y, final, ckpt, transitions = segmented_forward(r, w, k, v, a, b, state, checkpoints=True)
     return (y, final), (r, w, k, v, a, b, ckpt, transitions)
 
   def run_bwd(residuals, cotangents):
-    residuals, cotangents = backend.first_order_only(_SECOND_ORDER, residuals, cotangents)
+    residuals, cotangents = backend.first_order_only(kernels.second_order, residuals, cotangents)
     *inputs, ckpt, transitions = residuals
     dy, ds_final = cotangents
     dy, ds_final = _fold(dy.astype(inputs[3].dtype), segments), ds_final.astype(jnp.float32)
     r, w, k, v, a, b = (_fold(x, segments) for x in inputs)
     batch, heads, size = ds_final.shape[0], ds_final.shape[1], ds_final.shape[-1]
     ends = jnp.zeros((batch, segments, heads, size, size), jnp.float32).at[:, -1].set(ds_final)
-    starts = chunked.state_gradients(r, w, a, b, dy, ends.reshape(-1, heads, size, size), **forward_settings)
+    starts = kernels.state_gradients(r, w, a, b, dy, ends.reshape(-1, heads, size, size))
     ds_out = outgoing_gradients(ds_final, _by_segment(starts, segments), transitions)
-    grads = chunked.backward(r, w, k, v, a, b, ckpt, dy, _by_row(ds_out), chunk=chunk, block=backward_block,
-                             loop=backward_loop, warps=backward_warps, operands=operands, interpret=interpret)
-    *grads, ds0 = grads
+    *grads, ds0 = kernels.backward(r, w, k, v, a, b, ckpt, dy, _by_row(ds_out))
     return (*(_unfold(g, segments) for g in grads), _by_segment(ds0, segments)[0])
 
   run.defvjp(run_fwd, run_bwd, optimize_remat=optimize_remat)
   return run
+
+
+def run_segments(kernels: Kernels, segments: int, r, w, k, v, a, b, state, *, optimize_remat: bool = True):
+  """(y [B, T, H, N] in v's dtype, the final state [B, H, N, N] float32) by `kernels` over `segments` >= 2 segments
+  of the sequence run side by side; inputs of any T, padded with identity tokens to a multiple of
+  segments · kernels.chunk. Differentiable once in every argument."""
+  if isinstance(segments, bool) or not isinstance(segments, int) or segments < 2:
+    raise ValueError(f"wkv7_segmented: segments must be an int >= 2, got {segments!r}")
+  length = r.shape[1]
+  r, w, k, v, a, b = chunked.pad_tokens(segments * kernels.chunk, r, w, k, v, a, b)
+  y, final = _fused(segments, kernels, optimize_remat)(r, w, k, v, a, b, state.astype(jnp.float32))
+  return y[:, :length], final
 
 
 def wkv7(
@@ -189,16 +253,12 @@ def wkv7(
   Returns:
     y [B, T, H, N] in v's dtype, and the final state [B, H, N, N] float32.
   """
-  if isinstance(segments, bool) or not isinstance(segments, int) or segments < 2:
-    raise ValueError(f"wkv7_segmented: segments must be an int >= 2, got {segments!r}")
-  length, size = r.shape[1], r.shape[-1]
+  size = r.shape[-1]
   operands = chunked.operand_dtype(r.dtype) if operands is None else jnp.dtype(operands)
   chosen = chunked.launch_settings(size, operands, chunk=chunk, forward_block=forward_block,
                                    backward_block=backward_block, backward_loop=backward_loop,
                                    forward_warps=forward_warps, backward_warps=backward_warps)
-  r, w, k, v, a, b = chunked.pad_tokens(segments * chosen["chunk"], r, w, k, v, a, b)
-  run = _fused(segments, chosen["chunk"], chosen["forward_block"], chosen["backward_block"],
-               bool(chosen["backward_loop"]), chosen["forward_warps"], chosen["backward_warps"], operands.name,
-               interpret, optimize_remat)
-  y, final = run(r, w, k, v, a, b, state.astype(jnp.float32))
-  return y[:, :length], final
+  kernels = chunked_kernels(chosen["chunk"], chosen["forward_block"], chosen["backward_block"],
+                            bool(chosen["backward_loop"]), chosen["forward_warps"], chosen["backward_warps"],
+                            operands.name, interpret)
+  return run_segments(kernels, segments, r, w, k, v, a, b, state, optimize_remat=optimize_remat)

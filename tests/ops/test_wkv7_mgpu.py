@@ -1,10 +1,10 @@
-"""The Mosaic GPU WKV-7 kernels (`ltm_pallas.wkv7_mgpu`, impl="pallas_mgpu"), forward and backward, against the
-float64 reference and its gradients.
+"""The Mosaic GPU WKV-7 kernels (`ltm_pallas.wkv7_mgpu`, impl="pallas_mgpu"), forward, backward and the state-only
+kernels, and the op through segments, against the float64 reference and its gradients.
 
 Platform: the kernels run in Mosaic GPU interpret mode on the CPU, which needs jax >= 0.11 (Python 3.12): the AOT
 venv's (.venv-aot, built by `make test`/`make gpu-aot`). tests/ops/wkv7_mgpu_worker.py runs them there in a
-subprocess (about 36 s on 2 cores) and saves inputs, outputs and gradients; the references are computed here, in
-float64. Without .venv-aot the tests skip. On a Hopper GPU, `.venv-aot/bin/python tests/ops/wkv7_mgpu_worker.py
+subprocess and saves inputs, outputs and gradients; the references are computed here, in float64 (the whole file
+about 60 s on 2 cores). Without .venv-aot the tests skip. On a Hopper GPU, `.venv-aot/bin/python tests/ops/wkv7_mgpu_worker.py
 --compiled OUT.npz` runs the cases compiled, and WKV7_MGPU_RESULTS=OUT.npz has these tests check that file instead.
 Without such a file, compiled runs are not covered here; the deviceless sm_90a compile is (`benchmarks/gpu_aot.py
 --mgpu`: registers, spills and shared memory, see COMPILED_CASES).
@@ -43,11 +43,18 @@ SERIAL_CASES = ("grad_bf16_serial",)
 # The strong-decay case runs the float32 "chunked" backend both ways: float32 error only (measured 2.3e-7 to 3.8e-7).
 F32_RTOL = 1e-5
 KERNEL_CASES = ("kernel_f32_ragged", "kernel_bf16", "kernel_f32_n128", "kernel_bf16_n128")
+# The state-only kernels (`end_states` with and without values, `state_gradients`): the forward's and backward's
+# operands and products, so the forward's tolerance.
+STATE_CASES = ("states_f32_ragged", "states_bf16_n128")
+# The op through two segments (`wkv7_segmented` with the Mosaic GPU kernels): the state-only kernels, the scans in
+# float32, then the forward and backward kernels from each segment's entering state; the op's tolerances.
+SEGMENTED_CASES = ("op_grad_segmented_bf16",)
 # The compiled cases of benchmarks/gpu_aot.py --mgpu checked here: the forward with the most shared memory in each form
 # (N = 128 float32 y; N = 64 float32 y with the loads overlapped), the backward at N = 128 (the most shared memory)
-# and with the loads overlapped at N = 64 float32 (the most registers).
+# and with the loads overlapped at N = 64 float32 (the most registers), and the end-state kernel at N = 128 (the
+# state-only kernels' most shared memory and registers).
 COMPILED_CASES = ("wkv7_mgpu_n128_f32", "wkv7_mgpu_pipe_n64_f32", "wkv7_mgpu_bwd_n128_bf16",
-                  "wkv7_mgpu_pipe_bwd_n64_f32")
+                  "wkv7_mgpu_pipe_bwd_n64_f32", "wkv7_mgpu_end_n128_bf16")
 SMEM_PER_BLOCK = 232448  # Hopper's opt-in shared memory per block, 227 KiB.
 
 
@@ -134,6 +141,28 @@ def test_op_values_and_gradients(results, name):
   _check_op(results, name, RTOL, GRAD_RTOL)
 
 
+@pytest.mark.parametrize("name", STATE_CASES)
+def test_state_kernels_match_the_reference(results, name):
+  """`end_states` from a random state, the transition (from the identity without values: S_end = S_start A) and
+  `state_gradients` (the gradient of the entering state given dy and the leaving state's gradient)."""
+  inputs, _, end = _case(results, name)
+  _, end_ref = _reference(inputs)
+  _assert_close(end, end_ref, RTOL, f"{name}: end state")
+  identity = np.broadcast_to(np.eye(inputs[6].shape[-1]), inputs[6].shape)
+  _, transition_ref = _reference(inputs[:3] + [np.zeros_like(inputs[3])] + inputs[4:6] + [identity])
+  _assert_close(results[f"{name}/transition"], transition_ref, RTOL, f"{name}: transition")
+  state_grad_ref = _reference_gradients(inputs, [results[f"{name}/cot{i}"] for i in range(2)])[6]
+  _assert_close(results[f"{name}/state_grad"], state_grad_ref, RTOL, f"{name}: state gradient")
+
+
+@pytest.mark.parametrize("name", SEGMENTED_CASES)
+def test_segmented_op_values_and_gradients(results, name):
+  """impl="pallas_mgpu" through ops.wkv7 where the segment rule gives S = 2 (MIN_SEGMENT lowered to 128 at T = 256):
+  y, the state and the seven gradients through the segmented path."""
+  assert int(results[f"{name}/segments"]) == 2
+  _check_op(results, name, RTOL, GRAD_RTOL)
+
+
 @pytest.mark.parametrize("name", SERIAL_CASES)
 def test_serial_form_values_and_gradients(results, name):
   """`forward(pipelined=False)` with chunk states, then `backward(pipelined=False)`: y, the state and the seven
@@ -167,7 +196,7 @@ def test_op_refuses_other_head_sizes():
 
 @pytest.mark.slow
 def test_compiles_for_h100_without_spills(tmp_path):
-  """The kernels compile for sm_90a (deviceless, about 55 s for the four cases on 2 cores) with no register spills
+  """The kernels compile for sm_90a (deviceless, about 65 s for the five cases on 2 cores) with no register spills
   and within Hopper's shared memory."""
   if not (ROOT / ".venv-aot" / ".installed").exists():
     pytest.skip("needs .venv-aot (the CUDA plugin and ptxas; `make gpu-aot` builds it)")

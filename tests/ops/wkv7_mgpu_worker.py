@@ -19,6 +19,13 @@ products (`wkv7_mgpu.pipelines`), at N = 128 they do not:
                        "chunked" runs both ways)
   grad_bf16_serial:    [1, 150, 1, 64] bfloat16, the kernels called directly with pipelined=False (each chunk's loads
                        before its products, as at N = 128): y, state and the seven gradients
+  states_f32_ragged:   [1, 100, 2, 64] float32, the state-only kernels: `end_states` from the random state (saved as
+                       y = nothing, state = the end state), from the identity without values (the transition,
+                       `transition`) and `state_gradients` of random dy and ds (`state_grad`)
+  states_bf16_n128:    [1, 128, 1, 128] bfloat16, the same, two value blocks per head
+  op_grad_segmented_bf16: [1, 256, 1, 64] bfloat16 through ops.wkv7(impl="pallas_mgpu") with
+                       pallas_segmented.MIN_SEGMENT = 128, so that the op runs two segments of 128 tokens
+                       (`wkv7_segmented` with the Mosaic GPU kernels): y, state and the seven gradients
 Log-decays are drawn per channel from [min_log_decay() = -0.9375, -1e-6] unless stated.
 """
 
@@ -31,6 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ltm_jax.ops.wkv7 import pallas_mgpu
+from ltm_jax.ops.wkv7 import pallas_segmented
 from ltm_jax.ops.wkv7 import wkv7 as op
 from ltm_pallas import wkv7_mgpu
 
@@ -44,7 +53,11 @@ CASES = {
     "op_grad_bf16_n128": ((1, 100, 1, 128), "bfloat16"),
     "op_strong_decay_f32": ((1, 40, 1, 64), "float32"),
     "grad_bf16_serial": ((1, 150, 1, 64), "bfloat16"),
+    "states_f32_ragged": ((1, 100, 2, 64), "float32"),
+    "states_bf16_n128": ((1, 128, 1, 128), "bfloat16"),
+    "op_grad_segmented_bf16": ((1, 256, 1, 64), "bfloat16"),
 }
+SEGMENT = 128  # pallas_segmented.MIN_SEGMENT for op_grad_segmented_bf16: T = 256 gives S = 2.
 
 
 def inputs(seed: int, shape, strong_decay: bool = False):
@@ -81,16 +94,37 @@ def main(path: str, compiled: bool = False) -> None:
     grads = wkv7_mgpu.backward(*args[:6], chunk_states, *cot, interpret=not compiled, pipelined=False)
     return (y, state), grads
 
+  @jax.jit
+  def state_kernels(args, cot):
+    """`end_states` from the state, the transition (from the identity, no values) and `state_gradients`."""
+    r, w, k, v, a, b, state = args
+    ends = wkv7_mgpu.end_states(w, k, v, a, b, state, interpret=not compiled)
+    identity = jnp.broadcast_to(jnp.eye(state.shape[-1], dtype=jnp.float32), state.shape)
+    transition = wkv7_mgpu.end_states(w, None, None, a, b, identity, interpret=not compiled)
+    return ends, transition, wkv7_mgpu.state_gradients(r, w, a, b, *cot, interpret=not compiled)
+
   for seed, (name, (shape, dtype)) in enumerate(CASES.items()):
     x = inputs(seed, shape, strong_decay=name == "op_strong_decay_f32")
     args = [jnp.asarray(z, dtype) for z in x[:6]] + [jnp.asarray(x[6])]
+    segment = pallas_segmented.MIN_SEGMENT
+    if "segmented" in name:
+      pallas_segmented.MIN_SEGMENT = SEGMENT
+      saved[f"{name}/segments"] = np.array(pallas_mgpu.segments(*shape))
     if name.startswith("kernel"):
       y, state = kernel(*args)
+    elif name.startswith("states"):
+      rng = np.random.default_rng(100 + seed)
+      cot = (jnp.asarray(rng.normal(size=shape), dtype), jnp.asarray(rng.normal(size=x[6].shape), jnp.float32))
+      state, transition, state_grad = state_kernels(args, cot)
+      y = jnp.zeros((0,), jnp.float32)
+      saved.update({f"{name}/cot{i}": np.asarray(c, np.float32) for i, c in enumerate(cot)})
+      saved[f"{name}/transition"], saved[f"{name}/state_grad"] = np.asarray(transition), np.asarray(state_grad)
     else:
       rng = np.random.default_rng(100 + seed)
       # y's cotangent in y's dtype (as autodiff hands it to the op), the state's in float32.
       cot = (jnp.asarray(rng.normal(size=shape), dtype), jnp.asarray(rng.normal(size=x[6].shape), jnp.float32))
       (y, state), grads = (serial_and_gradients if name.endswith("serial") else op_and_pullback)(args, cot)
+      pallas_segmented.MIN_SEGMENT = segment
       saved.update({f"{name}/cot{i}": np.asarray(c, np.float32) for i, c in enumerate(cot)})
       saved.update({f"{name}/grad_dtype{i}": np.array(str(g.dtype)) for i, g in enumerate(grads)})
       saved.update({f"{name}/grad{i}": np.asarray(g, np.float32) for i, g in enumerate(grads)})

@@ -7,6 +7,11 @@ products see the same S_0; half the bytes of float32), and the backward kernel t
 cotangents to all seven gradients. A call with a decay beyond the kernels' range (w < `wkv7_mgpu.min_log_decay()`,
 checked at run time in each direction) runs the "chunked" backend (pure JAX, exact) instead, its derivative included.
 Head sizes other than `wkv7_mgpu.SIZES` raise ValueError, as does a GPU older than sm_90 (NotImplementedError).
+
+Few programs over a long sequence (B·H·N/64 below the SMs, `segments` > 1: at (1, 32768, 64, 64), 64 programs and
+S = 8) run the kernels parallel over time (`pallas/wkv7_segmented.py` with `mgpu_kernels`): each segment's end state
+and transition by `wkv7_mgpu.end_states`, a scan, the forward from each segment's entering state, and in reverse
+`wkv7_mgpu.state_gradients`, a scan, the backward. Out of range, "chunked" as above.
 """
 
 from __future__ import annotations
@@ -18,8 +23,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from ltm_jax.ops.wkv7 import chunked
+from ltm_jax.ops.wkv7 import pallas_segmented
 from ltm_pallas import backend as kernel_backend
 from ltm_pallas import wkv7_mgpu
+from ltm_pallas import wkv7_segmented as segmented
 
 _SECOND_ORDER = ("wkv7: impl='pallas_mgpu' (a Mosaic GPU kernel) has no second derivative; impl='scan' and "
                  "impl='chunked' are differentiable to any order")
@@ -42,7 +49,19 @@ def wkv7(
   if not wkv7_mgpu.supported(size):
     raise ValueError(f"wkv7: impl='pallas_mgpu' takes head sizes {wkv7_mgpu.SIZES}, got {size}; impl='pallas_chunked' "
                      "or 'chunked' take any")
+  count = segments(*r.shape)
+  if count > 1:
+    # No remat optimization, as for the unsegmented kernels: interpret mode's callbacks are side effects it refuses.
+    run = functools.partial(segmented.run_segments, segmented.mgpu_kernels(interpret), count, optimize_remat=False)
+    return lax.cond(wkv7_mgpu.in_range(w), run, chunked.wkv7, r, w, k, v, a, b, state)
   return _differentiable(interpret)(r, w, k, v, a, b, state)
+
+
+def segments(batch: int, length: int, heads: int, size: int) -> int:
+  """How many segments a [B, T, H, N] sequence is cut into (`pallas/wkv7_segmented.py` with the Mosaic GPU kernels):
+  `pallas_segmented`'s rule (its SM_COUNT, PROGRAMS_PER_SM and MIN_SEGMENT) for the kernels' B·H·N/64 programs.
+  1 runs the kernels on the whole sequence."""
+  return pallas_segmented.segment_count(batch * heads * (size // wkv7_mgpu.BLOCK), length)
 
 
 @functools.lru_cache(maxsize=None)

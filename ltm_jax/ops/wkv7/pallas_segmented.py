@@ -38,7 +38,13 @@ def segments(batch: int, length: int, heads: int, size: int, dtype) -> int:
   operands = chunked.operand_dtype(dtype)
   if not chunked.fits(size, operands):
     return 1
-  programs = batch * heads * (size // min(chunked.settings(size, operands)["forward_block"], size))
+  return segment_count(batch * heads * (size // min(chunked.settings(size, operands)["forward_block"], size)), length)
+
+
+def segment_count(programs: int, length: int) -> int:
+  """The segments for a grid of `programs` programs each walking `length` tokens: 1 when they fill SM_COUNT SMs or
+  T < 2·MIN_SEGMENT; else the fewest power of two S with programs·S >= PROGRAMS_PER_SM·SM_COUNT and
+  T/S >= MIN_SEGMENT."""
   if programs >= SM_COUNT:
     return 1
   count = 1
