@@ -177,11 +177,15 @@ def test_finished_run_is_not_repeated_and_writes_nothing(uninterrupted):
 
 
 def test_fp8_and_the_compute_dtype_are_runtime_choices():
-  """A float32 run may resume or be evaluated with FP8 projections in bfloat16 (and back): same parameters."""
+  """A float32 run may resume or be evaluated with FP8 projections in bfloat16, or with a bfloat16 residual stream
+  (and back): same parameters."""
   plain = loop_config()
   fp8 = apply_overrides(plain, ["model.fp8=true", "model.dtype=bfloat16"])
   ckpt_lib.check_compatible(plain, fp8, "w")
   ckpt_lib.check_compatible(fp8, plain, "w")
+  stream = apply_overrides(plain, ["model.dtype=bfloat16", "model.residual_dtype=bfloat16"])
+  ckpt_lib.check_compatible(plain, stream, "w")
+  ckpt_lib.check_compatible(stream, plain, "w")
   with pytest.raises(CheckpointError, match=r"model.d_model"):
     ckpt_lib.check_compatible(plain, apply_overrides(fp8, ["model.d_model=64"]), "w")
 
