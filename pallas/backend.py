@@ -224,21 +224,20 @@ def call(
 
 
 def mosaic_gpu_call(build: Callable[[bool], Callable[..., Any]], interpret: bool | None) -> Callable[..., Any]:
-  """A Mosaic GPU kernel (`build(interpreted)` returns it) compiled for a GPU and run in Mosaic GPU interpret mode
-  on the CPU (`interpret=None`, by the platform compiled for, as `call` does), or as `interpret` says.
+  """A Mosaic GPU kernel (`build(interpreted)` returns it): with `interpret=None`, compiled where the default backend
+  is a GPU and run in Mosaic GPU interpret mode elsewhere; or as `interpret` says.
 
-  Mosaic GPU compiles for sm_90 and newer only; on an older GPU it raises NotImplementedError (`require_mosaic_gpu`).
+  Unlike `call`, the choice is the host's default backend, made when tracing, not the platform compiled for: Mosaic
+  GPU's interpreter runs on ordered host callbacks, and a `lax.platform_dependent` holding it cannot be lowered for a
+  GPU (the unlowered branch's effects still count). So a deviceless compilation for a GPU from a CPU host, or a
+  computation placed on a GPU host's CPU, needs `interpret` given. Mosaic GPU compiles for sm_90 and newer only; on
+  an older GPU it raises NotImplementedError (`require_mosaic_gpu`).
   """
-  if interpret is not None:
-    return build(interpret)
-  if not may_compile_for_gpu():
-    return build(True)
-
-  def by_platform(*args):
+  if interpret is None:
+    interpret = jax.default_backend() != "gpu"
+  if not interpret:
     require_mosaic_gpu()
-    return lax.platform_dependent(*args, cpu=build(True), default=build(False))
-
-  return by_platform
+  return build(interpret)
 
 
 def device_capability() -> tuple[int, int] | None:

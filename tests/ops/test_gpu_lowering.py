@@ -11,6 +11,7 @@ import subprocess
 import sys
 import warnings
 
+import jax
 import pytest
 
 from conftest import ROOT
@@ -165,3 +166,21 @@ def test_mosaic_gpu_kernels_refuse_gpus_before_hopper():
     backend.require_mosaic_gpu((8, 0))
   backend.require_mosaic_gpu((9, 0))
   backend.require_mosaic_gpu((10, 0))
+
+
+def test_mosaic_gpu_kernels_compile_on_a_gpu_host_and_interpret_elsewhere(monkeypatch):
+  """`mosaic_gpu_call` decides when tracing, by the default backend: a `lax.platform_dependent` holding Mosaic GPU's
+  interpreter (ordered host callbacks) cannot be lowered for a GPU."""
+  built = []
+
+  def build(interpreted):
+    built.append(interpreted)
+    return lambda *args: args
+
+  backend.mosaic_gpu_call(build, None)
+  backend.mosaic_gpu_call(build, False)
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(backend, "require_mosaic_gpu", lambda capability=None: None)
+  backend.mosaic_gpu_call(build, None)
+  backend.mosaic_gpu_call(build, True)
+  assert built == [True, False, False, True]

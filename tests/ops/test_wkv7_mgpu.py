@@ -210,3 +210,45 @@ def test_compiles_for_h100_without_spills(tmp_path):
   for row in rows:
     assert row["spills"] == 0 and row["stack"] == 0, row
     assert 0 < row["registers"] <= 255 and 0 < row["smem"] <= SMEM_PER_BLOCK, row
+
+
+# Compiles the op's gradient for an H100 without one (the CUDA plugin, sm_90a) with the kernels compiled
+# (interpret=False, what a Hopper host's default gives) and prints the custom calls of the optimised program.
+_OP_COMPILE = """
+import collections, json, re, sys
+sys.path[:0] = ["benchmarks", "."]
+import jax, jax.numpy as jnp
+from jax.experimental import topologies
+from jax.sharding import NamedSharding, PartitionSpec
+import gpu_aot
+from ltm_jax.ops.wkv7 import pallas_mgpu
+topology = topologies.get_topology_desc(platform="cuda", target_config=gpu_aot.H100_TARGET_CONFIG, topology="1x1x1")
+mesh = topologies.make_mesh(topology, (1,), ("x",))
+placed = NamedSharding(mesh, PartitionSpec())
+for shape in ((2, 256, 2, 64), (1, 32768, 64, 64)):
+  args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=placed) for _ in range(6)]
+  args.append(jax.ShapeDtypeStruct((shape[0], shape[2], shape[3], shape[3]), jnp.float32, sharding=placed))
+  loss = lambda *x: jnp.sum(pallas_mgpu.wkv7(*x, interpret=False)[0].astype(jnp.float32))
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    text = jax.jit(jax.grad(loss, argnums=tuple(range(7)))).trace(*args).lower().compile().as_text()
+  print(json.dumps(collections.Counter(re.findall(r'custom_call_target="([^"]+)"', text))))
+"""
+
+
+@pytest.mark.long
+def test_the_op_gradient_compiles_to_mosaic_gpu_kernels_for_h100():
+  """The op's forward and gradient as a Hopper host runs them (kernels compiled, not interpreted), compiled for
+  sm_90a without a GPU (40 s on 2 cores, so `make test-long`): 2 Mosaic GPU kernels at (2, 256, 2, 64) (forward with chunk states, backward), 5 at
+  (1, 32768, 64, 64), where the op runs 8 segments (end states and transitions, state gradients, forward, backward),
+  and no host callback (the interpreter's) in either program."""
+  if not (ROOT / ".venv-aot" / ".installed").exists():
+    pytest.skip("needs .venv-aot (the CUDA plugin; `make gpu-aot` builds it)")
+  proc = subprocess.run([str(AOT_PYTHON), "-c", _OP_COMPILE], cwd=ROOT, env=cpu_only_env(), capture_output=True,
+                        text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  lines = proc.stdout.strip().splitlines()
+  assert len(lines) == 2, proc.stdout
+  for line, kernels in zip(lines, (2, 5)):
+    calls = json.loads(line)
+    assert calls.get("mosaic_gpu_v2") == kernels, line
+    assert not any("callback" in target for target in calls), line
