@@ -389,6 +389,25 @@ def _kernel(r_ref, k_ref, a_ref, b_ref, v_ref, g_ref, gp_ref, s0_ref, y_ref, s_r
   plgpu.wait_smem_to_gmem(0)
 
 
+def _check_size(size: int) -> None:
+  if not supported(size):
+    raise ValueError(f"wkv7_mgpu: head size {size} not supported; sizes {SIZES}")
+
+
+def _launch(body, out_type, scratch, batch: int, heads: int, size: int, interpreted: bool):
+  """`body` as a Mosaic GPU kernel over grid (B, H, N / BV), one warpgroup a program: interpreted on the CPU (Mosaic
+  GPU interpret mode) or compiled."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+  params = dict(interpret=plgpu.InterpretGPUParams()) if interpreted else dict(compiler_params=plgpu.CompilerParams())
+  return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(batch, heads, size // BLOCK),
+                      grid_names=("batch", "head", "block"), **params)
+
+
+def _chunk_end_decay(grow: jax.Array) -> jax.Array:
+  """e^{g_L} [B, H, T / L, N] from e^{g} [B, T, H, N]: each chunk's last row."""
+  return jnp.swapaxes(grow[:, CHUNK - 1::CHUNK], 1, 2)
+
+
 def _scratch(tiles):
   """Shared-memory buffers for (shape, dtype) pairs [slots, ...]: wgmma/TMA tiles, or plain rows [slots, N]."""
   from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
@@ -405,18 +424,11 @@ def _build(shape: tuple[int, int, int, int], y_dtype: str, checkpoints: bool, sl
   inputs, work = _forward_tiles(size, y_dtype, slots)
   scratch = _scratch(inputs + work)
   scratch.append(plgpu.Barrier(num_barriers=len(inputs) * slots + 1))
-  params = dict(interpret=plgpu.InterpretGPUParams()) if interpreted else dict(
-      compiler_params=plgpu.CompilerParams())
   out_type = [jax.ShapeDtypeStruct(shape, y_dtype), jax.ShapeDtypeStruct((batch, heads, size, size), jnp.float32)]
   if checkpoints:
     out_type.append(jax.ShapeDtypeStruct((batch, heads, length // CHUNK, size, size), OPERANDS))
-  return plgpu.kernel(
-      functools.partial(_kernel, num_chunks=length // CHUNK, checkpoints=checkpoints, slots=slots),
-      out_type=tuple(out_type),
-      scratch_types=scratch,
-      grid=(batch, heads, size // BLOCK),
-      grid_names=("batch", "head", "block"),
-      **params)
+  body = functools.partial(_kernel, num_chunks=length // CHUNK, checkpoints=checkpoints, slots=slots)
+  return _launch(body, tuple(out_type), scratch, batch, heads, size, interpreted)
 
 
 def forward(r, w, k, v, a, b, state, *, interpret: bool | None = None, checkpoints: bool = False,
@@ -426,14 +438,13 @@ def forward(r, w, k, v, a, b, state, *, interpret: bool | None = None, checkpoin
 
   r, w, k, v, a, b: [B, T, H, N], any float dtype and any T (padded to a multiple of CHUNK with identity tokens), N
   in SIZES, w >= min_log_decay() (`in_range`; stronger decays overflow the factored form). state: [B, H, N, N]
-  float32. interpret: Mosaic GPU interpret mode (None: interpret unless compiling for a GPU). pipelined: each
+  float32. interpret: Mosaic GPU interpret mode (None: unless the default backend is a GPU). pipelined: each
   chunk's loads overlap the previous chunk's products (two slots per input tile; None: `pipelines(N)`, where they
   fit shared memory). Not differentiable itself: the op backend (`ltm_jax.ops.wkv7.pallas_mgpu`) pairs it with
   `backward`.
   """
   batch, length, heads, size = r.shape
-  if not supported(size):
-    raise ValueError(f"wkv7_mgpu: head size {size} not supported; sizes {SIZES}")
+  _check_size(size)
   r, w, k, v, a, b = wkv7_chunked.pad_tokens(CHUNK, r, w, k, v, a, b)
   g, g_exclusive = chunk_log_decays(w)
   operands = [x.astype(OPERANDS) for x in (r, k, a, b, v)]
@@ -600,18 +611,12 @@ def _build_backward(shape: tuple[int, int, int, int], dv_dtype: str, slots: int,
   # U, the key-side gradients' [L, 64] pieces on their way out, the log-decay row; e^{g_L}.
   scratch = _scratch(inputs[:7] + work + inputs[7:])
   scratch.append(plgpu.Barrier(num_barriers=len(inputs) * slots + 1))
-  params = dict(interpret=plgpu.InterpretGPUParams()) if interpreted else dict(
-      compiler_params=plgpu.CompilerParams())
   partial = jax.ShapeDtypeStruct((blocks, *shape), jnp.float32)
-  return plgpu.kernel(
-      functools.partial(_backward_kernel, num_chunks=chunks, slots=slots),
-      out_type=(jax.ShapeDtypeStruct(shape, dv_dtype), partial, partial, partial, partial,
-                jax.ShapeDtypeStruct((blocks, batch, heads, chunks, size), jnp.float32),
-                jax.ShapeDtypeStruct((batch, heads, size, size), jnp.float32)),
-      scratch_types=scratch,
-      grid=(batch, heads, blocks),
-      grid_names=("batch", "head", "block"),
-      **params)
+  out_type = (jax.ShapeDtypeStruct(shape, dv_dtype), partial, partial, partial, partial,
+              jax.ShapeDtypeStruct((blocks, batch, heads, chunks, size), jnp.float32),
+              jax.ShapeDtypeStruct((batch, heads, size, size), jnp.float32))
+  body = functools.partial(_backward_kernel, num_chunks=chunks, slots=slots)
+  return _launch(body, out_type, scratch, batch, heads, size, interpreted)
 
 
 def _decayed(x, factor):
@@ -625,8 +630,7 @@ def backward(r, w, k, v, a, b, checkpoints, dy, ds, *, interpret: bool | None = 
   (y's gradient) and ds [B, H, N, N] (the final state's gradient). Same range and sizes as `forward`. pipelined:
   each chunk's loads overlap the previous chunk's products (None: `pipelines(N, backward=True)`)."""
   batch, length, heads, size = r.shape
-  if not supported(size):
-    raise ValueError(f"wkv7_mgpu: head size {size} not supported; sizes {SIZES}")
+  _check_size(size)
   r, w, k, v, a, b, dy = wkv7_chunked.pad_tokens(CHUNK, r, w, k, v, a, b, dy)
   padded = r.shape[1]
   g, g_exclusive = chunk_log_decays(w)
@@ -634,7 +638,7 @@ def backward(r, w, k, v, a, b, checkpoints, dy, ds, *, interpret: bool | None = 
 
   operands = [_decayed(r, grow), _decayed(k, shrink), _decayed(a, grow_before), _decayed(b, shrink),
               v.astype(OPERANDS), dy.astype(OPERANDS)]
-  decay_total = jnp.swapaxes(grow[:, CHUNK - 1::CHUNK], 1, 2)  # e^{g_L} [B, H, T / L, N].
+  decay_total = _chunk_end_decay(grow)
   dv_dtype = "bfloat16" if v.dtype == jnp.bfloat16 else "float32"
   if pipelined is None:
     pipelined = pipelines(size, backward=True)
@@ -751,24 +755,15 @@ def _state_tiles(size: int, values: bool) -> list:
   return tiles + [((1, CHUNK, CHUNK), OPERANDS)] * (3 if values else 2)
 
 
-def _params(interpreted: bool) -> dict:
-  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
-  return dict(interpret=plgpu.InterpretGPUParams()) if interpreted else dict(compiler_params=plgpu.CompilerParams())
-
-
 def _build_end_state(shape: tuple[int, int, int, int], values: bool, interpreted: bool):
   """The end-state kernel for inputs [B, T, H, N] (T a multiple of CHUNK), with or without values."""
   from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
   batch, length, heads, size = shape
   scratch = _scratch(_state_tiles(size, values))
   scratch.append(plgpu.Barrier(num_barriers=(6 if values else 4) + 1))
-  return plgpu.kernel(
-      functools.partial(_end_state_kernel, num_chunks=length // CHUNK, values=values),
-      out_type=jax.ShapeDtypeStruct((batch, heads, size, size), jnp.float32),
-      scratch_types=scratch,
-      grid=(batch, heads, size // BLOCK),
-      grid_names=("batch", "head", "block"),
-      **_params(interpreted))
+  body = functools.partial(_end_state_kernel, num_chunks=length // CHUNK, values=values)
+  return _launch(body, jax.ShapeDtypeStruct((batch, heads, size, size), jnp.float32), scratch, batch, heads, size,
+                 interpreted)
 
 
 def end_states(w, k, v, a, b, state, *, interpret: bool | None = None):
@@ -777,8 +772,7 @@ def end_states(w, k, v, a, b, state, *, interpret: bool | None = None):
   applied to `state` (v = 0; from the identity, the transition matrices A with S_end = S_start A). Same range and
   sizes as `forward`, whose operands (bfloat16, the decays taken in the kernel) these are."""
   size = w.shape[-1]
-  if not supported(size):
-    raise ValueError(f"wkv7_mgpu: head size {size} not supported; sizes {SIZES}")
+  _check_size(size)
   values = v is not None
   keys = (k, v, a, b) if values else (a, b)
   w, *keys = wkv7_chunked.pad_tokens(CHUNK, w, *keys)
@@ -849,13 +843,9 @@ def _build_state_gradient(shape: tuple[int, int, int, int], interpreted: bool):
   batch, length, heads, size = shape
   scratch = _scratch(_gradient_tiles(size))
   scratch.append(plgpu.Barrier(num_barriers=6))
-  return plgpu.kernel(
-      functools.partial(_state_gradient_kernel, num_chunks=length // CHUNK),
-      out_type=jax.ShapeDtypeStruct((batch, heads, size, size), jnp.float32),
-      scratch_types=scratch,
-      grid=(batch, heads, size // BLOCK),
-      grid_names=("batch", "head", "block"),
-      **_params(interpreted))
+  body = functools.partial(_state_gradient_kernel, num_chunks=length // CHUNK)
+  return _launch(body, jax.ShapeDtypeStruct((batch, heads, size, size), jnp.float32), scratch, batch, heads, size,
+                 interpreted)
 
 
 def state_gradients(r, w, a, b, dy, ds, *, interpret: bool | None = None):
@@ -864,12 +854,11 @@ def state_gradients(r, w, a, b, dy, ds, *, interpret: bool | None = None):
   float dtype and T (padded with identity tokens). Same range and sizes as `forward`; the decayed operands are
   `backward`'s (XLA shares them where both run on the same inputs)."""
   size = r.shape[-1]
-  if not supported(size):
-    raise ValueError(f"wkv7_mgpu: head size {size} not supported; sizes {SIZES}")
+  _check_size(size)
   r, w, a, b, dy = wkv7_chunked.pad_tokens(CHUNK, r, w, a, b, dy)
   g, g_exclusive = chunk_log_decays(w)
   grow = jnp.exp(g)
   operands = [_decayed(r, grow), _decayed(a, jnp.exp(g_exclusive)), _decayed(b, jnp.exp(-g)), dy.astype(OPERANDS)]
-  decay_total = jnp.swapaxes(grow[:, CHUNK - 1::CHUNK], 1, 2)  # e^{g_L} [B, H, T / L, N].
+  decay_total = _chunk_end_decay(grow)
   run = backend.mosaic_gpu_call(functools.partial(_build_state_gradient, r.shape), interpret)
   return run(*operands, decay_total, ds.astype(jnp.float32))

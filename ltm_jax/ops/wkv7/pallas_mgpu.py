@@ -5,7 +5,8 @@ The primal runs the forward kernel alone. Under differentiation the forward kern
 each chunk, [B, H, ceil(T / 64), N, N] in bfloat16 (the operand the forward's products read, so the backward's
 products see the same S_0; half the bytes of float32), and the backward kernel takes those with the inputs and the
 cotangents to all seven gradients. A call with a decay beyond the kernels' range (w < `wkv7_mgpu.min_log_decay()`,
-checked at run time in each direction) runs the "chunked" backend (pure JAX, exact) instead, its derivative included.
+checked once at run time; the backward follows the forward's choice) runs the "chunked" backend (pure JAX, exact)
+instead, its derivative included.
 Head sizes other than `wkv7_mgpu.SIZES` raise ValueError, as does a GPU older than sm_90 (NotImplementedError).
 
 Few programs over a long sequence (B·H·N/64 below the SMs, `segments` > 1: at (1, 32768, 64, 64), 64 programs and
@@ -44,7 +45,7 @@ def wkv7(
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """WKV-7 by the Mosaic GPU kernels; shapes are validated by the caller (`ltm_jax.ops.wkv7.wkv7`), whose arguments
-  and results these are. `interpret`: Mosaic GPU interpret mode (None: unless compiling for a GPU)."""
+  and results these are. `interpret`: Mosaic GPU interpret mode (None: unless the default backend is a GPU)."""
   size = r.shape[-1]
   if not wkv7_mgpu.supported(size):
     raise ValueError(f"wkv7: impl='pallas_mgpu' takes head sizes {wkv7_mgpu.SIZES}, got {size}; impl='pallas_chunked' "
@@ -81,13 +82,13 @@ def _differentiable(interpret: bool | None):
       y, final = chunked.wkv7(*x)
       return y, final, jnp.zeros((batch, heads, chunks, size, size), wkv7_mgpu.OPERANDS)
 
-    y, final, states = lax.cond(wkv7_mgpu.in_range(inputs[1]), functools.partial(forward, checkpoints=True),
-                                beyond_range, *inputs)
-    return (y, final), (inputs, states)
+    kernels = wkv7_mgpu.in_range(inputs[1])
+    y, final, states = lax.cond(kernels, functools.partial(forward, checkpoints=True), beyond_range, *inputs)
+    return (y, final), (inputs, states, kernels)
 
   def run_bwd(residuals, cotangents):
     residuals, cotangents = kernel_backend.first_order_only(_SECOND_ORDER, residuals, cotangents)
-    inputs, states = residuals
+    inputs, states, kernels = residuals
     dy, dstate = cotangents
 
     def kernel(inputs, states, dy, dstate):
@@ -98,7 +99,7 @@ def _differentiable(interpret: bool | None):
       del states
       return jax.vjp(chunked.wkv7, *inputs)[1]((dy, dstate))
 
-    return lax.cond(wkv7_mgpu.in_range(inputs[1]), kernel, beyond_range, inputs, states, dy, dstate)
+    return lax.cond(kernels, kernel, beyond_range, inputs, states, dy, dstate)
 
   run.defvjp(run_fwd, run_bwd)
   return run
