@@ -1,0 +1,101 @@
+"""Runs the Mosaic GPU matmul with a fused epilogue (`ltm_pallas.matmul_mgpu`) in Mosaic GPU interpret mode on the
+CPU and saves its inputs and outputs for tests/ops/test_matmul_mgpu.py to check against float64 references.
+
+Needs jax >= 0.11 (Mosaic GPU interpret mode): run by .venv-aot's Python, `python matmul_mgpu_worker.py OUT.npz`.
+`python matmul_mgpu_worker.py --compiled OUT.npz` on a Hopper GPU runs the same cases compiled on it instead; the test
+file checks such a file in place of its own run with MATMUL_MGPU_RESULTS=OUT.npz.
+Cases (name -> M, K, N; a [M, K], b [K, G, N] and the extras bfloat16, drawn from N(0, 1) with b scaled by 1/sqrt(K)):
+  relu2_forward:   G = 1, M 256 K 192 N 256: outputs z = bf16(a @ b) and relu(bf16(z))^2, both [M, 1, N] bfloat16
+                   (2 x 2 tiles of [128, 128], 3 pipeline steps)
+  relu2_backward:  G = 1, M 128 K 128 N 128, extras (pre [M, 1, N]): a @ b * 2 relu(pre), [M, 1, N] float32
+  swiglu_forward:  G = 2, M 256 K 128 N 128: gate_up = (bf16(a @ b_0), bf16(a @ b_1)) [M, 2, N] and silu(g) u of the
+                   rounded g, u [M, 1, N], both bfloat16 (2 x 2 tiles of [128, 64], 2 steps)
+  swiglu_backward: G = 1, M 256 K 192 N 128, extras (gate_up [M, 2, N]): dh = a @ b, [M, 2, N] bfloat16 of
+                   (dh u silu'(g), dh silu(g)) (BN = 64 here: the extras' and outputs' tiles leave 2 pipeline slots
+                   at BN = 128)
+The epilogues (`EPILOGUES`) are also what the deviceless sm_90a compile check compiles.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ltm_pallas import matmul_mgpu
+
+
+def _silu(x):
+  return x / (1.0 + jnp.exp(-x))
+
+
+def relu2_forward(accs):
+  z = accs[0].astype(jnp.bfloat16)
+  r = jnp.maximum(z.astype(jnp.float32), 0.0)
+  return (z,), (r * r,)
+
+
+def relu2_backward(accs, pre):
+  return (accs[0] * 2.0 * jnp.maximum(pre[0].astype(jnp.float32), 0.0),),
+
+
+def swiglu_forward(accs):
+  g, u = (x.astype(jnp.bfloat16) for x in accs)
+  gf, uf = g.astype(jnp.float32), u.astype(jnp.float32)
+  return (g, u), (_silu(gf) * uf,)
+
+
+def swiglu_backward(accs, gate_up):
+  dh = accs[0]
+  g, u = (x.astype(jnp.float32) for x in gate_up)
+  sig = 1.0 / (1.0 + jnp.exp(-g))
+  return ((dh * u * sig * (1.0 + g * (1.0 - sig)), dh * g * sig),)
+
+
+# name -> (epilogue, M, K, N, G, extras' group counts, out_dtypes).
+EPILOGUES = {
+    "relu2_forward": (relu2_forward, (), (("bfloat16", 1), ("bfloat16", 1))),
+    "relu2_backward": (relu2_backward, (1,), (("float32", 1),)),
+    "swiglu_forward": (swiglu_forward, (), (("bfloat16", 2), ("bfloat16", 1))),
+    "swiglu_backward": (swiglu_backward, (2,), (("bfloat16", 2),)),
+}
+CASES = {  # name -> (M, K, N, G)
+    "relu2_forward": (256, 192, 256, 1),
+    "relu2_backward": (128, 128, 128, 1),
+    "swiglu_forward": (256, 128, 128, 2),
+    "swiglu_backward": (256, 192, 128, 1),
+}
+
+
+def run(name: str, seed: int, interpret: bool):
+  """(inputs, outputs) of case `name` as float32 numpy arrays: a, b, the extras; the outputs."""
+  epilogue, extra_counts, out_dtypes = EPILOGUES[name]
+  m, k, n, groups = CASES[name]
+  rng = np.random.default_rng(seed)
+  a = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
+  b = jnp.asarray(rng.normal(size=(k, groups, n)) / np.sqrt(k), jnp.bfloat16)
+  extras = [jnp.asarray(rng.normal(size=(m, e, n)), jnp.bfloat16) for e in extra_counts]
+  fn = jax.jit(lambda a, b, *x: matmul_mgpu.matmul_epilogue(a, b, x, epilogue=epilogue, out_dtypes=out_dtypes,
+                                                            interpret=interpret))
+  outs = fn(a, b, *extras)
+  assert [str(o.dtype) for o in outs] == [d for d, _ in out_dtypes], name
+  return [np.asarray(x, np.float32) for x in (a, b, *extras)], [np.asarray(o, np.float32) for o in outs]
+
+
+def main(path: str, compiled: bool = False) -> None:
+  saved = {"device": np.array(str(jax.devices()[0].device_kind))}
+  started = time.time()
+  for seed, name in enumerate(CASES):
+    inputs, outs = run(name, seed, interpret=not compiled)
+    saved.update({f"{name}/in{i}": x for i, x in enumerate(inputs)})
+    saved.update({f"{name}/out{i}": x for i, x in enumerate(outs)})
+    print(name, f"{time.time() - started:.1f} s", file=sys.stderr)
+  np.savez(path, **saved)
+  print("ok")
+
+
+if __name__ == "__main__":
+  main(sys.argv[-1], compiled="--compiled" in sys.argv[1:-1])

@@ -1,0 +1,151 @@
+"""The Mosaic GPU matmul with a fused epilogue (`ltm_pallas.matmul_mgpu`) against float64 references: relu^2 and SwiGLU
+feed-forward epilogues, forward and backward.
+
+Platform: the kernel runs in Mosaic GPU interpret mode on the CPU, which needs jax >= 0.11 (Python 3.12): the AOT
+venv's (.venv-aot). tests/ops/matmul_mgpu_worker.py runs the cases there in one subprocess (about 5 s) and saves
+inputs and outputs; the references are computed here in float64 from the same (bfloat16) inputs. Without .venv-aot the
+tests skip. On a Hopper GPU, `.venv-aot/bin/python tests/ops/matmul_mgpu_worker.py --compiled OUT.npz` runs the
+cases compiled, and MATMUL_MGPU_RESULTS=OUT.npz has these tests check that file instead.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import ROOT, cpu_only_env
+
+AOT_PYTHON = ROOT / ".venv-aot" / "bin" / "python"
+WORKER = ROOT / "tests" / "ops" / "matmul_mgpu_worker.py"
+# Relative to max |expected| of each output. The products accumulate bfloat16 inputs exactly in float32; the error is
+# the outputs' bfloat16 rounding (2^-9 relative) and, where the epilogue works from bfloat16-rounded pre-activations,
+# that rounding carried through relu^2 or silu. Measured: 1.0e-4 (the rounded gate/up themselves) to 2.6e-3 (silu(g) u)
+# for the bfloat16 outputs, 9.8e-8 for the float32 relu^2 backward; against gate and up swapped, 0.83 and 1.2.
+RTOL = 2.0**-7
+F32_RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+  if given := os.environ.get("MATMUL_MGPU_RESULTS"):  # The worker's output from elsewhere (--compiled on a GPU).
+    with np.load(given) as saved:
+      return dict(saved)
+  if not (ROOT / ".venv-aot" / ".installed").exists():
+    pytest.skip("needs .venv-aot (jax >= 0.11 for Mosaic GPU interpret mode; `make gpu-aot` builds it)")
+  out = tmp_path_factory.mktemp("matmul_mgpu") / "results.npz"
+  proc = subprocess.run([str(AOT_PYTHON), str(WORKER), str(out)], cwd=ROOT, env=cpu_only_env(), capture_output=True,
+                        text=True, timeout=600)
+  assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
+  with np.load(out) as saved:
+    return dict(saved)
+
+
+def _bf16(x):
+  """x rounded to bfloat16 (round to nearest even), in float64."""
+  bits = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+  bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+  return bits.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+def _silu(x):
+  return x / (1.0 + np.exp(-x))
+
+
+def _inputs(results, name, count):
+  return [results[f"{name}/in{i}"].astype(np.float64) for i in range(count)]
+
+
+def _products(a, b):
+  """a @ b[:, g, :] for each group g, [M, G, N] in float64."""
+  return np.einsum("mk,kgn->mgn", a, b)
+
+
+def relu2_forward_reference(results, name="relu2_forward"):
+  a, b = _inputs(results, name, 2)
+  z = _bf16(_products(a, b))
+  return [z, np.maximum(z, 0.0) ** 2]
+
+
+def relu2_backward_reference(results, name="relu2_backward"):
+  a, b, pre = _inputs(results, name, 3)
+  return [_products(a, b) * 2.0 * np.maximum(pre, 0.0)]
+
+
+def swiglu_forward_reference(results, name="swiglu_forward", swap=False):
+  a, b = _inputs(results, name, 2)
+  gate_up = _bf16(_products(a, b))
+  g, u = gate_up[:, :1], gate_up[:, 1:]
+  if swap:
+    g, u = u, g
+  return [gate_up, _silu(g) * u]
+
+
+def swiglu_backward_reference(results, name="swiglu_backward", swap=False):
+  a, b, gate_up = _inputs(results, name, 3)
+  dh = _products(a, b)
+  g, u = gate_up[:, :1], gate_up[:, 1:]
+  if swap:
+    g, u = u, g
+  sig = 1.0 / (1.0 + np.exp(-g))
+  return [np.concatenate([dh * u * sig * (1.0 + g * (1.0 - sig)), dh * _silu(g)], axis=1)]
+
+
+REFERENCES = {
+    "relu2_forward": (relu2_forward_reference, (RTOL, RTOL)),
+    "relu2_backward": (relu2_backward_reference, (F32_RTOL,)),
+    "swiglu_forward": (swiglu_forward_reference, (RTOL, RTOL)),
+    "swiglu_backward": (swiglu_backward_reference, (RTOL,)),
+}
+
+
+def _assert_close(actual, expected, rtol, what):
+  assert actual.shape == expected.shape, what
+  assert np.all(np.isfinite(actual)), what
+  np.testing.assert_allclose(actual, expected, rtol=rtol, atol=rtol * np.max(np.abs(expected)), err_msg=what)
+
+
+@pytest.mark.parametrize("name", REFERENCES)
+def test_matches_the_float64_reference(results, name):
+  reference, rtols = REFERENCES[name]
+  expected = reference(results)
+  assert len(expected) == len(rtols) and f"{name}/out{len(expected)}" not in results
+  for i, (want, rtol) in enumerate(zip(expected, rtols)):
+    assert np.max(np.abs(want)) > 1.0, f"{name}: output {i} is nearly zero"
+    _assert_close(results[f"{name}/out{i}"], want, rtol, f"{name}: output {i}")
+
+
+@pytest.mark.parametrize("name", ["swiglu_forward", "swiglu_backward"])
+def test_the_tolerance_catches_swapped_gate_and_up(results, name):
+  """The check above can fail: against the reference with gate and up swapped in the epilogue, the kernel's SwiGLU
+  output is out of tolerance."""
+  reference, rtols = REFERENCES[name]
+  wrong = reference(results, swap=True)[-1]
+  with pytest.raises(AssertionError):
+    _assert_close(results[f"{name}/out{len(rtols) - 1}"], wrong, rtols[-1], f"{name}: against swapped gate and up")
+
+
+# The models' feed-forward shapes: M tokens, K and N widths.
+MODEL_M, MODEL_WIDTHS = (32768, 131072), (512, 768, 2048, 3072, 3584)
+
+
+def test_the_default_tiles_take_the_models_shapes_and_refuse_others():
+  from ltm_pallas import matmul_mgpu  # pylint: disable=g-import-not-at-top
+  for m in MODEL_M:
+    for k in MODEL_WIDTHS:
+      for n in MODEL_WIDTHS:
+        assert matmul_mgpu.supported(m, k, n, 1) and matmul_mgpu.supported(m, k, n, 2), (m, k, n)
+  assert not matmul_mgpu.supported(100, 512, 512, 1)
+  assert not matmul_mgpu.supported(128, 96, 512, 1)
+  assert not matmul_mgpu.supported(128, 512, 192, 1) and matmul_mgpu.supported(128, 512, 192, 2)
+  assert not matmul_mgpu.supported(128, 512, 512, 3)
+  a = jnp.zeros((128, 96), jnp.bfloat16)
+  with pytest.raises(ValueError, match="K 96"):
+    matmul_mgpu.matmul_epilogue(a, jnp.zeros((96, 1, 128), jnp.bfloat16), epilogue=lambda accs: (accs,),
+                                out_dtypes=(("float32", 1),))
+  with pytest.raises(ValueError, match="bfloat16"):
+    matmul_mgpu.matmul_epilogue(jnp.zeros((128, 64)), jnp.zeros((64, 1, 128)), epilogue=lambda accs: (accs,),
+                                out_dtypes=(("float32", 1),))
