@@ -5,14 +5,15 @@ Needs jax >= 0.11 (Mosaic GPU interpret mode): run by .venv-aot's Python, `pytho
 `python matmul_mgpu_worker.py --compiled OUT.npz` on a Hopper GPU runs the same cases compiled on it instead; the test
 file checks such a file in place of its own run with MATMUL_MGPU_RESULTS=OUT.npz.
 Cases (name -> M, K, N; a [M, K], b [K, G, N] and the extras bfloat16, drawn from N(0, 1) with b scaled by 1/sqrt(K)):
-  relu2_forward:   G = 1, M 256 K 192 N 256: outputs z = bf16(a @ b) and relu(bf16(z))^2, both [M, 1, N] bfloat16
-                   (2 x 2 tiles of [128, 128], 3 pipeline steps)
-  relu2_backward:  G = 1, M 128 K 128 N 128, extras (pre [M, 1, N]): a @ b * 2 relu(pre), [M, 1, N] float32
+  relu2_forward:   G = 1, M 256 K 384 N 256: outputs z = bf16(a @ b) and relu(z)^2, both [M, 1, N] bfloat16
+                   (2 x 2 tiles of [128, 128], 6 pipeline steps through 4 slots)
+  relu2_backward:  G = 1, M 128 K 256 N 128, extras (pre [M, 1, N]): a @ b * 2 relu(pre), [M, 1, N] float32 (one
+                   tile, 4 steps through 3 slots: the float32 output tile leaves room for 3)
   swiglu_forward:  G = 2, M 256 K 128 N 128: gate_up = (bf16(a @ b_0), bf16(a @ b_1)) [M, 2, N] and silu(g) u of the
                    rounded g, u [M, 1, N], both bfloat16 (2 x 2 tiles of [128, 64], 2 steps)
-  swiglu_backward: G = 1, M 256 K 192 N 128, extras (gate_up [M, 2, N]): dh = a @ b, [M, 2, N] bfloat16 of
-                   (dh u silu'(g), dh silu(g)) (BN = 64 here: the extras' and outputs' tiles leave 2 pipeline slots
-                   at BN = 128)
+  swiglu_backward: G = 1, M 256 K 320 N 128, extras (gate_up [M, 2, N]): dh = a @ b, [M, 2, N] bfloat16 of
+                   (dh u silu'(g), dh silu(g)) (BN = 64 here, the extras' and outputs' tiles leaving 2 pipeline slots
+                   at BN = 128: 2 x 2 tiles, 5 steps through 4 slots)
 The epilogues (`EPILOGUES`) are also what the deviceless sm_90a compile check compiles.
 """
 
@@ -34,7 +35,7 @@ def _silu(x):
 
 def relu2_forward(accs):
   z = accs[0].astype(jnp.bfloat16)
-  r = jnp.maximum(z.astype(jnp.float32), 0.0)
+  r = jnp.maximum(z.astype(jnp.float32), 0.0)  # relu(z)^2 of the rounded z, as the output z feeds a backward.
   return (z,), (r * r,)
 
 
@@ -55,7 +56,7 @@ def swiglu_backward(accs, gate_up):
   return ((dh * u * sig * (1.0 + g * (1.0 - sig)), dh * g * sig),)
 
 
-# name -> (epilogue, M, K, N, G, extras' group counts, out_dtypes).
+# name -> (epilogue, the extras' group counts, out_dtypes).
 EPILOGUES = {
     "relu2_forward": (relu2_forward, (), (("bfloat16", 1), ("bfloat16", 1))),
     "relu2_backward": (relu2_backward, (1,), (("float32", 1),)),
@@ -63,10 +64,10 @@ EPILOGUES = {
     "swiglu_backward": (swiglu_backward, (2,), (("bfloat16", 2),)),
 }
 CASES = {  # name -> (M, K, N, G)
-    "relu2_forward": (256, 192, 256, 1),
-    "relu2_backward": (128, 128, 128, 1),
+    "relu2_forward": (256, 384, 256, 1),
+    "relu2_backward": (128, 256, 128, 1),
     "swiglu_forward": (256, 128, 128, 2),
-    "swiglu_backward": (256, 192, 128, 1),
+    "swiglu_backward": (256, 320, 128, 1),
 }
 
 
