@@ -36,7 +36,6 @@ spills. Nothing here has run on a GPU: its speed is not measured.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Sequence
 
 import jax
@@ -71,9 +70,9 @@ def supported(m: int, k: int, n: int, groups: int) -> bool:
 
 
 def tiles(groups: int, extras: Sequence[tuple[int, object]], outs: Sequence[tuple[int, object]]) -> tuple[int, int]:
-  """(BN, stages) for G groups, extras and outputs given as (tiles, dtype) pairs: the widest BN that leaves at least
-  3 pipeline slots in shared memory (BN = 64 always leaves them for the shapes `matmul_epilogue` takes), and as many
-  slots as fit, at most MAX_STAGES."""
+  """(BN, stages) for G groups, extras and outputs given as (tiles, dtype) pairs: the default BN where it leaves at
+  least 3 pipeline slots in shared memory beside the extras' and outputs' tiles, else 64; as many slots as fit, at most
+  MAX_STAGES (`matmul_epilogue` refuses fewer than 2)."""
   def fit(bn):
     fixed = sum(count * BLOCK_M * bn * jnp.dtype(dtype).itemsize for count, dtype in (*extras, *outs))
     step = (BLOCK_M * BLOCK_K + groups * BLOCK_K * bn) * jnp.dtype(OPERANDS).itemsize
