@@ -117,11 +117,12 @@ def _channel_mix(s: Site):
 
 def _channel_mix7(s: Site):
   return ChannelMix7, dict(layer=s.layer, n_layers=s.cfg.n_layers, hidden=s.cfg.ffn_dim("channel_mix7"),
-                           dtype=s.cfg.dtype, fp8=s.cfg.fp8)
+                           dtype=s.cfg.dtype, fp8=s.cfg.fp8, impl=s.cfg.ffn_impl)
 
 
 def _swiglu(s: Site):
-  return SwiGLU, dict(hidden=s.cfg.ffn_dim("swiglu"), std=s.std, out_std=s.out_std, dtype=s.cfg.dtype, fp8=s.cfg.fp8)
+  return SwiGLU, dict(hidden=s.cfg.ffn_dim("swiglu"), std=s.std, out_std=s.out_std, dtype=s.cfg.dtype, fp8=s.cfg.fp8,
+                      impl=s.cfg.ffn_impl)
 
 
 def _token_shift(cfg: ModelConfig, batch: int, capacity: int) -> ChannelMixState:

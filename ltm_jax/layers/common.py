@@ -43,6 +43,19 @@ class Dense(nn.DenseGeneral):
     return quant_weights.matmul(inputs.astype(self.dtype or inputs.dtype), stored, n_in, features)
 
 
+def plain_kernels(module: nn.Module, names: Sequence[str], use_fp8: bool):
+  """The kernels of `module`'s sub-layers `names` ([in, out] arrays) when every one exists as a plain array and the
+  projections are not FP8, else None: while initialising (the `Dense` calls create them), quantised kernels and FP8
+  take each projection through its `Dense`."""
+  if use_fp8 or module.is_initializing():
+    return None
+  params = module.variables.get("params", {})
+  kernels = tuple(nn.meta.unbox(params.get(name, {}).get("kernel")) for name in names)
+  if any(k is None or quant_weights.is_quantized(k) for k in kernels):
+    return None
+  return kernels
+
+
 def projection_dot_general(use_fp8: bool):
   """The dot_general of a projection: FP8's (`ltm_jax.ops.fp8`) when `use_fp8`, else None (lax.dot_general). The
   layers take it from their `fp8` attribute, which the model sets from model.fp8 in the blocks' layers."""

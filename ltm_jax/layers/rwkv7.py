@@ -24,12 +24,14 @@ import numpy as np
 from ltm_jax.layers.common import (
   Dense,
   depth_ratios,
+  plain_kernels,
   projection_dot_general,
   shift_inputs,
   start_token_shift,
   token_shift,
 )
 from ltm_jax.layers.rwkv4 import ChannelMixState
+from ltm_jax.ops.ffn import ffn
 from ltm_jax.ops.rwkv7_key import rwkv7_key
 from ltm_jax.ops.rwkv7_out import rwkv7_out
 from ltm_jax.ops.wkv7 import empty_state as wkv7_empty_state
@@ -208,12 +210,15 @@ def _shifted_loras(x, last, loras):
 
 
 class ChannelMix7(nn.Module):
-  """RWKV-7 FFN: W_v relu(W_k x_k)^2 with a token-shifted input (no receptance gate); x, y: [B, T, d_model]."""
+  """RWKV-7 FFN: W_v relu(W_k x_k)^2 with a token-shifted input (no receptance gate); x, y: [B, T, d_model]. Where
+  both kernels are plain arrays (not FP8, not stored quantised) the two products and the activation are one
+  `ltm_jax.ops.ffn` op."""
   layer: int
   n_layers: int
   hidden: int
   dtype: str = "float32"
   fp8: bool = False  # Its projections multiply in FP8 (ltm_jax.ops.fp8); the model sets it from model.fp8.
+  impl: str = "auto"  # The ltm_jax.ops.ffn backend.
 
   @nn.compact
   def __call__(self, x, state: ChannelMixState | None = None, valid=None):
@@ -222,9 +227,14 @@ class ChannelMix7(nn.Module):
     _, down = depth_ratios(self.layer, self.n_layers)
     shift = self.param("shift_k", _constant_init(_shift_fraction(d, down ** 4).astype(np.float32), ("embed",)), (d,))
     xk = x + (shifted - x) * shift.astype(x.dtype)
+    new_state = ChannelMixState(x[:, -1].astype(jnp.float32))
+    kernels = plain_kernels(self, ("key", "value"), self.fp8)
+    if kernels is not None:  # One ltm_jax.ops.ffn op (backend `impl`).
+      key, value = (k.astype(self.dtype) for k in kernels)
+      return ffn(xk, key[:, None], value, activation="relu2", impl=self.impl), new_state
     key = _projection(self.hidden, _centered_uniform(0.5 / math.sqrt(d), ("embed", "mlp")), self.dtype, "key",
                       self.fp8)
     hidden = jnp.square(nn.relu(key(xk)))
     value = _projection(d, nn.with_logical_partitioning(nn.initializers.zeros, ("mlp", "embed")), self.dtype,
                         "value", self.fp8)
-    return value(hidden), ChannelMixState(x[:, -1].astype(jnp.float32))
+    return value(hidden), new_state
