@@ -14,11 +14,16 @@ Cases (name -> M, K, N; a [M, K], b [K, G, N] and the extras bfloat16, drawn fro
   swiglu_backward: G = 1, M 256 K 320 N 128, extras (gate_up [M, 2, N]): dh = a @ b, [M, 2, N] bfloat16 of
                    (dh u silu'(g), dh silu(g)) (BN = 64 here, the extras' and outputs' tiles leaving 2 pipeline slots
                    at BN = 128: 2 x 2 tiles, 5 steps through 4 slots)
-The epilogues (`EPILOGUES`) are also what the deviceless sm_90a compile check compiles.
+The epilogues are ltm_jax.ops.ffn's (`forward_epilogue`, `backward_epilogue`). Op cases, through
+ops.ffn's pallas_mgpu backend (the kernel forward with the relu^2 or SwiGLU epilogue, XLA's output matmul, then the
+kernel backward and XLA's weight and input gradients), all bfloat16, saving y, dx, dW_in and dW_out:
+  op_relu2:   x [1, 256, 128], W_in [128, 1, 256], W_out [256, 128]
+  op_swiglu:  x [1, 128, 192], W_in [192, 2, 128], W_out [128, 192]
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 
@@ -26,34 +31,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ltm_jax.ops import ffn as ffn_op
 from ltm_pallas import matmul_mgpu
 
 
-def _silu(x):
-  return x / (1.0 + jnp.exp(-x))
-
-
-def relu2_forward(accs):
-  z = accs[0].astype(jnp.bfloat16)
-  r = jnp.maximum(z.astype(jnp.float32), 0.0)  # relu(z)^2 of the rounded z, as the output z feeds a backward.
-  return (z,), (r * r,)
-
-
-def relu2_backward(accs, pre):
-  return (accs[0] * 2.0 * jnp.maximum(pre[0].astype(jnp.float32), 0.0),),
-
-
-def swiglu_forward(accs):
-  g, u = (x.astype(jnp.bfloat16) for x in accs)
-  gf, uf = g.astype(jnp.float32), u.astype(jnp.float32)
-  return (g, u), (_silu(gf) * uf,)
-
-
-def swiglu_backward(accs, gate_up):
-  dh = accs[0]
-  g, u = (x.astype(jnp.float32) for x in gate_up)
-  sig = 1.0 / (1.0 + jnp.exp(-g))
-  return ((dh * u * sig * (1.0 + g * (1.0 - sig)), dh * g * sig),)
+# The epilogues ltm_jax.ops.ffn gives the kernel: what the feed-forward op runs is what is checked here.
+relu2_forward, swiglu_forward = (ffn_op.forward_epilogue(a, jnp.bfloat16) for a in ("relu2", "swiglu"))
+relu2_backward, swiglu_backward = (ffn_op.backward_epilogue(a) for a in ("relu2", "swiglu"))
 
 
 # name -> (epilogue, the extras' group counts, out_dtypes).
@@ -86,11 +70,40 @@ def run(name: str, seed: int, interpret: bool):
   return [np.asarray(x, np.float32) for x in (a, b, *extras)], [np.asarray(o, np.float32) for o in outs]
 
 
+OP_CASES = {  # name -> (activation, tokens T, d, n): x [1, T, d], W_in [d, G, n], W_out [n, d], dy [1, T, d].
+    "op_relu2": ("relu2", 256, 128, 256),
+    "op_swiglu": ("swiglu", 128, 192, 128),
+}
+
+
+def run_op(name: str, seed: int, interpret: bool):
+  """(inputs, outputs) of the op case `name` through ops.ffn(impl="pallas_mgpu"): inputs x, W_in, W_out, dy; outputs
+  y and the gradients of x, W_in and W_out."""
+  activation, length, d, n = OP_CASES[name]
+  rng = np.random.default_rng(seed)
+  groups = ffn_op.ACTIVATIONS[activation]
+  x = jnp.asarray(rng.normal(size=(1, length, d)), jnp.bfloat16)
+  w_in = jnp.asarray(rng.normal(size=(d, groups, n)) / np.sqrt(d), jnp.bfloat16)
+  w_out = jnp.asarray(rng.normal(size=(n, d)) / np.sqrt(n), jnp.bfloat16)
+  dy = jnp.asarray(rng.normal(size=(1, length, d)), jnp.bfloat16)
+  fused = functools.partial(ffn_op.pallas_mgpu, activation=activation, interpret=interpret)
+  assert ffn_op.pallas_mgpu is not ffn_op.xla and matmul_mgpu.supported(length, d, n, groups)
+
+  def forward_backward(x, w_in, w_out, dy):
+    y, pull = jax.vjp(lambda *p: fused(p[0][0], *p[1:])[None], x, w_in, w_out)
+    return (y, *pull(dy))
+
+  y, dx, dw_in, dw_out = jax.jit(forward_backward)(x, w_in, w_out, dy)
+  outs = (y[0], dx[0], dw_in, dw_out)
+  assert all(o.dtype == jnp.bfloat16 for o in outs), name
+  return [np.asarray(t, np.float32) for t in (x[0], w_in, w_out, dy[0])], [np.asarray(o, np.float32) for o in outs]
+
+
 def main(path: str, compiled: bool = False) -> None:
   saved = {"device": np.array(str(jax.devices()[0].device_kind))}
   started = time.time()
-  for seed, name in enumerate(CASES):
-    inputs, outs = run(name, seed, interpret=not compiled)
+  for seed, name in enumerate([*CASES, *OP_CASES]):
+    inputs, outs = (run_op if name in OP_CASES else run)(name, seed, interpret=not compiled)
     saved.update({f"{name}/in{i}": x for i, x in enumerate(inputs)})
     saved.update({f"{name}/out{i}": x for i, x in enumerate(outs)})
     print(name, f"{time.time() - started:.1f} s", file=sys.stderr)

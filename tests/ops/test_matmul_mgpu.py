@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, cpu_only_env
+from ffn_reference import reference as ffn_reference
 
 AOT_PYTHON = ROOT / ".venv-aot" / "bin" / "python"
 WORKER = ROOT / "tests" / "ops" / "matmul_mgpu_worker.py"
@@ -128,6 +129,20 @@ def test_the_tolerance_catches_swapped_gate_and_up(results, name):
     _assert_close(results[f"{name}/out{len(rtols) - 1}"], wrong, rtols[-1], f"{name}: against swapped gate and up")
 
 
+# The op's outputs and gradients: bfloat16 roundings of z, h, y, dz and the gradients (the xla backend's tolerance in
+# tests/ops/test_ffn_op.py). Measured 3.3e-3 to 6.0e-3 (the xla backend: 3.5e-3 to 6.9e-3).
+OP_RTOL = 2.0**-6
+
+
+@pytest.mark.parametrize("name, activation", [("op_relu2", "relu2"), ("op_swiglu", "swiglu")])
+def test_the_op_through_the_kernels_matches_the_float64_reference(results, name, activation):
+  """ltm_jax.ops.ffn's pallas_mgpu backend: y and the gradients of x, W_in and W_out."""
+  inputs = [results[f"{name}/in{i}"].astype(np.float64) for i in range(4)]
+  for i, (label, want) in enumerate(zip(("y", "dx", "dW_in", "dW_out"), ffn_reference(*inputs, activation))):
+    assert np.max(np.abs(want)) > 1.0, f"{name}: {label} is nearly zero"
+    _assert_close(results[f"{name}/out{i}"], want, OP_RTOL, f"{name}: {label}")
+
+
 # The models' feed-forward shapes: M tokens, K and N widths.
 MODEL_M, MODEL_WIDTHS = (32768, 131072), (512, 768, 2048, 3072, 3584)
 
@@ -149,3 +164,56 @@ def test_the_default_tiles_take_the_models_shapes_and_refuse_others():
   with pytest.raises(ValueError, match="bfloat16"):
     matmul_mgpu.matmul_epilogue(jnp.zeros((128, 64)), jnp.zeros((64, 1, 128)), epilogue=lambda accs: (accs,),
                                 out_dtypes=(("float32", 1),))
+
+
+# Compiles one kernel of ltm_jax.ops.ffn's pallas_mgpu backend for an H100 without one (the CUDA plugin, sm_90a), as
+# a Hopper host runs it (interpret=False): argv activation, "forward" or "backward", M, d, n. With MOSAIC_GPU_DUMP_TO
+# and MOSAIC_GPU_DUMP_PTXAS=1 set, ptxas' report lands in the dump directory.
+_KERNEL_COMPILE = """
+import sys
+sys.path[:0] = ["benchmarks", "."]
+import jax.numpy as jnp
+import gpu_aot
+from ltm_jax.ops import ffn
+from ltm_pallas import matmul_mgpu
+activation, which, m, d, n = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:])
+groups = ffn.ACTIVATIONS[activation]
+mesh = gpu_aot._h100_mesh()
+abstract = gpu_aot._abstract_on(mesh)
+bf16 = jnp.bfloat16
+if which == "forward":
+  args = (abstract((m, d), bf16), abstract((d, groups, n), bf16))
+  fn = lambda x, w: matmul_mgpu.matmul_epilogue(x, w, epilogue=ffn.forward_epilogue(activation, bf16),
+                                                out_dtypes=((bf16, groups), (bf16, 1)), interpret=False)
+else:
+  args = (abstract((m, d), bf16), abstract((d, 1, n), bf16), abstract((m, groups, n), bf16))
+  fn = lambda dy, w, z: matmul_mgpu.matmul_epilogue(dy, w, (z,), epilogue=ffn.backward_epilogue(activation),
+                                                    out_dtypes=((bf16, groups),), interpret=False)
+result = {}
+gpu_aot._compile(mesh, fn, args, result)
+print(result["stage"])
+"""
+# (activation, M, d_model, hidden): small_rwkv7's channel mix (32 x 1024 tokens), base_125m's SwiGLU (64 x 2048).
+COMPILED_SHAPES = (("relu2", 32768, 512, 2048), ("swiglu", 131072, 768, 3584))
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("which", ["forward", "backward"])
+@pytest.mark.parametrize("activation, m, d, n", COMPILED_SHAPES)
+def test_the_ops_kernels_compile_for_h100_without_spills(tmp_path, activation, m, d, n, which):
+  """The op's kernels with its epilogues at the models' shapes compile for sm_90a without a GPU (a few seconds each,
+  several processes: `make test-long`): no register spills or stack, at most 255 registers, within Hopper's shared
+  memory per block. Measured: relu2 154 (forward) and 176 registers, SwiGLU 254 (forward) and 210; dynamic shared
+  memory 163,880 to 196,648 B."""
+  if not (ROOT / ".venv-aot" / ".installed").exists():
+    pytest.skip("needs .venv-aot (the CUDA plugin and ptxas; `make gpu-aot` builds it)")
+  import sys  # pylint: disable=g-import-not-at-top
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import gpu_aot  # pylint: disable=g-import-not-at-top
+  env = cpu_only_env(JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1", MOSAIC_GPU_DUMP_TO=str(tmp_path), MOSAIC_GPU_DUMP_PTXAS="1")
+  proc = subprocess.run([str(AOT_PYTHON), "-c", _KERNEL_COMPILE, activation, which, str(m), str(d), str(n)], cwd=ROOT,
+                        env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0 and proc.stdout.strip().endswith("done"), proc.stderr[-3000:]
+  facts = gpu_aot._mgpu_facts(str(tmp_path))  # pylint: disable=protected-access
+  assert facts.get("spill_stores") == 0 and facts.get("spill_loads") == 0 and facts.get("stack") == 0, facts
+  assert 0 < facts["registers"] <= 255 and 0 < facts["dyn_smem"] <= 232448, facts
