@@ -10,7 +10,8 @@ optimized HLO: every kernel the step launches (each fusion, each custom call: Pa
 cuDNN; each unfused copy, transpose, reduce, ...), with loop bodies counted once per trip. FLOPs and bytes are
 counted from the HLO's shapes: a dot 2 x output x contraction, every other arithmetic instruction one per output
 element (a reduce one per input element); bytes are the kernel's operands plus its outputs. A Pallas kernel's FLOPs
-are not counted (its HLO is one opaque call).
+are not counted (its HLO is one opaque call), except the fused-epilogue matmul's (ltm_pallas.matmul_mgpu), which is
+priced as a matmul at --matmul-tflops: an assumption that it runs at cuBLAS's rate, to be measured.
 
 Each kernel's roofline time is max(FLOPs / compute ceiling, bytes / copy bandwidth): bf16/f16/f8 dots against
 --matmul-tflops, float32 dots against --f32-matmul-tflops, everything else against --vector-tflops, bytes against
@@ -47,6 +48,7 @@ import re
 import statistics
 import sys
 import time
+from unittest import mock
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
@@ -273,10 +275,11 @@ def _fused_cost(comps, name: str) -> tuple[float, float, str]:
 
 
 def _kernel_name(ins: Instr, op_name: str) -> str:
-  """A Pallas kernel's name: the backend config's, else the name scope around its pallas_call."""
+  """A Pallas kernel's name: the backend config's, else the name scope around its pallas_call (Triton) or mpmd_map
+  (Mosaic GPU)."""
   if m := re.search(r'"name":\s*"([^"]+)"', ins.attrs):
     return m.group(1)
-  if m := re.search(r"([\w.\-]+)/pallas_call", op_name):
+  if m := re.search(r"([\w.\-]+)/(?:anonymous/)?(?:pallas_call|mpmd_map)", op_name):
     return m.group(1)
   return ""
 
@@ -296,6 +299,10 @@ def classify(comps, ins: Instr, op_name: str, where: str) -> tuple[str, float, f
     # RWKV-7's output stage, key side and block norm (residual add + norm): norms, not a WKV.
     if lowered.startswith(("rwkv7_out", "rwkv7_key", "rwkv7_norm")):
       return "reductions/norms", 0.0, 0.0, "", name
+    if lowered.startswith("matmul_epilogue"):  # ltm_pallas.matmul_mgpu: a [M, K] @ b [K, G * N], priced as a matmul.
+      (dtype, (m, k)), (_, (_, columns)) = ins.operands[:2]
+      f = 2.0 * m * k * columns
+      return "matmul", f, f, dtype, name
     if "wkv" in lowered:
       return "WKV kernel", 0.0, 0.0, "", name or target
     if "fmha" in lowered or "attention" in lowered or "flash" in lowered:
@@ -522,7 +529,11 @@ def compile_step(cfg, target: str):
   state = jax.tree.map(place, abstract_train_state(cfg, optimizer))
   batch = {k: place(jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32)) for k in ("inputs", "targets")}
   use_mesh = getattr(jax.sharding, "use_abstract_mesh", None)
-  with use_mesh(mesh.abstract_mesh) if use_mesh else contextlib.nullcontext():
+  # Mosaic GPU kernels compile as a Hopper host runs them: this CPU host's default would interpret them
+  # (ltm_pallas.backend.mosaic_gpu_call), and the interpreter's host callbacks cannot be lowered for a GPU.
+  from ltm_pallas import backend as kernel_backend  # pylint: disable=g-import-not-at-top
+  compiled_kernels = mock.patch.object(kernel_backend, "mosaic_gpu_call", lambda build, interpret: build(False))
+  with use_mesh(mesh.abstract_mesh) if use_mesh else contextlib.nullcontext(), compiled_kernels:
     lowered = jax.jit(step).trace(state, batch).lower()
   return lowered.compile(), None, None
 

@@ -14,7 +14,8 @@ step_budget = importlib.util.module_from_spec(_spec)
 sys.modules["step_budget"] = step_budget  # Its dataclasses look their module up.
 _spec.loader.exec_module(step_budget)
 
-# A loop of 3 trips over a cuBLAS gemm, a Pallas WKV kernel and a reduction fusion, then a copy; operands of the
+# A loop of 3 trips over a cuBLAS gemm, a Pallas WKV kernel, the Mosaic GPU fused-epilogue matmul (a [8, 16] @ b [16,
+# 2 x 16]) and a reduction fusion, then a copy; operands of the
 # loop body are printed without shapes (as the CPU backend prints them), the rest with.
 HLO = """HloModule m
 
@@ -30,6 +31,7 @@ HLO = """HloModule m
   %w = bf16[16,16]{1,0} constant({...})
   %g = (bf16[8,16]{1,0}, s8[64]{0}) custom-call(%x, %w), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}
   %k = bf16[2,4,2,8]{3,2,1,0} custom-call(bf16[2,4,2,8]{3,2,1,0} %y), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(step)/transpose(jvp(LM))/wkv7_chunked_backward/pallas_call"}
+  %m = (bf16[8,32]{1,0}, bf16[8,16]{1,0}) custom-call(bf16[8,16]{1,0} %y, bf16[16,32]{1,0} %w), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(step)/jvp(LM)/ffn/matmul_epilogue/anonymous/mpmd_map"}
   %s = f32[8]{0} fusion(%x), kind=kInput, calls=%fused_reduce, metadata={op_name="jit(step)/jvp(LM)/norm" stack_frame_id=2}
   ROOT %t = (s32[], f32[8,16]{1,0}) tuple(%i, %x)
 }
@@ -63,11 +65,12 @@ def test_reads_kernels_costs_and_sources_from_hlo():
   rows, notes = step_budget.kernels(comps, entry, frames, ceilings)
   assert entry == "main" and not notes
   by = {r["name"].split("/")[-1]: r for r in rows}
-  assert set(by) == {"g", "k", "s", "cp"}
-  assert [by[n]["times"] for n in ("g", "k", "s", "cp")] == [3, 3, 3, 1]
+  assert set(by) == {"g", "k", "m", "s", "cp"}
+  assert [by[n]["times"] for n in ("g", "k", "m", "s", "cp")] == [3, 3, 3, 3, 1]
   assert (by["g"]["category"], by["g"]["dot_flops"]) == ("matmul", 2 * 8 * 16 * 16)
   assert by["g"]["bytes"] == 8 * 16 * 4 + 16 * 16 * 2 + 8 * 16 * 2 + 64  # Operands by name, then the outputs.
   assert (by["k"]["category"], by["k"]["detail"], by["k"]["elements"]) == ("WKV kernel", "wkv7_chunked_backward", 128)
+  assert (by["m"]["category"], by["m"]["detail"], by["m"]["dot_flops"]) == ("matmul", "matmul_epilogue", 2 * 8 * 16 * 32)
   assert (by["s"]["category"], by["s"]["flops"]) == ("reductions/norms", 128)
   assert by["s"]["where"] == "ltm_jax/layers/norms.py:42"  # The innermost frame of this package, not flax's.
   assert by["cp"]["category"] == "copies/transposes"
