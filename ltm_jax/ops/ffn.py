@@ -82,24 +82,24 @@ def xla(x, w_in, w_out, *, activation: str):
   return h @ w_out
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _fused(x, w_in, w_out, activation, interpret):
-  return _fused_forward(x, w_in, w_out, activation, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _fused(x, w_in, w_out, activation, interpret, form):
+  return _fused_forward(x, w_in, w_out, activation, interpret, form)[0]
 
 
-def _fused_forward(x, w_in, w_out, activation, interpret):
+def _fused_forward(x, w_in, w_out, activation, interpret, form):
   groups = w_in.shape[1]
   z, h = kernel.matmul_epilogue(x, w_in, (), epilogue=forward_epilogue(activation, x.dtype),
-                                out_dtypes=((x.dtype, groups), (x.dtype, 1)), interpret=interpret)
+                                out_dtypes=((x.dtype, groups), (x.dtype, 1)), interpret=interpret, form=form)
   h = h[:, 0]
   return h @ w_out, (x, w_in, w_out, z, h)
 
 
-def _fused_backward(activation, interpret, residuals, dy):
+def _fused_backward(activation, interpret, form, residuals, dy):
   x, w_in, w_out, z, h = residuals
   groups = w_in.shape[1]
   (dz,) = kernel.matmul_epilogue(dy.astype(x.dtype), w_out.T[:, None, :], (z,), epilogue=backward_epilogue(activation),
-                                 out_dtypes=((x.dtype, groups),), interpret=interpret)
+                                 out_dtypes=((x.dtype, groups),), interpret=interpret, form=form)
   dz = dz.reshape(dz.shape[0], -1)
   dx = dz @ w_in.reshape(w_in.shape[0], -1).T
   dw_in = (x.T @ dz).reshape(w_in.shape)
@@ -110,15 +110,17 @@ def _fused_backward(activation, interpret, residuals, dy):
 _fused.defvjp(_fused_forward, _fused_backward)
 
 
-def pallas_mgpu(x, w_in, w_out, *, activation: str, interpret=None):
+def pallas_mgpu(x, w_in, w_out, *, activation: str, interpret=None, form: str = "pipelined"):
   """The fused kernels for bfloat16 where their tiles divide [M, d] x [d, G, n] and [M, d_out] x [d_out, n]; else
-  the xla form."""
+  the xla form. form: the kernels' form (`ltm_pallas.matmul_mgpu.FORMS`)."""
+  if form not in kernel.FORMS:
+    raise ValueError(f"ffn: the kernels' form must be one of {kernel.FORMS}; got {form!r}")
   m, d = x.shape
   groups, n = w_in.shape[1:]
   bf16 = all(t.dtype == kernel.OPERANDS for t in (x, w_in, w_out))
-  if not (bf16 and kernel.supported(m, d, n, groups) and kernel.supported(m, w_out.shape[1], n, 1)):
+  if not (bf16 and kernel.supported(m, d, n, groups, form) and kernel.supported(m, w_out.shape[1], n, 1, form)):
     return xla(x, w_in, w_out, activation=activation)
-  return _fused(x, w_in, w_out, activation, interpret)
+  return _fused(x, w_in, w_out, activation, interpret, form)
 
 
 _BACKENDS = {"xla": xla, "pallas_mgpu": pallas_mgpu}

@@ -7,13 +7,15 @@ file checks such a file in place of its own run with MATMUL_MGPU_RESULTS=OUT.npz
 Cases (name -> M, K, N; a [M, K], b [K, G, N] and the extras bfloat16, drawn from N(0, 1) with b scaled by 1/sqrt(K)):
   relu2_forward:   G = 1, M 256 K 384 N 256: outputs z = bf16(a @ b) and relu(z)^2, both [M, 1, N] bfloat16
                    (2 x 2 tiles of [128, 128], 6 pipeline steps through 4 slots)
-  relu2_backward:  G = 1, M 128 K 256 N 128, extras (pre [M, 1, N]): a @ b * 2 relu(pre), [M, 1, N] float32 (one
-                   tile, 4 steps through 3 slots: the float32 output tile leaves room for 3)
-  swiglu_forward:  G = 2, M 256 K 128 N 128: gate_up = (bf16(a @ b_0), bf16(a @ b_1)) [M, 2, N] and silu(g) u of the
-                   rounded g, u [M, 1, N], both bfloat16 (2 x 2 tiles of [128, 64], 2 steps)
+  relu2_backward:  G = 1, M 256 K 256 N 256, extras (pre [M, 1, N]): a @ b * 2 relu(pre), [M, 1, N] float32 (2 x 2
+                   tiles, 4 steps through 3 slots: the float32 output tile leaves room for 3)
+  swiglu_forward:  G = 2, M 256 K 384 N 128: gate_up = (bf16(a @ b_0), bf16(a @ b_1)) [M, 2, N] and silu(g) u of the
+                   rounded g, u [M, 1, N], both bfloat16 (2 x 2 tiles of [128, 64], 6 steps through 4 slots)
   swiglu_backward: G = 1, M 256 K 320 N 128, extras (gate_up [M, 2, N]): dh = a @ b, [M, 2, N] bfloat16 of
                    (dh u silu'(g), dh silu(g)) (BN = 64 here, the extras' and outputs' tiles leaving 2 pipeline slots
                    at BN = 128: 2 x 2 tiles, 5 steps through 4 slots)
+Every case runs in both forms of the kernel (`matmul_mgpu.FORMS`): "pipelined" under its name, "warp_specialized"
+under its name + "_ws" (the same tiles, each split over two consumer warpgroups of [64, BN]).
 The epilogues are ltm_jax.ops.ffn's (`forward_epilogue`, `backward_epilogue`). Op cases, through
 ops.ffn's pallas_mgpu backend (the kernel forward with the relu^2 or SwiGLU epilogue, XLA's output matmul, then the
 kernel backward and XLA's weight and input gradients), all bfloat16, saving y, dx, dW_in and dW_out:
@@ -49,13 +51,16 @@ EPILOGUES = {
 }
 CASES = {  # name -> (M, K, N, G)
     "relu2_forward": (256, 384, 256, 1),
-    "relu2_backward": (128, 256, 128, 1),
-    "swiglu_forward": (256, 128, 128, 2),
+    "relu2_backward": (256, 256, 256, 1),
+    "swiglu_forward": (256, 384, 128, 2),
     "swiglu_backward": (256, 320, 128, 1),
 }
 
 
-def run(name: str, seed: int, interpret: bool):
+FORM_SUFFIX = {"pipelined": "", "warp_specialized": "_ws"}  # form -> the suffix of its cases' names.
+
+
+def run(name: str, seed: int, interpret: bool, form: str = "pipelined"):
   """(inputs, outputs) of case `name` as float32 numpy arrays: a, b, the extras; the outputs."""
   epilogue, extra_counts, out_dtypes = EPILOGUES[name]
   m, k, n, groups = CASES[name]
@@ -64,7 +69,7 @@ def run(name: str, seed: int, interpret: bool):
   b = jnp.asarray(rng.normal(size=(k, groups, n)) / np.sqrt(k), jnp.bfloat16)
   extras = [jnp.asarray(rng.normal(size=(m, e, n)), jnp.bfloat16) for e in extra_counts]
   fn = jax.jit(lambda a, b, *x: matmul_mgpu.matmul_epilogue(a, b, x, epilogue=epilogue, out_dtypes=out_dtypes,
-                                                            interpret=interpret))
+                                                            interpret=interpret, form=form))
   outs = fn(a, b, *extras)
   assert [str(o.dtype) for o in outs] == [d for d, _ in out_dtypes], name
   return [np.asarray(x, np.float32) for x in (a, b, *extras)], [np.asarray(o, np.float32) for o in outs]
@@ -76,7 +81,7 @@ OP_CASES = {  # name -> (activation, tokens T, d, n): x [1, T, d], W_in [d, G, n
 }
 
 
-def run_op(name: str, seed: int, interpret: bool):
+def run_op(name: str, seed: int, interpret: bool, form: str = "pipelined"):
   """(inputs, outputs) of the op case `name` through ops.ffn(impl="pallas_mgpu"): inputs x, W_in, W_out, dy; outputs
   y and the gradients of x, W_in and W_out."""
   activation, length, d, n = OP_CASES[name]
@@ -86,8 +91,8 @@ def run_op(name: str, seed: int, interpret: bool):
   w_in = jnp.asarray(rng.normal(size=(d, groups, n)) / np.sqrt(d), jnp.bfloat16)
   w_out = jnp.asarray(rng.normal(size=(n, d)) / np.sqrt(n), jnp.bfloat16)
   dy = jnp.asarray(rng.normal(size=(1, length, d)), jnp.bfloat16)
-  fused = functools.partial(ffn_op.pallas_mgpu, activation=activation, interpret=interpret)
-  assert ffn_op.pallas_mgpu is not ffn_op.xla and matmul_mgpu.supported(length, d, n, groups)
+  fused = functools.partial(ffn_op.pallas_mgpu, activation=activation, interpret=interpret, form=form)
+  assert ffn_op.pallas_mgpu is not ffn_op.xla and matmul_mgpu.supported(length, d, n, groups, form)
 
   def forward_backward(x, w_in, w_out, dy):
     y, pull = jax.vjp(lambda *p: fused(p[0][0], *p[1:])[None], x, w_in, w_out)
@@ -102,11 +107,12 @@ def run_op(name: str, seed: int, interpret: bool):
 def main(path: str, compiled: bool = False) -> None:
   saved = {"device": np.array(str(jax.devices()[0].device_kind))}
   started = time.time()
-  for seed, name in enumerate([*CASES, *OP_CASES]):
-    inputs, outs = (run_op if name in OP_CASES else run)(name, seed, interpret=not compiled)
-    saved.update({f"{name}/in{i}": x for i, x in enumerate(inputs)})
-    saved.update({f"{name}/out{i}": x for i, x in enumerate(outs)})
-    print(name, f"{time.time() - started:.1f} s", file=sys.stderr)
+  for form, suffix in FORM_SUFFIX.items():
+    for seed, name in enumerate([*CASES, *OP_CASES]):
+      inputs, outs = (run_op if name in OP_CASES else run)(name, seed, interpret=not compiled, form=form)
+      saved.update({f"{name}{suffix}/in{i}": x for i, x in enumerate(inputs)})
+      saved.update({f"{name}{suffix}/out{i}": x for i, x in enumerate(outs)})
+      print(name + suffix, f"{time.time() - started:.1f} s", file=sys.stderr)
   np.savez(path, **saved)
   print("ok")
 

@@ -2,8 +2,8 @@
 feed-forward epilogues, forward and backward.
 
 Platform: the kernel runs in Mosaic GPU interpret mode on the CPU, which needs jax >= 0.11 (Python 3.12): the AOT
-venv's (.venv-aot). tests/ops/matmul_mgpu_worker.py runs the cases there in one subprocess (about 5 s) and saves
-inputs and outputs; the references are computed here in float64 from the same (bfloat16) inputs. Without .venv-aot the
+venv's (.venv-aot). tests/ops/matmul_mgpu_worker.py runs the cases there in one subprocess (about 13 s: each case in
+both of the kernel's forms, "pipelined" and "warp_specialized") and saves inputs and outputs; the references are computed here in float64 from the same (bfloat16) inputs. Without .venv-aot the
 tests skip. On a Hopper GPU, `.venv-aot/bin/python tests/ops/matmul_mgpu_worker.py --compiled OUT.npz` runs the
 cases compiled, and MATMUL_MGPU_RESULTS=OUT.npz has these tests check that file instead.
 """
@@ -24,8 +24,9 @@ AOT_PYTHON = ROOT / ".venv-aot" / "bin" / "python"
 WORKER = ROOT / "tests" / "ops" / "matmul_mgpu_worker.py"
 # Relative to max |expected| of each output. The products accumulate bfloat16 inputs exactly in float32; the error is
 # the outputs' bfloat16 rounding (2^-9 relative) and, where the epilogue works from bfloat16-rounded pre-activations,
-# that rounding carried through relu^2 or silu. Measured: 1.0e-4 (the rounded gate/up themselves) to 2.6e-3 (silu(g) u)
-# for the bfloat16 outputs, 1.3e-7 for the float32 relu^2 backward; against gate and up swapped, 0.83 and 1.05.
+# that rounding carried through relu^2 or silu. Measured (both forms, bit-equal): 7.3e-6 (the rounded gate/up
+# themselves) to 2.2e-3 (silu(g) u) for the bfloat16 outputs, 9.3e-8 for the float32 relu^2 backward; against gate
+# and up swapped, 0.95 and 1.05.
 RTOL = 2.0**-7
 F32_RTOL = 1e-5
 
@@ -109,22 +110,30 @@ def _assert_close(actual, expected, rtol, what):
   np.testing.assert_allclose(actual, expected, rtol=rtol, atol=rtol * np.max(np.abs(expected)), err_msg=what)
 
 
-@pytest.mark.parametrize("name", REFERENCES)
-def test_matches_the_float64_reference(results, name):
-  reference, rtols = REFERENCES[name]
-  expected = reference(results)
+# The kernel's forms and the suffixes of their cases' names in the worker's results.
+FORMS = {"pipelined": "", "warp_specialized": "_ws"}
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("case", REFERENCES)
+def test_matches_the_float64_reference(results, case, form):
+  reference, rtols = REFERENCES[case]
+  name = case + FORMS[form]
+  expected = reference(results, name)
   assert len(expected) == len(rtols) and f"{name}/out{len(expected)}" not in results
   for i, (want, rtol) in enumerate(zip(expected, rtols)):
     assert np.max(np.abs(want)) > 1.0, f"{name}: output {i} is nearly zero"
     _assert_close(results[f"{name}/out{i}"], want, rtol, f"{name}: output {i}")
 
 
-@pytest.mark.parametrize("name", ["swiglu_forward", "swiglu_backward"])
-def test_the_tolerance_catches_swapped_gate_and_up(results, name):
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("case", ["swiglu_forward", "swiglu_backward"])
+def test_the_tolerance_catches_swapped_gate_and_up(results, case, form):
   """The check above can fail: against the reference with gate and up swapped in the epilogue, the kernel's SwiGLU
   output is out of tolerance."""
-  reference, rtols = REFERENCES[name]
-  wrong = reference(results, swap=True)[-1]
+  reference, rtols = REFERENCES[case]
+  name = case + FORMS[form]
+  wrong = reference(results, name, swap=True)[-1]
   with pytest.raises(AssertionError):
     _assert_close(results[f"{name}/out{len(rtols) - 1}"], wrong, rtols[-1], f"{name}: against swapped gate and up")
 
@@ -134,9 +143,11 @@ def test_the_tolerance_catches_swapped_gate_and_up(results, name):
 OP_RTOL = 2.0**-6
 
 
-@pytest.mark.parametrize("name, activation", [("op_relu2", "relu2"), ("op_swiglu", "swiglu")])
-def test_the_op_through_the_kernels_matches_the_float64_reference(results, name, activation):
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("case, activation", [("op_relu2", "relu2"), ("op_swiglu", "swiglu")])
+def test_the_op_through_the_kernels_matches_the_float64_reference(results, case, activation, form):
   """ltm_jax.ops.ffn's pallas_mgpu backend: y and the gradients of x, W_in and W_out."""
+  name = case + FORMS[form]
   inputs = [results[f"{name}/in{i}"].astype(np.float64) for i in range(4)]
   for i, (label, want) in enumerate(zip(("y", "dx", "dW_in", "dW_out"), ffn_reference(*inputs, activation))):
     assert np.max(np.abs(want)) > 1.0, f"{name}: {label} is nearly zero"
@@ -149,10 +160,12 @@ MODEL_M, MODEL_WIDTHS = (32768, 131072), (512, 768, 2048, 3072, 3584)
 
 def test_the_default_tiles_take_the_models_shapes_and_refuse_others():
   from ltm_pallas import matmul_mgpu  # pylint: disable=g-import-not-at-top
-  for m in MODEL_M:
-    for k in MODEL_WIDTHS:
-      for n in MODEL_WIDTHS:
-        assert matmul_mgpu.supported(m, k, n, 1) and matmul_mgpu.supported(m, k, n, 2), (m, k, n)
+  for form in FORMS:
+    for m in MODEL_M:
+      for k in MODEL_WIDTHS:
+        for n in MODEL_WIDTHS:
+          assert matmul_mgpu.supported(m, k, n, 1, form) and matmul_mgpu.supported(m, k, n, 2, form), (m, k, n, form)
+  assert not matmul_mgpu.supported(128, 512, 512, 1, "unknown")
   assert not matmul_mgpu.supported(100, 512, 512, 1)
   assert not matmul_mgpu.supported(128, 96, 512, 1)
   assert not matmul_mgpu.supported(128, 512, 192, 1) and matmul_mgpu.supported(128, 512, 192, 2)
@@ -161,13 +174,16 @@ def test_the_default_tiles_take_the_models_shapes_and_refuse_others():
   with pytest.raises(ValueError, match="K 96"):
     matmul_mgpu.matmul_epilogue(a, jnp.zeros((96, 1, 128), jnp.bfloat16), epilogue=lambda accs: (accs,),
                                 out_dtypes=(("float32", 1),))
+  with pytest.raises(ValueError, match="form"):
+    matmul_mgpu.matmul_epilogue(a[:, :64], jnp.zeros((64, 1, 128), jnp.bfloat16), epilogue=lambda accs: (accs,),
+                                out_dtypes=(("float32", 1),), form="unknown")
   with pytest.raises(ValueError, match="bfloat16"):
     matmul_mgpu.matmul_epilogue(jnp.zeros((128, 64)), jnp.zeros((64, 1, 128)), epilogue=lambda accs: (accs,),
                                 out_dtypes=(("float32", 1),))
 
 
 # Compiles one kernel of ltm_jax.ops.ffn's pallas_mgpu backend for an H100 without one (the CUDA plugin, sm_90a), as
-# a Hopper host runs it (interpret=False): argv activation, "forward" or "backward", M, d, n. With MOSAIC_GPU_DUMP_TO
+# a Hopper host runs it (interpret=False): argv the kernel's form, activation, "forward" or "backward", M, d, n. With MOSAIC_GPU_DUMP_TO
 # and MOSAIC_GPU_DUMP_PTXAS=1 set, ptxas' report lands in the dump directory.
 _KERNEL_COMPILE = """
 import sys
@@ -176,7 +192,7 @@ import jax.numpy as jnp
 import gpu_aot
 from ltm_jax.ops import ffn
 from ltm_pallas import matmul_mgpu
-activation, which, m, d, n = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:])
+form, activation, which, m, d, n = *sys.argv[1:4], *map(int, sys.argv[4:])
 groups = ffn.ACTIVATIONS[activation]
 mesh = gpu_aot._h100_mesh()
 abstract = gpu_aot._abstract_on(mesh)
@@ -184,11 +200,12 @@ bf16 = jnp.bfloat16
 if which == "forward":
   args = (abstract((m, d), bf16), abstract((d, groups, n), bf16))
   fn = lambda x, w: matmul_mgpu.matmul_epilogue(x, w, epilogue=ffn.forward_epilogue(activation, bf16),
-                                                out_dtypes=((bf16, groups), (bf16, 1)), interpret=False)
+                                                out_dtypes=((bf16, groups), (bf16, 1)), interpret=False,
+                                                form=form)
 else:
   args = (abstract((m, d), bf16), abstract((d, 1, n), bf16), abstract((m, groups, n), bf16))
   fn = lambda dy, w, z: matmul_mgpu.matmul_epilogue(dy, w, (z,), epilogue=ffn.backward_epilogue(activation),
-                                                    out_dtypes=((bf16, groups),), interpret=False)
+                                                    out_dtypes=((bf16, groups),), interpret=False, form=form)
 result = {}
 gpu_aot._compile(mesh, fn, args, result)
 print(result["stage"])
@@ -200,18 +217,21 @@ COMPILED_SHAPES = (("relu2", 32768, 512, 2048), ("swiglu", 131072, 768, 3584))
 @pytest.mark.long
 @pytest.mark.parametrize("which", ["forward", "backward"])
 @pytest.mark.parametrize("activation, m, d, n", COMPILED_SHAPES)
-def test_the_ops_kernels_compile_for_h100_without_spills(tmp_path, activation, m, d, n, which):
+@pytest.mark.parametrize("form", ["pipelined", "warp_specialized"])
+def test_the_ops_kernels_compile_for_h100_without_spills(tmp_path, form, activation, m, d, n, which):
   """The op's kernels with its epilogues at the models' shapes compile for sm_90a without a GPU (a few seconds each,
   several processes: `make test-long`): no register spills or stack, at most 255 registers, within Hopper's shared
-  memory per block. Measured: relu2 154 (forward) and 176 registers, SwiGLU 254 (forward) and 210; dynamic shared
-  memory 163,880 to 196,648 B."""
+  memory per block. Measured, "pipelined" (128 threads): relu2 154 (forward) and 176 registers, SwiGLU 254 (forward)
+  and 210; dynamic shared memory 163,880 to 196,648 B. "warp_specialized" (384 threads): 168 registers each (the
+  launch's ceiling, 65,536 / 384 rounded down to 8; the consumers raise theirs to 232 and the producer lowers its to
+  40 by setmaxnreg), 163,920 to 196,688 B."""
   if not (ROOT / ".venv-aot" / ".installed").exists():
     pytest.skip("needs .venv-aot (the CUDA plugin and ptxas; `make gpu-aot` builds it)")
   import sys  # pylint: disable=g-import-not-at-top
   sys.path.insert(0, str(ROOT / "benchmarks"))
   import gpu_aot  # pylint: disable=g-import-not-at-top
   env = cpu_only_env(JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1", MOSAIC_GPU_DUMP_TO=str(tmp_path), MOSAIC_GPU_DUMP_PTXAS="1")
-  proc = subprocess.run([str(AOT_PYTHON), "-c", _KERNEL_COMPILE, activation, which, str(m), str(d), str(n)], cwd=ROOT,
+  proc = subprocess.run([str(AOT_PYTHON), "-c", _KERNEL_COMPILE, form, activation, which, str(m), str(d), str(n)], cwd=ROOT,
                         env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0 and proc.stdout.strip().endswith("done"), proc.stderr[-3000:]
   facts = gpu_aot._mgpu_facts(str(tmp_path))  # pylint: disable=protected-access
