@@ -18,9 +18,10 @@ refilled. The extras' tiles are requested by TMA before the K loop, so they arri
                        issues the TMA loads, a slot ahead of the consumers by barriers, its registers lowered to 40 a
                        thread; two consumers (registers raised to 232) each owning half the rows, [BM / 2, BN], with
                        their own wgmmas (on their half of the a slot and the shared b slots), extras and epilogue. While
-                       one consumer waits on its wgmmas the other issues its own, and neither spends issue slots on the
-                       operand loads. The tiles are the pipelined form's: a [2 x 128, BN] tile would hold twice the extras'
-                       and outputs' tiles in shared memory and leave at most 2 slots at the models' shapes.
+                       one consumer waits on its wgmmas the other issues its own, and neither spends issue slots on
+                       the operand loads. The tiles are the pipelined form's: a [2 x 128, BN] tile would hold twice
+                       the extras' and outputs' tiles in shared memory and leave at most 2 slots at the models'
+                       shapes.
 
 Epilogue. The accumulators are read into registers once; the epilogue runs on [64, 64] pieces of them (the wgmma
 instruction height by one 128-byte swizzle column), with the extras' pieces read from shared memory beside them, so
@@ -80,8 +81,8 @@ def _block_n(groups: int) -> int:
 def supported(m: int, k: int, n: int, groups: int, form: str = "pipelined") -> bool:
   """Whether the default tiles divide [M, K] @ [K, G, N]: M a multiple of 128, K of 64, N of 128 (G = 1) or 64
   (G = 2). Both forms use the same tiles."""
-  return form in FORMS and groups in GROUPS and m > 0 and k > 0 and n > 0 and m % BLOCK_M == 0 and k % BLOCK_K == 0 and \
-      n % _block_n(groups) == 0
+  return form in FORMS and groups in GROUPS and m > 0 and k > 0 and n > 0 and m % BLOCK_M == 0 and \
+      k % BLOCK_K == 0 and n % _block_n(groups) == 0
 
 
 def tiles(groups: int, extras: Sequence[tuple[int, object]], outs: Sequence[tuple[int, object]]) -> tuple[int, int]:
@@ -269,7 +270,8 @@ def _build(m, k, n, groups, extras, outs, epilogue, form, interpreted: bool):
   out_type = tuple(jax.ShapeDtypeStruct((m, count * n), dtype) for count, dtype in outs)
   threads = {} if form == "pipelined" else dict(num_threads=CONSUMERS + 1, thread_name="wg")
   body = functools.partial(_kernel if form == "pipelined" else _kernel_ws, epilogue=epilogue, groups=groups,
-                           extra_counts=tuple(c for c, _ in extras), out_counts=tuple(c for c, _ in outs), block_n=block_n, stages=stages, width=n)
+                           extra_counts=tuple(c for c, _ in extras), out_counts=tuple(c for c, _ in outs),
+                           block_n=block_n, stages=stages, width=n)
   params = dict(interpret=plgpu.InterpretGPUParams()) if interpreted else dict(compiler_params=plgpu.CompilerParams())
   # The last grid axis is CUDA's x, the fastest: n.
   return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(m // BLOCK_M, n // block_n),

@@ -3,9 +3,10 @@ feed-forward epilogues, forward and backward.
 
 Platform: the kernel runs in Mosaic GPU interpret mode on the CPU, which needs jax >= 0.11 (Python 3.12): the AOT
 venv's (.venv-aot). tests/ops/matmul_mgpu_worker.py runs the cases there in one subprocess (about 13 s: each case in
-both of the kernel's forms, "pipelined" and "warp_specialized") and saves inputs and outputs; the references are computed here in float64 from the same (bfloat16) inputs. Without .venv-aot the
-tests skip. On a Hopper GPU, `.venv-aot/bin/python tests/ops/matmul_mgpu_worker.py --compiled OUT.npz` runs the
-cases compiled, and MATMUL_MGPU_RESULTS=OUT.npz has these tests check that file instead.
+both of the kernel's forms, "pipelined" and "warp_specialized") and saves inputs and outputs; the references are
+computed here in float64 from the same (bfloat16) inputs. Without .venv-aot the tests skip. On a Hopper GPU,
+`.venv-aot/bin/python tests/ops/matmul_mgpu_worker.py --compiled OUT.npz` runs the cases compiled, and
+MATMUL_MGPU_RESULTS=OUT.npz has these tests check that file instead.
 """
 
 from __future__ import annotations
@@ -183,8 +184,8 @@ def test_the_default_tiles_take_the_models_shapes_and_refuse_others():
 
 
 # Compiles one kernel of ltm_jax.ops.ffn's pallas_mgpu backend for an H100 without one (the CUDA plugin, sm_90a), as
-# a Hopper host runs it (interpret=False): argv the kernel's form, activation, "forward" or "backward", M, d, n. With MOSAIC_GPU_DUMP_TO
-# and MOSAIC_GPU_DUMP_PTXAS=1 set, ptxas' report lands in the dump directory.
+# a Hopper host runs it (interpret=False): argv the kernel's form, activation, "forward" or "backward", M, d, n. With
+# MOSAIC_GPU_DUMP_TO and MOSAIC_GPU_DUMP_PTXAS=1 set, ptxas' report lands in the dump directory.
 _KERNEL_COMPILE = """
 import sys
 sys.path[:0] = ["benchmarks", "."]
@@ -231,8 +232,8 @@ def test_the_ops_kernels_compile_for_h100_without_spills(tmp_path, form, activat
   sys.path.insert(0, str(ROOT / "benchmarks"))
   import gpu_aot  # pylint: disable=g-import-not-at-top
   env = cpu_only_env(JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1", MOSAIC_GPU_DUMP_TO=str(tmp_path), MOSAIC_GPU_DUMP_PTXAS="1")
-  proc = subprocess.run([str(AOT_PYTHON), "-c", _KERNEL_COMPILE, form, activation, which, str(m), str(d), str(n)], cwd=ROOT,
-                        env=env, capture_output=True, text=True, timeout=600)
+  proc = subprocess.run([str(AOT_PYTHON), "-c", _KERNEL_COMPILE, form, activation, which, str(m), str(d), str(n)],
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0 and proc.stdout.strip().endswith("done"), proc.stderr[-3000:]
   facts = gpu_aot._mgpu_facts(str(tmp_path))  # pylint: disable=protected-access
   assert facts.get("spill_stores") == 0 and facts.get("spill_loads") == 0 and facts.get("stack") == 0, facts
