@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import os
 import pathlib
 import shutil
@@ -41,6 +42,20 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
   if os.environ.get(_OWN_CACHE) == os.environ.get(_CACHE_ENV) and "PYTEST_XDIST_WORKER" not in os.environ:
     shutil.rmtree(os.environ.pop(_OWN_CACHE), ignore_errors=True)
+
+
+def made_once(tmp_path_factory, name: str, make) -> pathlib.Path:
+  """The file `name`, made by `make(path)` once per test session: the pytest-xdist workers share one directory, and
+  the first to take its lock makes the file while the others wait (a failed `make` leaves no file, so the next one
+  tries again). For the expensive subprocesses a module's tests all read."""
+  root = tmp_path_factory.getbasetemp()
+  root = root.parent if "PYTEST_XDIST_WORKER" in os.environ else root
+  path = root / name
+  with open(root / f"{name}.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not path.exists():
+      make(path)
+  return path
 
 
 def resume_rtol() -> float:

@@ -21,6 +21,7 @@ ops.ffn's pallas_mgpu backend (the kernel forward with the relu^2 or SwiGLU epil
 kernel backward and XLA's weight and input gradients), all bfloat16, saving y, dx, dW_in and dW_out:
   op_relu2:   x [1, 256, 128], W_in [128, 1, 256], W_out [256, 128]
   op_swiglu:  x [1, 128, 192], W_in [192, 2, 128], W_out [128, 192]
+and a two-block model's loss and gradients with model.ffn_impl=xla, =pallas_mgpu and in float32 (`run_model`).
 """
 
 from __future__ import annotations
@@ -104,6 +105,42 @@ def run_op(name: str, seed: int, interpret: bool, form: str = "pipelined"):
   return [np.asarray(t, np.float32) for t in (x[0], w_in, w_out, dy[0])], [np.asarray(o, np.float32) for o in outs]
 
 
+# A two-block model of configs/small_rwkv7.py's kind (bfloat16 compute and residual stream): an RWKV-7 block with its
+# relu^2 channel mix and an attention block with SwiGLU, d_model 128, hidden 256, 2 x 128 tokens.
+MODEL_OVERRIDES = ("model.d_model=128", "model.n_layers=2", "model.layer_pattern=WA", "model.n_heads=2",
+                   "model.window=64", "model.mlp_dim=256", "model.max_seq_len=128", "train.seq_len=128")
+
+
+def run_model():
+  """(loss, gradients) of the model on random tokens with model.ffn_impl=xla, with =pallas_mgpu, and in float32
+  throughout (the XLA form): model/loss_<run> and model/grad_<run>/<parameter path>, float32. The kernels follow
+  `backend.mosaic_gpu_call`'s default: interpreted here, compiled on a GPU host."""
+  from ltm_jax import model as model_lib  # pylint: disable=g-import-not-at-top
+  from ltm_jax.config import load_config  # pylint: disable=g-import-not-at-top
+  tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 129), 0, 256)
+  results, params = {}, None
+  for impl in ("xla", "pallas_mgpu", "float32"):
+    extra = ["model.dtype=float32", "model.residual_dtype=float32"] if impl == "float32" else [f"model.ffn_impl={impl}"]
+    cfg = load_config("configs/small_rwkv7.py", [*MODEL_OVERRIDES, *extra])
+    lm = model_lib.LM(cfg.model, cfg.latent)
+    if params is None:  # Noise on every parameter: RWKV-7's zero-initialised projections would zero the FFN's gradients.
+      params = lm.init(jax.random.PRNGKey(1), tokens[:, :-1])
+      leaves, tree = jax.tree.flatten(params)
+      keys = jax.random.split(jax.random.PRNGKey(2), len(leaves))
+      params = jax.tree.unflatten(tree, [p + 0.05 * jax.random.normal(k, p.shape, p.dtype) for p, k in zip(leaves, keys)])
+
+    def loss(p, lm=lm):
+      logits = lm.apply(p, tokens[:, :-1])[0].astype(jnp.float32)  # (logits, state)
+      picked = jnp.take_along_axis(logits, tokens[:, 1:, None], axis=-1)[..., 0]
+      return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)
+
+    value, grads = jax.jit(jax.value_and_grad(loss))(params)
+    results[f"model/loss_{impl}"] = np.asarray(value, np.float32)
+    for path, g in jax.tree_util.tree_leaves_with_path(grads):
+      results[f"model/grad_{impl}/{jax.tree_util.keystr(path)}"] = np.asarray(g, np.float32)
+  return results
+
+
 def main(path: str, compiled: bool = False) -> None:
   saved = {"device": np.array(str(jax.devices()[0].device_kind))}
   started = time.time()
@@ -113,6 +150,8 @@ def main(path: str, compiled: bool = False) -> None:
       saved.update({f"{name}{suffix}/in{i}": x for i, x in enumerate(inputs)})
       saved.update({f"{name}{suffix}/out{i}": x for i, x in enumerate(outs)})
       print(name + suffix, f"{time.time() - started:.1f} s", file=sys.stderr)
+  saved.update(run_model())
+  print("model", f"{time.time() - started:.1f} s", file=sys.stderr)
   np.savez(path, **saved)
   print("ok")
 

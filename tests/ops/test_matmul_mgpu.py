@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import ROOT, cpu_only_env
+from conftest import ROOT, cpu_only_env, made_once
 from ffn_reference import reference as ffn_reference
 
 AOT_PYTHON = ROOT / ".venv-aot" / "bin" / "python"
@@ -39,11 +39,14 @@ def results(tmp_path_factory):
       return dict(saved)
   if not (ROOT / ".venv-aot" / ".installed").exists():
     pytest.skip("needs .venv-aot (jax >= 0.11 for Mosaic GPU interpret mode; `make gpu-aot` builds it)")
-  out = tmp_path_factory.mktemp("matmul_mgpu") / "results.npz"
-  proc = subprocess.run([str(AOT_PYTHON), str(WORKER), str(out)], cwd=ROOT, env=cpu_only_env(), capture_output=True,
-                        text=True, timeout=600)
-  assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
-  with np.load(out) as saved:
+
+  def make(out):  # One worker run for every xdist worker.
+    proc = subprocess.run([str(AOT_PYTHON), str(WORKER), str(out) + ".npz"], cwd=ROOT, env=cpu_only_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
+    os.replace(str(out) + ".npz", out)
+
+  with np.load(made_once(tmp_path_factory, "matmul_mgpu-results.npz", make)) as saved:
     return dict(saved)
 
 
@@ -153,6 +156,24 @@ def test_the_op_through_the_kernels_matches_the_float64_reference(results, case,
   for i, (label, want) in enumerate(zip(("y", "dx", "dW_in", "dW_out"), ffn_reference(*inputs, activation))):
     assert np.max(np.abs(want)) > 1.0, f"{name}: {label} is nearly zero"
     _assert_close(results[f"{name}/out{i}"], want, OP_RTOL, f"{name}: {label}")
+
+
+def test_a_model_with_the_fused_ffn_is_as_close_to_float32_as_the_xla_form(results):
+  """A two-block model (RWKV-7 + relu^2 channel mix, attention + SwiGLU; bfloat16 compute and residual stream, as
+  configs/small_rwkv7.py) with model.ffn_impl=pallas_mgpu: its loss and every parameter's gradient are no further
+  from the float32 model's than the bfloat16 model's with the XLA form (relative L2 per parameter; measured ratios
+  0.88 to 1.17, the differences 0.4% to 4%). A wrong epilogue (gate and up swapped, relu^2's factor 2 lost) moves
+  the FFN's gradients by O(1)."""
+  loss = {run: float(results[f"model/loss_{run}"]) for run in ("xla", "pallas_mgpu", "float32")}
+  assert abs(loss["pallas_mgpu"] - loss["float32"]) <= 1e-3 * abs(loss["float32"]), loss
+  names = [k.removeprefix("model/grad_float32/") for k in results if k.startswith("model/grad_float32/")]
+  assert len(names) > 30 and any("ffn" in name and "gate" in name for name in names)
+  for name in names:
+    exact = results[f"model/grad_float32/{name}"]
+    assert np.linalg.norm(exact) > 0, name
+    gap = {run: np.linalg.norm(results[f"model/grad_{run}/{name}"] - exact) / np.linalg.norm(exact)
+           for run in ("xla", "pallas_mgpu")}
+    assert gap["pallas_mgpu"] <= 1.5 * gap["xla"] + 1e-3, (name, gap)
 
 
 # The models' feed-forward shapes: M tokens, K and N widths.

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import ROOT, cpu_only_env
+from conftest import ROOT, cpu_only_env, made_once
 from wkv7_reference import wkv7_reference
 
 AOT_PYTHON = ROOT / ".venv-aot" / "bin" / "python"
@@ -65,11 +65,14 @@ def results(tmp_path_factory):
       return dict(saved)
   if not (ROOT / ".venv-aot" / ".installed").exists():
     pytest.skip("needs .venv-aot (jax >= 0.11 for Mosaic GPU interpret mode; `make gpu-aot` builds it)")
-  out = tmp_path_factory.mktemp("wkv7_mgpu") / "results.npz"
-  proc = subprocess.run([str(AOT_PYTHON), str(WORKER), str(out)], cwd=ROOT, env=cpu_only_env(), capture_output=True,
-                        text=True, timeout=600)
-  assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
-  with np.load(out) as saved:
+
+  def make(out):  # One worker run for every xdist worker.
+    proc = subprocess.run([str(AOT_PYTHON), str(WORKER), str(out) + ".npz"], cwd=ROOT, env=cpu_only_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
+    os.replace(str(out) + ".npz", out)
+
+  with np.load(made_once(tmp_path_factory, "wkv7_mgpu-results.npz", make)) as saved:
     return dict(saved)
 
 
