@@ -34,14 +34,9 @@ one group (the [128, 128] float32 accumulator: 128 registers a thread), 64 for t
 again 128); where the extras' and outputs' tiles leave fewer than 3 pipeline slots at BN = 128 within Hopper's
 shared memory, BN = 64. Stages: as many as fit, at most 4.
 
-Compiled for an H100 without one (sm_90a, deviceless; ptxas' report): relu^2 forward (G 1, M 32768, K 512, N 2048,
-two bfloat16 outputs) BN 128, 4 stages, 154 registers, 196,640 B of dynamic shared memory; relu^2 backward (one
-bfloat16 extra, a float32 output, K 512, N 2048) BN 128, 3 stages, 176 registers, 196,640 B; SwiGLU forward (G 2,
-M 131072, K 768, N 3584, outputs [M, 2, N] and [M, 1, N]) BN 64, 4 stages, 254 registers, 180,256 B; SwiGLU backward
-(G 1, K 768, N 3584, an extra [M, 2, N], an output [M, 2, N]) BN 64, 4 stages, 210 registers, 163,880 B; no spills.
-The warp-specialised form at the same shapes and tiles: 168 registers (the ceiling of a 384-thread launch, before
-setmaxnreg moves them between the roles), 32 to 48 B more shared memory (its barriers), no spills. Nothing here has
-run on a GPU: neither form's speed is measured.
+Registers, spills and shared memory of both forms at the models' shapes, compiled for sm_90a without a GPU, are
+checked by tests/ops/test_matmul_mgpu.py (`make test-long`) and listed in docs/kernels.md. Nothing here has run on a
+GPU: neither form's speed is measured.
 """
 
 from __future__ import annotations
@@ -79,9 +74,10 @@ def _block_n(groups: int) -> int:
 
 
 def supported(m: int, k: int, n: int, groups: int, form: str = "pipelined") -> bool:
-  """Whether the default tiles divide [M, K] @ [K, G, N]: M a multiple of 128, K of 64, N of 128 (G = 1) or 64
-  (G = 2). Both forms use the same tiles."""
-  return form in FORMS and groups in GROUPS and m > 0 and k > 0 and n > 0 and m % BLOCK_M == 0 and \
+  """Whether the default tiles divide [M, K] @ [K, G, N]: M a multiple of 128, K of 64 and at least 128 (two K steps:
+  a step's wgmmas stay in flight until the next step's are issued), N of 128 (G = 1) or 64 (G = 2). Both forms use
+  the same tiles."""
+  return form in FORMS and groups in GROUPS and m > 0 and n > 0 and m % BLOCK_M == 0 and k >= 2 * BLOCK_K and \
       k % BLOCK_K == 0 and n % _block_n(groups) == 0
 
 
@@ -165,6 +161,11 @@ def _operand_specs(m_index, n_index, groups, block_n, n_blocks, delay_release):
   return specs
 
 
+def _columns(n_index, n_blocks, block_n, group):
+  """Group `group`'s columns of output tile n_index in a [., G * N] view (N = n_blocks * block_n)."""
+  return pl.ds((group * n_blocks + n_index) * block_n, block_n)
+
+
 def _kernel(a_ref, b_ref, *refs, epilogue, groups, extra_counts, out_counts, block_n, stages, width):
   """form "pipelined", one program: the [BM, BN] output tile at (m, n), one warpgroup. refs: the extras [M, E_i * N],
   the outputs [M, O_j * N] (both 2-D views, group e's columns at e * N), then the shared-memory tiles [E_i, BM, BN] of
@@ -175,10 +176,7 @@ def _kernel(a_ref, b_ref, *refs, epilogue, groups, extra_counts, out_counts, blo
   m_index, n_index = jax.lax.axis_index("m"), jax.lax.axis_index("n")
   rows = pl.ds(m_index * BLOCK_M, BLOCK_M)
   n_blocks = width // block_n
-
-  def columns(group):
-    """Group `group`'s columns of the output tile in a [., G * N] view."""
-    return pl.ds((group * n_blocks + n_index) * block_n, block_n)
+  columns = functools.partial(_columns, n_index, n_blocks, block_n)
 
   _load_extras(extra_refs, extra_s, extra_counts, rows, columns, barrier)
 
@@ -210,9 +208,7 @@ def _kernel_ws(a_ref, b_ref, *refs, epilogue, groups, extra_counts, out_counts, 
   m_index, n_index, wg = jax.lax.axis_index("m"), jax.lax.axis_index("n"), jax.lax.axis_index("wg")
   half = BLOCK_M // CONSUMERS
   n_blocks = width // block_n
-
-  def columns(group):
-    return pl.ds((group * n_blocks + n_index) * block_n, block_n)
+  columns = functools.partial(_columns, n_index, n_blocks, block_n)
 
   def step(_, a_s, *b_s_and_carry):
     *b_s, carry = b_s_and_carry  # carry: this consumer's accumulators.
@@ -304,7 +300,8 @@ def matmul_epilogue(a: jax.Array, b: jax.Array, extras: Sequence[jax.Array] = ()
     raise ValueError(f"matmul_epilogue: a and b must be bfloat16, got {a.dtype} and {b.dtype}")
   if not supported(m, k, n, groups):
     raise ValueError(f"matmul_epilogue: shape M {m}, K {k}, N {n}, G {groups} not supported: G in {GROUPS}, M a "
-                     f"multiple of {BLOCK_M}, K of {BLOCK_K}, N of {_block_n(groups) if groups in GROUPS else 128}")
+                     f"multiple of {BLOCK_M}, K of {BLOCK_K} and >= {2 * BLOCK_K}, N of "
+                     f"{_block_n(groups) if groups in GROUPS else 128}")
   for x in extras:
     if x.ndim != 3 or x.shape[0] != m or x.shape[2] != n or x.dtype not in EXTRA_DTYPES:
       raise ValueError(f"matmul_epilogue: extras must be [M, E, N] = [{m}, E, {n}] bfloat16 or float32, got "

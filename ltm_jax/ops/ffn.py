@@ -10,10 +10,12 @@ Backends (the first is the reference):
                 back with z to write dz.
   pallas_mgpu:  the matmul into the hidden layer writes z (kept for the backward) and h from its accumulator in one
                 pass, and the matmul of the output gradient back into the hidden layer writes dz from its
-                accumulator and z (`ltm_pallas.matmul_mgpu`, Mosaic GPU: Hopper and newer; interpreted elsewhere).
+                accumulator and z (`ltm_pallas.matmul_mgpu`, Mosaic GPU: Hopper and newer, NotImplementedError on
+                an older GPU; interpreted off a GPU).
                 The output matmul and the weight gradients stay XLA's. Other dtypes than bfloat16, and shapes the
                 kernel's tiles do not divide, run the xla form; over a mesh the rows (batch) are split and the
-                weights gathered whole on every shard (no tensor parallelism inside the op).
+                weights gathered whole on every shard (no tensor parallelism inside the op; each shard's weight
+                gradients are rounded to bfloat16 before they are summed).
 
 Both compute z, h and dz from bfloat16-rounded values where the inputs are bfloat16; the fused form rounds h and dz
 once from float32 where XLA rounds each elementwise step, so the two agree to bfloat16 rounding, not bit for bit.
@@ -31,8 +33,8 @@ from ltm_pallas import matmul_mgpu as kernel
 
 AVAILABLE = ("xla", "pallas_mgpu")
 ACTIVATIONS = {"relu2": 1, "swiglu": 2}  # activation -> groups of W_in's columns (G).
-# Every platform: xla. The fused kernels are compiled and tested (interpret mode, deviceless sm_90a) but not yet timed
-# against cuBLAS/XLA on a GPU (benchmarks/ffn.py); the deviceless step budget prices them at the matmul rate.
+# Every platform takes xla: a GPU entry names pallas_mgpu where benchmarks/ffn.py measures the fused kernels faster
+# than cuBLAS and XLA's passes (the deviceless step budget can only assume their rate, docs/kernels.md).
 AUTO: dict[str, str] = {}
 
 

@@ -17,6 +17,7 @@ import json  # noqa: E402
 import pathlib  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
+import unittest.mock  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -28,6 +29,7 @@ from conftest import CLASSIC_OVERRIDES, micro_config, without_expensive_passes  
 from ltm_jax import config as config_lib  # noqa: E402
 from ltm_jax import model as model_lib  # noqa: E402
 from ltm_jax import ops, parallel  # noqa: E402
+from ltm_jax.ops import ffn as ffn_op  # noqa: E402
 from ltm_jax.train import checkpoint as ckpt_lib  # noqa: E402
 from ltm_jax.train.optimizer import learning_rate, make_optimizer  # noqa: E402
 from ltm_jax.train.step import create_train_state, make_train_step, run_keys  # noqa: E402
@@ -230,6 +232,16 @@ def kernels_under_mesh():
   check("wkv7", lambda *a: ops.wkv7(*a, impl="pallas")[0], tuple(r7), (bsh4,) * 6)
   q, kq, vq = (rng.standard_normal((b, t, h, 16)).astype(np.float32) for _ in range(3))
   check("attention", lambda q, k, v: ops.attention(q, k, v, impl="pallas"), (q, kq, vq), (bsh4,) * 3)
+  # The feed-forward op's kernel path (rows split over the mesh, the weights whole on every shard, their gradients
+  # summed), with the XLA form standing in for the Mosaic GPU kernel, which has no CPU form under jax 0.10.
+  x = rng.standard_normal((b, t, h * n)).astype(np.float32)
+  w_in = (rng.standard_normal((h * n, 2, 64)) / np.sqrt(h * n)).astype(np.float32)
+  w_out = (rng.standard_normal((64, h * n)) / 8).astype(np.float32)
+  spec = lambda *axes: jax.sharding.NamedSharding(layout.mesh, jax.sharding.PartitionSpec(*axes))
+  stand_in = lambda *a, **k: ffn_op.xla(*a, **k)
+  with unittest.mock.patch.dict(ffn_op._BACKENDS, {"pallas_mgpu": stand_in}):  # pylint: disable=protected-access
+    check("ffn", lambda x, w_in, w_out: ffn_op.ffn(x, w_in, w_out, activation="swiglu", impl="pallas_mgpu"),
+          (x, w_in, w_out), (bsh, spec(None, None, "tensor"), spec("tensor", None)))
   return out
 
 
