@@ -68,19 +68,15 @@ def backward_epilogue(activation: str):
   return epilogue
 
 
-def _in_product(x, w_in):
-  """x [M, d] @ W_in [d, G, n] -> [M, G, n] as one two-dimensional matmul (jax 0.11's CPU backend accumulates the
-  three-dimensional einsum's bfloat16 products in bfloat16)."""
-  return (x @ w_in.reshape(w_in.shape[0], -1)).reshape(x.shape[0], *w_in.shape[1:])
-
-
 def xla(x, w_in, w_out, *, activation: str):
-  """The reference: x [M, d] @ W_in [d, G, n] in the compute dtype, the activation in it, then @ W_out [n, d_out]."""
-  z = _in_product(x, w_in)
+  """The reference: x [..., d] @ W_in [d, G, n] in the compute dtype, the activation in it, then @ W_out [n, d_out].
+  On [B, T, d] as the layers' own products were: XLA partitions it over a mesh with the weights sharded as the
+  parameters are (no reshape merges a weight's sharded axis with another)."""
+  z = jnp.einsum("...d,dgn->...gn", x, w_in)
   if activation == "relu2":
-    h = jnp.square(jax.nn.relu(z[:, 0]))
+    h = jnp.square(jax.nn.relu(z[..., 0, :]))
   else:
-    h = jax.nn.silu(z[:, 0]) * z[:, 1]
+    h = jax.nn.silu(z[..., 0, :]) * z[..., 1, :]
   return h @ w_out
 
 
@@ -149,13 +145,13 @@ def ffn(x, w_in, w_out, *, activation: str, impl: str = "auto"):
     raise ValueError(f"ffn: {activation} wants x [B, T, d], w_in [d, {groups}, n], w_out [n, d_out]; got "
                      f"{x.shape}, {w_in.shape}, {w_out.shape}")
   run = backend.select("ffn", impl, _BACKENDS, AUTO)
+  if run is xla:  # XLA partitions the reference over any mesh, weights sharded as the parameters are.
+    return xla(x, w_in, w_out, activation=activation)
 
   def rows(x, w_in, w_out):
     y = run(x.reshape(-1, x.shape[-1]), w_in, w_out, activation=activation)
     return y.reshape(*x.shape[:2], -1)
 
-  if run is xla:  # XLA partitions the reference over any mesh, weights sharded as the parameters are.
-    return rows(x, w_in, w_out)
   # The kernels: rows split over the mesh's batch axes, the weights whole on every shard.
   return sharding.per_shard(rows, (x, w_in, w_out), in_axes=(("batch", None, None), (None,) * 3, (None, None)),
                             out_axes=("batch", None, None), sizes={"batch": x.shape[0]})

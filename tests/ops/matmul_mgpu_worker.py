@@ -21,7 +21,8 @@ ops.ffn's pallas_mgpu backend (the kernel forward with the relu^2 or SwiGLU epil
 kernel backward and XLA's weight and input gradients), all bfloat16, saving y, dx, dW_in and dW_out:
   op_relu2:   x [1, 256, 128], W_in [128, 1, 256], W_out [256, 128]
   op_swiglu:  x [1, 128, 192], W_in [192, 2, 128], W_out [128, 192]
-and a two-block model's loss and gradients with model.ffn_impl=xla, =pallas_mgpu and in float32 (`run_model`).
+With `--model` (`python matmul_mgpu_worker.py --model OUT.npz`) it runs only a two-block model's loss and gradients
+with model.ffn_impl=xla, =pallas_mgpu and in float32 (`run_model`), for the long test of test_matmul_mgpu.py.
 """
 
 from __future__ import annotations
@@ -150,11 +151,13 @@ def main(path: str, compiled: bool = False) -> None:
       saved.update({f"{name}{suffix}/in{i}": x for i, x in enumerate(inputs)})
       saved.update({f"{name}{suffix}/out{i}": x for i, x in enumerate(outs)})
       print(name + suffix, f"{time.time() - started:.1f} s", file=sys.stderr)
-  saved.update(run_model())
-  print("model", f"{time.time() - started:.1f} s", file=sys.stderr)
   np.savez(path, **saved)
   print("ok")
 
 
 if __name__ == "__main__":
-  main(sys.argv[-1], compiled="--compiled" in sys.argv[1:-1])
+  if "--model" in sys.argv[1:-1]:
+    np.savez(sys.argv[-1], **run_model())
+    print("ok")
+  else:
+    main(sys.argv[-1], compiled="--compiled" in sys.argv[1:-1])
