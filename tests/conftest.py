@@ -8,9 +8,11 @@ import fcntl
 import os
 import pathlib
 import shutil
+import subprocess
 import tempfile
 
 import jax
+import numpy as np
 import pytest
 
 from ltm_jax.config import Config, DataConfig, LatentConfig, ModelConfig, TrainConfig, validate
@@ -44,18 +46,26 @@ def pytest_unconfigure(config):
     shutil.rmtree(os.environ.pop(_OWN_CACHE), ignore_errors=True)
 
 
-def made_once(tmp_path_factory, name: str, make) -> pathlib.Path:
-  """The file `name`, made by `make(path)` once per test session: the pytest-xdist workers share one directory, and
-  the first to take its lock makes the file while the others wait (a failed `make` leaves no file, so the next one
-  tries again). For the expensive subprocesses a module's tests all read."""
+def aot_worker_output(tmp_path_factory, worker: pathlib.Path, name: str, *flags: str) -> dict:
+  """The arrays `worker` (a script run by .venv-aot's Python, jax >= 0.11: Mosaic GPU interpret mode) saves with
+  `worker *flags OUT.npz`, run once per test session on the CPU: the pytest-xdist workers share one directory, and
+  the first to take its lock runs the worker while the others wait (a failed run leaves no file, so the next one
+  tries again). Skips without .venv-aot."""
+  if not (ROOT / ".venv-aot" / ".installed").exists():
+    pytest.skip("needs .venv-aot (jax >= 0.11 for Mosaic GPU interpret mode; `make gpu-aot` builds it)")
   root = tmp_path_factory.getbasetemp()
   root = root.parent if "PYTEST_XDIST_WORKER" in os.environ else root
-  path = root / name
+  path = root / f"{name}.npz"
   with open(root / f"{name}.lock", "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
     if not path.exists():
-      make(path)
-  return path
+      partial = root / f"{name}.partial.npz"
+      proc = subprocess.run([str(ROOT / ".venv-aot" / "bin" / "python"), str(worker), *flags, str(partial)],
+                            cwd=ROOT, env=cpu_only_env(), capture_output=True, text=True, timeout=600)
+      assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
+      os.replace(partial, path)
+  with np.load(path) as saved:
+    return dict(saved)
 
 
 def resume_rtol() -> float:

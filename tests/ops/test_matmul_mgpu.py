@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import ROOT, cpu_only_env, made_once
+from conftest import ROOT, aot_worker_output, cpu_only_env
 from ffn_reference import reference as ffn_reference
 
 AOT_PYTHON = ROOT / ".venv-aot" / "bin" / "python"
@@ -37,17 +37,7 @@ def results(tmp_path_factory):
   if given := os.environ.get("MATMUL_MGPU_RESULTS"):  # The worker's output from elsewhere (--compiled on a GPU).
     with np.load(given) as saved:
       return dict(saved)
-  if not (ROOT / ".venv-aot" / ".installed").exists():
-    pytest.skip("needs .venv-aot (jax >= 0.11 for Mosaic GPU interpret mode; `make gpu-aot` builds it)")
-
-  def make(out):  # One worker run for every xdist worker.
-    proc = subprocess.run([str(AOT_PYTHON), str(WORKER), str(out) + ".npz"], cwd=ROOT, env=cpu_only_env(),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
-    os.replace(str(out) + ".npz", out)
-
-  with np.load(made_once(tmp_path_factory, "matmul_mgpu-results.npz", make)) as saved:
-    return dict(saved)
+  return aot_worker_output(tmp_path_factory, WORKER, "matmul_mgpu-results")
 
 
 def _bf16(x):
@@ -177,17 +167,7 @@ def test_a_model_with_the_fused_ffn_is_as_close_to_float32_as_the_xla_form(tmp_p
   0.38 to 1.17, below 1 where jax 0.11's CPU einsum accumulates the XLA form's bfloat16 products in bfloat16; the
   fused run's gaps 0.4% to 4.3%). A wrong epilogue (gate and up swapped, relu^2's factor 2 lost) moves
   the FFN's gradients by O(1)."""
-  if not (ROOT / ".venv-aot" / ".installed").exists():
-    pytest.skip("needs .venv-aot (jax >= 0.11 for Mosaic GPU interpret mode; `make gpu-aot` builds it)")
-
-  def make(out):
-    proc = subprocess.run([str(AOT_PYTHON), str(WORKER), "--model", str(out) + ".npz"], cwd=ROOT,
-                          env=cpu_only_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
-    os.replace(str(out) + ".npz", out)
-
-  with np.load(made_once(tmp_path_factory, "matmul_mgpu-model.npz", make)) as saved:
-    results = dict(saved)
+  results = aot_worker_output(tmp_path_factory, WORKER, "matmul_mgpu-model", "--model")
   loss = {run: float(results[f"model/loss_{run}"]) for run in ("xla", "pallas_mgpu", "float32")}
   assert abs(loss["pallas_mgpu"] - loss["float32"]) <= 1e-3 * abs(loss["float32"]), loss
   assert loss["pallas_mgpu"] != loss["xla"], "the fused run fell back to the XLA form"

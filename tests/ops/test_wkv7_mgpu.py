@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import ROOT, cpu_only_env, made_once
+from conftest import ROOT, aot_worker_output, cpu_only_env
 from wkv7_reference import wkv7_reference
 
 AOT_PYTHON = ROOT / ".venv-aot" / "bin" / "python"
@@ -63,17 +63,7 @@ def results(tmp_path_factory):
   if given := os.environ.get("WKV7_MGPU_RESULTS"):  # The worker's output from elsewhere (--compiled on a GPU).
     with np.load(given) as saved:
       return dict(saved)
-  if not (ROOT / ".venv-aot" / ".installed").exists():
-    pytest.skip("needs .venv-aot (jax >= 0.11 for Mosaic GPU interpret mode; `make gpu-aot` builds it)")
-
-  def make(out):  # One worker run for every xdist worker.
-    proc = subprocess.run([str(AOT_PYTHON), str(WORKER), str(out) + ".npz"], cwd=ROOT, env=cpu_only_env(),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
-    os.replace(str(out) + ".npz", out)
-
-  with np.load(made_once(tmp_path_factory, "wkv7_mgpu-results.npz", make)) as saved:
-    return dict(saved)
+  return aot_worker_output(tmp_path_factory, WORKER, "wkv7_mgpu-results")
 
 
 def _case(results, name):
