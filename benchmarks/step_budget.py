@@ -9,9 +9,11 @@ Compiles the real train step (ltm_jax.train.step, AdamW included) at the config'
 optimized HLO: every kernel the step launches (each fusion, each custom call: Pallas/Triton kernels, cuBLAS gemms,
 cuDNN; each unfused copy, transpose, reduce, ...), with loop bodies counted once per trip. FLOPs and bytes are
 counted from the HLO's shapes: a dot 2 x output x contraction, every other arithmetic instruction one per output
-element (a reduce one per input element); bytes are the kernel's operands plus its outputs. A Pallas kernel's FLOPs
-are not counted (its HLO is one opaque call), except the fused-epilogue matmul's (ltm_pallas.matmul_mgpu), which is
-priced as a matmul at --matmul-tflops: an assumption that it runs at cuBLAS's rate, to be measured.
+element (a reduce one per input element); bytes are the kernel's operands plus its outputs (a fusion reading slices
+of an operand reads the slices; one updating a slice of a buffer in place reads and writes the update). A Pallas
+kernel's FLOPs are not counted (its HLO is one opaque call), except the fused-epilogue matmul's
+(ltm_pallas.matmul_mgpu), which is priced as a matmul at --matmul-tflops: an assumption that it runs at cuBLAS's
+rate, to be measured.
 
 Each kernel's roofline time is max(FLOPs / compute ceiling, bytes / copy bandwidth): bf16/f16/f8 dots against
 --matmul-tflops, float32 dots against --f32-matmul-tflops, everything else against --vector-tflops, bytes against
@@ -388,7 +390,7 @@ def kernels(comps, entry: str, frames: dict[int, str], ceilings: dict) -> tuple[
       category, flops, dot_flops, dot_dtype, detail = classify(comps, ins, op_name, where)
       out.append({"name": path + ins.name, "opcode": ins.opcode, "detail": detail, "category": category,
                    "times": times, "flops": flops, "dot_flops": dot_flops, "dot_dtype": dot_dtype,
-                   "bytes": _operand_bytes(comps, ins) + _nbytes(ins.out), "out": _fmt_shape(ins.out),
+                   "bytes": _operand_bytes(comps, ins) + _output_bytes(comps, ins), "out": _fmt_shape(ins.out),
                    "elements": math.prod(ins.operands[0][1]) if ins.operands else 0,
                    "backward": "transpose(" in op_name, "op_name": op_name, "where": where})
 
@@ -402,6 +404,31 @@ _SLICES = ("slice", "dynamic-slice")
 _PER_ELEMENT = _ARITH | {"bitcast", "reshape", "copy", "bitcast-convert"}
 
 
+def _in_place_update(comps, ins: Instr) -> tuple[str, float] | None:
+  """(the parameter updated in place, bytes written) of a fusion whose root is a dynamic-update-slice of one of its
+  parameters: XLA's GPU emitter writes such an update into the operand's buffer, which is the output's, so the
+  kernel reads and writes only the update, however large the buffer (a loop filling a stacked array slice by
+  slice)."""
+  sub = _attr(ins.attrs, "calls") if ins.opcode in ("fusion", "fusion-start") else None
+  body = comps.get(sub, []) if sub else []
+  root = next((i for i in body if i.root), None)
+  if root is None or root.opcode != "dynamic-update-slice" or len(root.operands) < 2:
+    return None
+  buffer = re.findall(r"%([\w.\-]+)", root.operand_text)[0]
+  if not any(i.name == buffer and i.opcode == "parameter" for i in body):
+    return None
+  return buffer, _nbytes(root.operands[1:2])
+
+
+def _output_bytes(comps, ins: Instr) -> float:
+  """Bytes a launch writes: its outputs; for an asynchronous fusion (fusion-start, whose result tuple also holds its
+  operands and a context) only the fusion's own output; for an in-place update only the update."""
+  out = ins.out[len(ins.operands):] if ins.opcode == "fusion-start" else ins.out
+  if update := _in_place_update(comps, ins):
+    return update[1]
+  return _nbytes(out)
+
+
 def _operand_bytes(comps, ins: Instr) -> float:
   """Bytes a launch reads: each operand whole, except where a fusion's computation reads only part of an operand,
   through slices, alone or after elementwise ops (a kernel reading one leaf of a flattened tree). The share read
@@ -413,7 +440,12 @@ def _operand_bytes(comps, ins: Instr) -> float:
   if not params or len(params) != len(ins.operands):
     return _nbytes(ins.operands)
   share = collections.defaultdict(float)  # name -> the share of its elements that the kernel reads (root: 1).
+  in_place = _in_place_update(comps, ins)
   for i in reversed(body):
+    if in_place and i.root:  # The updated buffer is not read: only the update and the indices are.
+      for k, name in enumerate(re.findall(r"%([\w.\-]+)", i.operand_text)):
+        share[name] += 0.0 if k == 0 else 1.0
+      continue
     if i.root:
       share[i.name] = 1.0
     used = min(share[i.name], 1.0)

@@ -126,3 +126,52 @@ def test_a_fusion_reading_slices_of_an_operand_counts_the_slices():
   by = {r["name"]: r for r in rows}
   assert by["leaf"]["bytes"] == 4 * (16 + 16 + 4) + 4 * 16  # A quarter of a, all of b and c; then the output.
   assert by["half"]["bytes"] == 4 * 32 + 4 * 32
+
+
+# A loop body's two asynchronous fusions as XLA's GPU pipeline prints them: one reads a [1, 16] slice of a [4, 16]
+# buffer (its result tuple repeats its operands before the output and a context word), the other writes an update
+# [16] into a slice of that buffer in place; a third, plain fusion adds two whole buffers.
+UPDATED = """HloModule m
+
+%fused_slice (p0: f32[4,16], p1: s32[]) -> f32[1,16] {
+  %p0 = f32[4,16]{1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %z = s32[] constant(0)
+  ROOT %ds = f32[1,16]{1,0} dynamic-slice(f32[4,16]{1,0} %p0, s32[] %p1, s32[] %z), dynamic_slice_sizes={1,16}
+}
+
+%fused_update (q0: f32[4,16], q1: f32[16], q2: s32[]) -> f32[4,16] {
+  %q0 = f32[4,16]{1,0} parameter(0)
+  %q1 = f32[16]{0} parameter(1)
+  %q2 = s32[] parameter(2)
+  %z = s32[] constant(0)
+  %b = f32[1,16]{1,0} bitcast(f32[16]{0} %q1)
+  ROOT %dus = f32[4,16]{1,0} dynamic-update-slice(f32[4,16]{1,0} %q0, f32[1,16]{1,0} %b, s32[] %q2, s32[] %z)
+}
+
+%fused_add (r0: f32[4,16], r1: f32[4,16]) -> f32[4,16] {
+  %r0 = f32[4,16]{1,0} parameter(0)
+  %r1 = f32[4,16]{1,0} parameter(1)
+  ROOT %s = f32[4,16]{1,0} add(f32[4,16]{1,0} %r0, f32[4,16]{1,0} %r1)
+}
+
+ENTRY %main (a: f32[4,16], u: f32[16], i: s32[]) -> f32[4,16] {
+  %a = f32[4,16]{1,0} parameter(0)
+  %u = f32[16]{0} parameter(1)
+  %i = s32[] parameter(2)
+  %read = ((f32[4,16]{1,0}, s32[]), f32[1,16]{1,0}, u32[]) fusion-start(f32[4,16]{1,0} %a, s32[] %i), kind=kLoop, calls=%fused_slice
+  %write = ((f32[4,16]{1,0}, f32[16]{0}, s32[]), f32[4,16]{1,0}, u32[]) fusion-start(f32[4,16]{1,0} %a, f32[16]{0} %u, s32[] %i), kind=kLoop, calls=%fused_update
+  ROOT %sum = f32[4,16]{1,0} fusion(f32[4,16]{1,0} %a, f32[4,16]{1,0} %a), kind=kLoop, calls=%fused_add
+}
+"""
+
+
+def test_slices_read_and_in_place_updates_count_only_the_slice():
+  comps, entry, frames = step_budget.parse_hlo(UPDATED)
+  rows, _ = step_budget.kernels(comps, entry, frames, dict(step_budget.DEFAULTS))
+  by = {r["name"]: r for r in rows}
+  # The slice read, its index, then the slice written and the context word; not the operands in the result tuple.
+  assert by["read"]["bytes"] == 4 * 16 + 4 + 4 * 16 + 4
+  # The update and its index read, the update written; the [4, 16] buffer neither read nor written whole.
+  assert by["write"]["bytes"] == 4 * 16 + 4 + 4 * 16
+  assert by["sum"]["bytes"] == 3 * 4 * 4 * 16  # A plain fusion still reads and writes whole buffers.
