@@ -130,6 +130,18 @@ def test_decays_beyond_the_range():
   y, state = _OP_FORWARD(*inputs)
   _assert_close(y, y_ref, F32_RTOL, "y")
   _assert_close(state, state_ref, F32_RTOL, "final state")
+  # Its gradients too: the sequential branch's backward runs its forward again (it keeps only its inputs).
+  _check(_loss_and_grads(lambda *x: op(*x, impl="pallas_chunked")), inputs, cot)
+
+
+def test_differentiated_op_keeps_one_set_of_chunk_states():
+  # bfloat16 inputs: the chunked kernels keep bfloat16 chunk states, the sequential ones float32. The branch taken
+  # must not also hold (and write zeros into) a [B, H, chunks, N, N] float32 array for the branch not taken.
+  *inputs, state = _inputs(9)
+  inputs = [x if name == "w" else x.astype(jnp.bfloat16) for name, x in zip("rwkvab", inputs)] + [state]
+  _, vjp = jax.vjp(lambda *x: op(*x, impl="pallas_chunked"), *inputs)
+  states = [(x.shape, x.dtype) for x in jax.tree.leaves(vjp) if getattr(x, "ndim", 0) == 5]
+  assert states == [((1, 2, 3, 16, 16), jnp.bfloat16)]
 
 
 def test_op_runs_the_chunked_kernels_in_range():

@@ -41,9 +41,15 @@ def wkv7(
 
 def in_range_or_sequential(kernels, r, w, k, v, a, b, state):
   """`kernels(r, w, k, v, a, b, state, optimize_remat=...)`, a chunked form, where every log-decay is in the chunked
-  kernels' range, the sequential kernels otherwise (a run-time `lax.cond` on one read of w)."""
+  kernels' range, the sequential kernels otherwise (a run-time `lax.cond` on one read of w).
+
+  Differentiated, a `lax.cond` keeps the residuals of both branches, and the branch taken writes zeros for the
+  other's that no residual of its own can share (JAX shares a slot between residuals of one shape and dtype): the
+  sequential kernels' float32 checkpoints, [B, H, T / 16, N, N], as large as a float32 copy of every input. The
+  sequential branch therefore runs under `jax.checkpoint` and keeps only its inputs, which the chunked branch keeps
+  too; its backward, on the rare inputs outside the chunked range, runs its forward again."""
   optimize = not sharding.inside_shard_map()
   chunk = chunked.settings(r.shape[-1], chunked.operand_dtype(r.dtype))["chunk"]
   run_chunked = functools.partial(kernels, optimize_remat=optimize)
-  run_sequential = functools.partial(sequential.wkv7, optimize_remat=optimize)
+  run_sequential = jax.checkpoint(functools.partial(sequential.wkv7, optimize_remat=optimize))
   return lax.cond(chunked.in_range(w, chunk), run_chunked, run_sequential, r, w, k, v, a, b, state)
