@@ -25,7 +25,8 @@ products (`wkv7_mgpu.pipelines`), at N = 128 they do not:
   states_bf16_n128:    [1, 128, 1, 128] bfloat16, the same, two value blocks per head
   op_grad_segmented_bf16: [1, 256, 1, 64] bfloat16 through ops.wkv7(impl="pallas_mgpu") with
                        pallas_segmented.MIN_SEGMENT = 128, so that the op runs two segments of 128 tokens
-                       (`wkv7_segmented` with the Mosaic GPU kernels): y, state and the seven gradients
+                       (`wkv7_segmented` with the Mosaic GPU kernels): y, state and the seven gradients, and
+                       the bytes of what the differentiated op keeps for its backward
 Log-decays are drawn per channel from [min_log_decay() = -0.9375, -1e-6] unless stated.
 """
 
@@ -110,6 +111,10 @@ def main(path: str, compiled: bool = False) -> None:
     if "segmented" in name:
       pallas_segmented.MIN_SEGMENT = SEGMENT
       saved[f"{name}/segments"] = np.array(pallas_mgpu.segments(*shape))
+      # What the differentiated op keeps for its backward (traced, not run), against its inputs' size.
+      kept = jax.eval_shape(lambda *x: jax.vjp(lambda *y: op(*y, impl="pallas_mgpu"), *x)[1], *args)
+      saved[f"{name}/residual_bytes"] = np.array(sum(t.size * t.dtype.itemsize for t in jax.tree.leaves(kept)))
+      saved[f"{name}/input_bytes"] = np.array(sum(t.size * t.dtype.itemsize for t in args))
     if name.startswith("kernel"):
       y, state = kernel(*args)
     elif name.startswith("states"):

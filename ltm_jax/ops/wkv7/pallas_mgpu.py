@@ -54,7 +54,9 @@ def wkv7(
   if count > 1:
     # No remat optimization, as for the unsegmented kernels: interpret mode's callbacks are side effects it refuses.
     run = functools.partial(segmented.run_segments, segmented.mgpu_kernels(interpret), count, optimize_remat=False)
-    return lax.cond(wkv7_mgpu.in_range(w), run, chunked.wkv7, r, w, k, v, a, b, state)
+    # The XLA fallback under jax.checkpoint: differentiated, the cond keeps both branches' residuals, and the
+    # kernels' branch would write zeros for every per-chunk intermediate of the fallback's (~50x its inputs).
+    return lax.cond(wkv7_mgpu.in_range(w), run, jax.checkpoint(chunked.wkv7), r, w, k, v, a, b, state)
   return _differentiable(interpret)(r, w, k, v, a, b, state)
 
 
