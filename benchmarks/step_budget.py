@@ -404,11 +404,10 @@ _SLICES = ("slice", "dynamic-slice")
 _PER_ELEMENT = _ARITH | {"bitcast", "reshape", "copy", "bitcast-convert"}
 
 
-def _in_place_update(comps, ins: Instr) -> tuple[str, float] | None:
-  """(the parameter updated in place, bytes written) of a fusion whose root is a dynamic-update-slice of one of its
-  parameters: XLA's GPU emitter writes such an update into the operand's buffer, which is the output's, so the
-  kernel reads and writes only the update, however large the buffer (a loop filling a stacked array slice by
-  slice)."""
+def _in_place_update(comps, ins: Instr) -> float | None:
+  """The bytes written by a fusion whose root is a dynamic-update-slice of one of its parameters (else None): XLA's
+  GPU emitter writes such an update into the operand's buffer, which is the output's, so the kernel reads and writes
+  only the update, however large the buffer (a loop filling a stacked array slice by slice)."""
   sub = _attr(ins.attrs, "calls") if ins.opcode in ("fusion", "fusion-start") else None
   body = comps.get(sub, []) if sub else []
   root = next((i for i in body if i.root), None)
@@ -417,16 +416,15 @@ def _in_place_update(comps, ins: Instr) -> tuple[str, float] | None:
   buffer = re.findall(r"%([\w.\-]+)", root.operand_text)[0]
   if not any(i.name == buffer and i.opcode == "parameter" for i in body):
     return None
-  return buffer, _nbytes(root.operands[1:2])
+  return _nbytes(root.operands[1:2])
 
 
 def _output_bytes(comps, ins: Instr) -> float:
   """Bytes a launch writes: its outputs; for an asynchronous fusion (fusion-start, whose result tuple also holds its
   operands and a context) only the fusion's own output; for an in-place update only the update."""
   out = ins.out[len(ins.operands):] if ins.opcode == "fusion-start" else ins.out
-  if update := _in_place_update(comps, ins):
-    return update[1]
-  return _nbytes(out)
+  update = _in_place_update(comps, ins)
+  return _nbytes(out) if update is None else update
 
 
 def _operand_bytes(comps, ins: Instr) -> float:
@@ -440,7 +438,7 @@ def _operand_bytes(comps, ins: Instr) -> float:
   if not params or len(params) != len(ins.operands):
     return _nbytes(ins.operands)
   share = collections.defaultdict(float)  # name -> the share of its elements that the kernel reads (root: 1).
-  in_place = _in_place_update(comps, ins)
+  in_place = _in_place_update(comps, ins) is not None
   for i in reversed(body):
     if in_place and i.root:  # The updated buffer is not read: only the update and the indices are.
       for k, name in enumerate(re.findall(r"%([\w.\-]+)", i.operand_text)):

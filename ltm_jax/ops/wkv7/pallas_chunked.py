@@ -45,7 +45,7 @@ def in_range_or_sequential(kernels, r, w, k, v, a, b, state):
 
   Differentiated, a `lax.cond` keeps the residuals of both branches, and the branch taken writes zeros for the
   other's that no residual of its own can share (JAX shares a slot between residuals of one shape and dtype): the
-  sequential kernels' float32 checkpoints, [B, H, T / 16, N, N], as large as a float32 copy of every input. The
+  sequential kernels' float32 checkpoints, [B, H, T / 16, N, N], eight times one bfloat16 input at N = 64. The
   sequential branch therefore runs under `jax.checkpoint` and keeps only its inputs, which the chunked branch keeps
   too; its backward, on the rare inputs outside the chunked range, runs its forward again."""
   optimize = not sharding.inside_shard_map()
