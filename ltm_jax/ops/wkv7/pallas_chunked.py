@@ -51,5 +51,7 @@ def in_range_or_sequential(kernels, r, w, k, v, a, b, state):
   optimize = not sharding.inside_shard_map()
   chunk = chunked.settings(r.shape[-1], chunked.operand_dtype(r.dtype))["chunk"]
   run_chunked = functools.partial(kernels, optimize_remat=optimize)
-  run_sequential = jax.checkpoint(functools.partial(sequential.wkv7, optimize_remat=optimize))
+  # Without the custom_vjp's own remat optimisation: under this explicit checkpoint it gains nothing on so rare a
+  # branch, and with it a second derivative fails inside JAX instead of raising the kernels' one-line refusal.
+  run_sequential = jax.checkpoint(functools.partial(sequential.wkv7, optimize_remat=False))
   return lax.cond(chunked.in_range(w, chunk), run_chunked, run_sequential, r, w, k, v, a, b, state)
