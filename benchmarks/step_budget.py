@@ -16,7 +16,8 @@ kernel's FLOPs are not counted (its HLO is one opaque call), except the fused-ep
 rate, to be measured.
 
 Each kernel's roofline time is max(FLOPs / compute ceiling, bytes / copy bandwidth): bf16/f16/f8 dots against
---matmul-tflops, float32 dots against --f32-matmul-tflops, everything else against --vector-tflops, bytes against
+--matmul-tflops, float32 dots at XLA's default precision (TF32 on tensor cores) against --tf32-matmul-tflops, those
+at full float32 precision against --f32-matmul-tflops, everything else against --vector-tflops, bytes against
 --copy-tbps (read + write). The WKV-7 kernels also get a time scaled by their element count from the kernel
 benchmark's measured H100 rows (--wkv-fwd-ns, --wkv-bwd-ns); the prediction takes the larger of the two. Each
 kernel launch adds --launch-us (an assumption, not a measurement). Kernels fall into categories: matmul, WKV kernel,
@@ -64,8 +65,11 @@ CATEGORIES = ("matmul", "WKV kernel", "attention kernel", "elementwise/fusion", 
 # Measured on one H100 80GB HBM3 (benchmarks/gpu_sweep.py, shared gpu-results of 2026-11-25): copy 2.18 TB/s
 # (read + write), bf16 matmul 642 TFLOP/s; the chunked WKV-7 Pallas kernels at (8, 4096, 4096, 64) bf16 take 2.36 ms
 # forward and 12.27 ms forward + backward, i.e. per element of r [B, T, H, N]: 2.36e6 / 2^27 ns and
-# (12.27 - 2.36)e6 / 2^27 ns; the sequential ones (wkv7_forward, wkv7_backward) 10.67 and 75.64 ms. float32 and vector rates are the datasheet's (H100 SXM: 67 TFLOP/s fp32 non-tensor).
-DEFAULTS = {"matmul_tflops": 642.0, "copy_tbps": 2.18, "f32_matmul_tflops": 67.0, "vector_tflops": 67.0,
+# (12.27 - 2.36)e6 / 2^27 ns; the sequential ones (wkv7_forward, wkv7_backward) 10.67 and 75.64 ms. float32 and
+# vector rates are the datasheet's (H100 SXM: 67 TFLOP/s fp32 non-tensor); TF32 is half the measured bf16 rate, as
+# the datasheet's dense TF32 (495) is half its bf16 (989): an assumption, not measured.
+DEFAULTS = {"matmul_tflops": 642.0, "copy_tbps": 2.18, "f32_matmul_tflops": 67.0, "tf32_matmul_tflops": 321.0,
+            "vector_tflops": 67.0,
             "wkv_fwd_ns": 2.36e6 / (8 * 4096 * 4096), "wkv_bwd_ns": (12.27 - 2.36) * 1e6 / (8 * 4096 * 4096),
             "wkv_seq_fwd_ns": 10.67e6 / (8 * 4096 * 4096), "wkv_seq_bwd_ns": (75.64 - 10.67) * 1e6 / (8 * 4096 * 4096),
             "launch_us": 2.0}
@@ -207,6 +211,15 @@ def _dims(attrs: str, key: str) -> list[int]:
   return []
 
 
+def _dot_dtype(ins: Instr) -> str:
+  """The widest operand dtype of a dot, "tf32" for a float32 dot at XLA's default precision: its GPU emitters
+  multiply those on tensor cores in TF32 (the sm_90a PTX of such a Triton GEMM holds mma.sync ... tf32), unless the
+  dot asks for full precision (operand_precision highest, or a float32 algorithm)."""
+  dtype = max([d for d, _ in ins.operands[:2]] or [""], key=lambda d: _DTYPE_BYTES.get(d, 0))
+  full = re.search(r"highest|HIGHEST|dot_f32_f32_f32|ALG_DOT_F32_F32_F32", ins.attrs)
+  return "tf32" if dtype == "f32" and not full else dtype
+
+
 def _dot_flops(ins: Instr) -> float:
   if not ins.out or not ins.operands:
     return 0.0
@@ -264,7 +277,7 @@ def _fused_cost(comps, name: str) -> tuple[float, float, str]:
     if ins.opcode in ("dot", "convolution"):
       f = _dot_flops(ins)
       flops, dot_flops = flops + f, dot_flops + f
-      dot_dtype = max([dot_dtype] + [d for d, _ in ins.operands[:2]], key=lambda d: _DTYPE_BYTES.get(d, 0))
+      dot_dtype = max([dot_dtype, _dot_dtype(ins)], key=lambda d: _DTYPE_BYTES.get(d.replace("tf32", "f32"), 0))
     elif ins.opcode in _ARITH and ins.out:
       flops += math.prod(ins.out[0][1])
     elif ins.opcode in ("reduce", "reduce-window") and ins.operands:
@@ -311,11 +324,11 @@ def classify(comps, ins: Instr, op_name: str, where: str) -> tuple[str, float, f
       return "attention kernel", 0.0, 0.0, "", name or target
     if "gemm" in lowered or "matmul" in lowered:
       f = _dot_flops(ins)
-      return "matmul", f, f, ins.operands[0][0] if ins.operands else "", target
+      return "matmul", f, f, _dot_dtype(ins), target
     return "other", 0.0, 0.0, "", name or target
   if ins.opcode in ("dot", "convolution"):
     f = _dot_flops(ins)
-    return "matmul", f, f, ins.operands[0][0] if ins.operands else "", ins.opcode
+    return "matmul", f, f, _dot_dtype(ins), ins.opcode
   if ins.opcode in ("fusion", "fusion-start"):
     sub = _attr(ins.attrs, "calls")
     flops, dot_flops, dot_dtype = _fused_cost(comps, sub)
@@ -467,7 +480,8 @@ def _fmt_shape(shapes) -> str:
 def roofline(rows: list[dict], c: dict) -> list[dict]:
   """Adds roofline_ms, kernel_ms (the WKV kernels' benchmark-scaled time) and predicted_ms to each row (per step)."""
   for r in rows:
-    compute = c["f32_matmul_tflops"] if r["dot_dtype"] in ("f32", "f64") else c["matmul_tflops"]
+    compute = {"f32": c["f32_matmul_tflops"], "f64": c["f32_matmul_tflops"],
+               "tf32": c["tf32_matmul_tflops"]}.get(r["dot_dtype"], c["matmul_tflops"])
     t_compute = r["dot_flops"] / (compute * 1e12) + (r["flops"] - r["dot_flops"]) / (c["vector_tflops"] * 1e12)
     t_bytes = r["bytes"] / (c["copy_tbps"] * 1e12)
     r["bound"] = "compute" if t_compute > t_bytes else "bytes"

@@ -175,3 +175,31 @@ def test_slices_read_and_in_place_updates_count_only_the_slice():
   # The update and its index read, the update written; the [4, 16] buffer neither read nor written whole.
   assert by["write"]["bytes"] == 4 * 16 + 4 + 4 * 16
   assert by["sum"]["bytes"] == 3 * 4 * 4 * 16  # A plain fusion still reads and writes whole buffers.
+
+
+# Two float32 dots of the same shape: one at XLA's default precision (TF32 on tensor cores), one asking for full
+# float32 precision; and a bfloat16 one.
+PRECISIONS = """HloModule m
+
+ENTRY %main (a: f32[64,32], b: f32[32,16], c: bf16[64,32], d: bf16[32,16]) -> f32[64,16] {
+  %a = f32[64,32]{1,0} parameter(0)
+  %b = f32[32,16]{1,0} parameter(1)
+  %c = bf16[64,32]{1,0} parameter(2)
+  %d = bf16[32,16]{1,0} parameter(3)
+  %tf = f32[64,16]{1,0} dot(f32[64,32]{1,0} %a, f32[32,16]{1,0} %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %full = f32[64,16]{1,0} dot(f32[64,32]{1,0} %a, f32[32,16]{1,0} %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}, operand_precision={highest,highest}
+  %half = f32[64,16]{1,0} dot(bf16[64,32]{1,0} %c, bf16[32,16]{1,0} %d), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %s = f32[64,16]{1,0} add(f32[64,16]{1,0} %tf, f32[64,16]{1,0} %full)
+}
+"""
+
+
+def test_float32_dots_are_priced_by_their_precision():
+  comps, entry, frames = step_budget.parse_hlo(PRECISIONS)
+  ceilings = dict(step_budget.DEFAULTS, copy_tbps=1e9, launch_us=0.0)  # Compute-bound: time is FLOPs / rate.
+  rows, _ = step_budget.kernels(comps, entry, frames, ceilings)
+  by = {r["name"]: r for r in rows}
+  assert [by[n]["dot_dtype"] for n in ("tf", "full", "half")] == ["tf32", "f32", "bf16"]
+  flops = 2 * 64 * 16 * 32
+  for name, rate in (("tf", "tf32_matmul_tflops"), ("full", "f32_matmul_tflops"), ("half", "matmul_tflops")):
+    assert by[name]["roofline_ms"] == pytest.approx(flops / (ceilings[rate] * 1e12) * 1e3), name
