@@ -1,6 +1,7 @@
 """Token cross-entropy of a linear LM head whose [B, T, V] float32 logits are never held at once.
 
-`reference_nll` is the plain form: x @ kernel -> logits [B, T, V] float32 -> softmax cross-entropy. `token_nll`
+`reference_nll` is the plain form: x @ kernel -> logits [B, T, V] float32 -> softmax cross-entropy (with 16-bit x and
+kernel, the logits' gradient is rounded to their dtype before the backward's two products). `token_nll`
 computes the same values over chunks of `chunk` positions under `lax.map` with each chunk rematerialised: the
 forward keeps one [B, chunk, V] block of logits alive, and the backward recomputes each chunk's logits from x and
 the kernel (one extra head matmul) instead of storing all of them, so the loss's memory grows with the chunk, not
@@ -20,8 +21,35 @@ import jax.numpy as jnp
 import optax
 
 
+@jax.custom_vjp
+def _logits_16bit(x: jax.Array, kernel: jax.Array) -> jax.Array:
+  """x [..., D] @ kernel [D, V] -> float32 logits [..., V], both operands in one 16-bit dtype. The backward rounds
+  the logits' gradient to that dtype and multiplies it there (float32 accumulation), as every other layer's backward
+  multiplies its 16-bit cotangents; JAX's own transpose would take the float32 cotangent into float32 products, which
+  at model.matmul_precision=highest run without tensor cores."""
+  return jnp.dot(x, kernel, preferred_element_type=jnp.float32)
+
+
+def _logits_16bit_fwd(x, kernel):
+  return _logits_16bit(x, kernel), (x, kernel)
+
+
+def _logits_16bit_bwd(residuals, g):
+  x, kernel = residuals
+  g = g.astype(x.dtype)
+  dx = jnp.dot(g, kernel.T, preferred_element_type=jnp.float32).astype(x.dtype)
+  dkernel = jnp.einsum("...d,...v->dv", x, g, preferred_element_type=jnp.float32).astype(kernel.dtype)
+  return dx, dkernel
+
+
+_logits_16bit.defvjp(_logits_16bit_fwd, _logits_16bit_bwd)
+
+
 def _nll(x: jax.Array, kernel: jax.Array, targets: jax.Array, vocab_size: int) -> jax.Array:
-  logits = jnp.dot(x, kernel, preferred_element_type=jnp.float32)  # [..., V]
+  if x.dtype == kernel.dtype and jnp.dtype(x.dtype).itemsize == 2:
+    logits = _logits_16bit(x, kernel)  # [..., V]
+  else:
+    logits = jnp.dot(x, kernel, preferred_element_type=jnp.float32)
   valid = jnp.arange(kernel.shape[-1]) < vocab_size
   valid = jnp.broadcast_to(valid, logits.shape)  # optax expands a `where` of lower rank along the wrong axis.
   return optax.softmax_cross_entropy_with_integer_labels(logits, targets, where=valid)
