@@ -403,7 +403,7 @@ def kernels(comps, entry: str, frames: dict[int, str], ceilings: dict) -> tuple[
       category, flops, dot_flops, dot_dtype, detail = classify(comps, ins, op_name, where)
       out.append({"name": path + ins.name, "opcode": ins.opcode, "detail": detail, "category": category,
                    "times": times, "flops": flops, "dot_flops": dot_flops, "dot_dtype": dot_dtype,
-                   "bytes": _operand_bytes(comps, ins) + _output_bytes(comps, ins), "out": _fmt_shape(ins.out),
+                   "bytes": _launch_bytes(comps, ins), "out": _fmt_shape(ins.out),
                    "elements": math.prod(ins.operands[0][1]) if ins.operands else 0,
                    "backward": "transpose(" in op_name, "op_name": op_name, "where": where})
 
@@ -432,36 +432,35 @@ def _in_place_update(comps, ins: Instr) -> float | None:
   return _nbytes(root.operands[1:2])
 
 
-def _output_bytes(comps, ins: Instr) -> float:
-  """Bytes a launch writes: its outputs; for an asynchronous fusion (fusion-start, whose result tuple also holds its
-  operands and a context) only the fusion's own output; for an in-place update only the update."""
-  out = ins.out[len(ins.operands):] if ins.opcode == "fusion-start" else ins.out
+def _launch_bytes(comps, ins: Instr) -> float:
+  """Bytes a launch reads (`_operand_bytes`) and writes: its outputs; for an asynchronous fusion (fusion-start, whose
+  result tuple also holds its operands and a context) only the fusion's own output; for an in-place update only the
+  update."""
   update = _in_place_update(comps, ins)
-  return _nbytes(out) if update is None else update
+  out = ins.out[len(ins.operands):] if ins.opcode == "fusion-start" else ins.out
+  return _operand_bytes(comps, ins, in_place=update is not None) + (_nbytes(out) if update is None else update)
 
 
-def _operand_bytes(comps, ins: Instr) -> float:
+def _operand_bytes(comps, ins: Instr, in_place: bool = False) -> float:
   """Bytes a launch reads: each operand whole, except where a fusion's computation reads only part of an operand,
   through slices, alone or after elementwise ops (a kernel reading one leaf of a flattened tree). The share read
   flows from the root (all of it) back through elementwise ops (the share their users read) and slices (the slice's
-  share of their operand); any other use reads the operand whole, as does a share above one."""
+  share of their operand); any other use reads the operand whole, as does a share above one. `in_place`: the root
+  updates its first operand in place, which it does not read."""
   sub = _attr(ins.attrs, "calls") if ins.opcode in ("fusion", "fusion-start") else None
   body = comps.get(sub, []) if sub else []
   params = {int(i.operand_text): i.name for i in body if i.opcode == "parameter" and i.operand_text.strip().isdigit()}
   if not params or len(params) != len(ins.operands):
     return _nbytes(ins.operands)
   share = collections.defaultdict(float)  # name -> the share of its elements that the kernel reads (root: 1).
-  in_place = _in_place_update(comps, ins) is not None
   for i in reversed(body):
-    if in_place and i.root:  # The updated buffer is not read: only the update and the indices are.
-      for k, name in enumerate(re.findall(r"%([\w.\-]+)", i.operand_text)):
-        share[name] += 0.0 if k == 0 else 1.0
-      continue
     if i.root:
       share[i.name] = 1.0
     used = min(share[i.name], 1.0)
     names = re.findall(r"%([\w.\-]+)", i.operand_text)
     for k, name in enumerate(names):
+      if in_place and i.root and k == 0:
+        continue  # The buffer updated in place: only the update and the indices are read.
       if i.opcode in _SLICES and k == 0 and i.operands:
         size = math.prod(i.operands[0][1]) or 1
         share[name] += used * math.prod(i.out[0][1]) / size if i.out else 1.0

@@ -238,7 +238,7 @@ def kernels_under_mesh():
   w_in = (rng.standard_normal((h * n, 2, 64)) / np.sqrt(h * n)).astype(np.float32)
   w_out = (rng.standard_normal((64, h * n)) / 8).astype(np.float32)
   spec = lambda *axes: jax.sharding.NamedSharding(layout.mesh, jax.sharding.PartitionSpec(*axes))
-  stand_in = lambda *a, **k: ffn_op.xla(*a, **k)
+  stand_in = lambda *a, **k: ffn_op.xla(*a, **k)  # Not `xla` itself: the op takes XLA's own path for that backend.
   with unittest.mock.patch.dict(ffn_op._BACKENDS, {"pallas_mgpu": stand_in}):  # pylint: disable=protected-access
     check("ffn", lambda x, w_in, w_out: ffn_op.ffn(x, w_in, w_out, activation="swiglu", impl="pallas_mgpu"),
           (x, w_in, w_out), (bsh, spec(None, None, "tensor"), spec("tensor", None)))
