@@ -40,6 +40,8 @@ from ltm_jax.ops.wkv7 import wkv7
 # Official x070 constants. The decay is e^w with w = -e^{-1/2} sigmoid(.), so every step keeps between
 # e^{-0.61} = 0.545 and 1 of the state; the group norm of the WKV output uses eps = 64e-5 (not the usual 1e-5).
 MAX_LOG_DECAY = math.exp(-0.5)
+# A bound on every log-decay the layer passes WKV-7 (its w_min), with room for float32 rounding of -0.61.
+LOG_DECAY_BOUND = -1.0
 GROUP_NORM_EPS = 64e-5
 NORMALIZE_EPS = 1e-12  # torch.nn.functional.normalize's floor on the key norm.
 
@@ -178,7 +180,7 @@ class TimeMix7(nn.Module):
       k, rk = jnp.where(valid[..., None], k, 0), jnp.where(valid[..., None], rk, 0)
       neg_kk, kk_iclr = (jnp.where(valid[..., None, None], t, 0) for t in (neg_kk, kk_iclr))
     y, wkv_state = wkv7(to_heads(r), to_heads(log_decay), to_heads(k), to_heads(v), neg_kk, kk_iclr, state.wkv,
-                        impl=self.impl)
+                        impl=self.impl, w_min=LOG_DECAY_BOUND)
 
     # Per-head group norm of y with a per-channel affine, plus the r.k bonus times v, times the gate (ops.rwkv7_out).
     y = rwkv7_out(y, rk, v, gate, norm_scale, norm_bias, eps=GROUP_NORM_EPS, impl=self.out_impl)

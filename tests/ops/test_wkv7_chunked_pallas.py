@@ -154,6 +154,23 @@ def test_op_runs_the_chunked_kernels_in_range():
   assert {"wkv7_chunked_forward", "wkv7_chunked_backward", "wkv7_forward", "wkv7_backward"} <= names
 
 
+def test_a_bound_within_the_range_leaves_out_the_check():
+  # A caller's bound on w within the range (RWKV-7 layers pass -1): the op runs the chunked kernels alone, no cond and
+  # no sequential kernels in its gradient, with the same values; a bound beyond the range keeps the check.
+  inputs, cot = _inputs(4), _cotangents(4)
+  loss = lambda bound: lambda *x: jnp.sum(cot[0] * op(*x, impl="pallas_chunked", w_min=bound)[0])
+  jaxpr = lambda bound: str(jax.make_jaxpr(jax.grad(loss(bound)))(*inputs))
+  bounded = jaxpr(LOW)
+  assert set(re.findall(r"name=(wkv7\w*)", bounded)) == {"wkv7_chunked_forward", "wkv7_chunked_backward"}
+  assert " cond[" not in bounded
+  assert {"wkv7_forward", "wkv7_backward"} <= set(re.findall(r"name=(wkv7\w*)", jaxpr(2 * LOW)))
+  np.testing.assert_array_equal(jax.jit(lambda *x: op(*x, impl="pallas_chunked", w_min=-1.0))(*inputs)[0],
+                                _OP_FORWARD(*inputs)[0])
+  for bad in (0.5, "-1", True):
+    with pytest.raises(ValueError, match="w_min must be a float <= 0"):
+      op(*inputs, impl="pallas_chunked", w_min=bad)
+
+
 def test_remat_runs_the_primal():
   """Under jax.checkpoint the forward pass runs the kernel that writes no chunk states, and only the recomputation
   writes them; without remat the forward writes them once. (The primal's values: test_op_runs_the_chunked...)"""

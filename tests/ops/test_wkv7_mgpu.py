@@ -182,6 +182,14 @@ def test_the_gradient_tolerance_separates_the_kernel_from_a_wrong_result(results
     _assert_close(results[f"{name}/grad1"], _reference_gradients(inputs, cot)[1], GRAD_RTOL, "dw, perturbed")
 
 
+def test_a_bound_within_the_range_leaves_out_the_check(results):
+  """op_grad_bf16 ran with the op's w_min at the kernels' limit (its values and gradients are checked above): it
+  reads no minimum of w, nor does the segmented op given the bound; the op without one checks w."""
+  assert int(results["op_grad_bf16/range_checks"]) == 0
+  assert int(results["op_grad_segmented_bf16/bounded_range_checks"]) == 0
+  assert int(results["op_grad_f32/range_checks"]) > 0 and int(results["op_grad_segmented_bf16/range_checks"]) > 0
+
+
 def test_op_beyond_the_kernels_decay_range_runs_chunked(results):
   """With w = -2 in one channel the op runs "chunked" forward and backward: float32 error."""
   inputs, _, _ = _case(results, "op_strong_decay_f32")

@@ -13,7 +13,8 @@ products (`wkv7_mgpu.pipelines`), at N = 128 they do not:
   op_grad_f32:         [1, 150, 1, 64] float32 through ops.wkv7(impl="pallas_mgpu"): y, state and the gradients of
                        all seven inputs (the forward kernel with chunk states, then the backward kernel), three
                        chunks, the last padded
-  op_grad_bf16:        [1, 150, 2, 64] bfloat16, the same
+  op_grad_bf16:        [1, 150, 2, 64] bfloat16, the same, with the op's w_min = min_log_decay() (the cases' own
+                       bound: no run-time range check)
   op_grad_bf16_n128:   [1, 100, 1, 128] bfloat16, the same, two value blocks per head
   op_strong_decay_f32: [1, 40, 1, 64] float32, the same with w = -2 in one channel (beyond the kernels' range:
                        "chunked" runs both ways)
@@ -24,9 +25,12 @@ products (`wkv7_mgpu.pipelines`), at N = 128 they do not:
                        `transition`) and `state_gradients` of random dy and ds (`state_grad`)
   states_bf16_n128:    [1, 128, 1, 128] bfloat16, the same, two value blocks per head
   op_grad_segmented_bf16: [1, 256, 1, 64] bfloat16 through ops.wkv7(impl="pallas_mgpu") with
-                       pallas_segmented.MIN_SEGMENT = 128, so that the op runs two segments of 128 tokens
+                       pallas_segmented.MIN_BOUNDED = ("op_grad_bf16",)  # Run with the op's w_min = min_log_decay().
+SEGMENT = 128, so that the op runs two segments of 128 tokens
                        (`wkv7_segmented` with the Mosaic GPU kernels): y, state and the seven gradients, and
                        the bytes of what the differentiated op keeps for its backward
+For every op case, the run-time range checks of w in the jaxpr of the op and its pullback as it ran (`range_checks`),
+and for the segmented case also with w_min = min_log_decay() (`bounded_range_checks`).
 Log-decays are drawn per channel from [min_log_decay() = -0.9375, -1e-6] unless stated.
 """
 
@@ -58,6 +62,7 @@ CASES = {
     "states_bf16_n128": ((1, 128, 1, 128), "bfloat16"),
     "op_grad_segmented_bf16": ((1, 256, 1, 64), "bfloat16"),
 }
+BOUNDED = ("op_grad_bf16",)  # Run with the op's w_min = min_log_decay().
 SEGMENT = 128  # pallas_segmented.MIN_SEGMENT for op_grad_segmented_bf16: T = 256 gives S = 2.
 
 
@@ -82,11 +87,15 @@ def main(path: str, compiled: bool = False) -> None:
   started = time.time()
   kernel = jax.jit(lambda *x: wkv7_mgpu.forward(*x, interpret=not compiled))
 
-  @jax.jit
-  def op_and_pullback(args, cot):
+  def op_and_pullback(args, cot, w_min=None):
     """The op's (y, state) and the pullback of the cotangents `cot` (y's, the state's) to all seven inputs."""
-    outputs, pullback = jax.vjp(lambda *x: op(*x, impl="pallas_mgpu"), *args)  # Compiled on a GPU, else interpreted.
+    outputs, pullback = jax.vjp(lambda *x: op(*x, impl="pallas_mgpu", w_min=w_min), *args)  # Compiled on a GPU.
     return outputs, pullback(cot)
+
+  # The range check: the minimum of all of w (the kernels' own minima reduce one axis of a tile).
+  range_checks = lambda args, cot, w_min=None: np.array(str(jax.make_jaxpr(
+      lambda a, c: op_and_pullback(a, c, w_min))(args, cot)).count("reduce_min[axes=(0, 1, 2, 3)"))
+  op_and_pullback = jax.jit(op_and_pullback, static_argnames="w_min")
 
   @jax.jit
   def serial_and_gradients(args, cot):
@@ -128,7 +137,14 @@ def main(path: str, compiled: bool = False) -> None:
       rng = np.random.default_rng(100 + seed)
       # y's cotangent in y's dtype (as autodiff hands it to the op), the state's in float32.
       cot = (jnp.asarray(rng.normal(size=shape), dtype), jnp.asarray(rng.normal(size=x[6].shape), jnp.float32))
-      (y, state), grads = (serial_and_gradients if name.endswith("serial") else op_and_pullback)(args, cot)
+      if name.endswith("serial"):
+        (y, state), grads = serial_and_gradients(args, cot)
+      else:
+        w_min = wkv7_mgpu.min_log_decay() if name in BOUNDED else None
+        (y, state), grads = op_and_pullback(args, cot, w_min)
+        saved[f"{name}/range_checks"] = range_checks(args, cot, w_min)
+        if "segmented" in name:
+          saved[f"{name}/bounded_range_checks"] = range_checks(args, cot, wkv7_mgpu.min_log_decay())
       pallas_segmented.MIN_SEGMENT = segment
       saved.update({f"{name}/cot{i}": np.asarray(c, np.float32) for i, c in enumerate(cot)})
       saved.update({f"{name}/grad_dtype{i}": np.array(str(g.dtype)) for i, g in enumerate(grads)})

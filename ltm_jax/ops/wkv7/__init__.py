@@ -20,6 +20,7 @@ through "chunked"; head sizes 64 and 128; not chosen by "auto": untimed on a GPU
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import jax
@@ -33,9 +34,23 @@ from ltm_jax.ops.wkv7 import pallas_mgpu
 from ltm_jax.ops.wkv7 import pallas_segmented
 from ltm_jax.ops.wkv7 import scan
 
-# The first entry is the reference.
+
+
+def _exact_for_every_decay(backend):
+  """A backend exact for every w <= 0, which has no use for a caller's bound on w."""
+
+  @functools.wraps(backend)
+  def run(r, w, k, v, a, b, state, *, w_min=None):
+    del w_min
+    return backend(r, w, k, v, a, b, state)
+
+  return run
+
+
+# The first entry is the reference. Every backend takes the op's `w_min`; the chunked kernels' backends use it.
 AVAILABLE = ("scan", "chunked", "pallas", "pallas_chunked", "pallas_segmented", "pallas_mgpu")
-_BACKENDS = {"scan": scan.wkv7, "chunked": chunked.wkv7, "pallas": pallas.wkv7, "pallas_chunked": pallas_chunked.wkv7,
+_BACKENDS = {"scan": _exact_for_every_decay(scan.wkv7), "chunked": _exact_for_every_decay(chunked.wkv7),
+             "pallas": _exact_for_every_decay(pallas.wkv7), "pallas_chunked": pallas_chunked.wkv7,
              "pallas_segmented": pallas_segmented.wkv7, "pallas_mgpu": pallas_mgpu.wkv7}
 
 # Fastest backend per platform for training-like shapes, forward+backward under jit, as measured by
@@ -83,6 +98,7 @@ def wkv7(
     state: jax.Array | None = None,
     *,
     impl: str = "auto",
+    w_min: float | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Runs WKV-7 over a sequence, starting from `state`.
 
@@ -96,13 +112,18 @@ def wkv7(
     state: [B, H, N, N] float32 state before the first token (S[b, h, i, j], i = value index, j = key index), or
       None for zeros.
     impl: "auto" (the platform's fastest, see AUTO), or one of AVAILABLE.
+    w_min: a static bound the caller guarantees, w >= w_min everywhere (RWKV-7 layers: -e^{-0.5}, by construction),
+      or None. The chunked kernels' backends ("pallas_chunked", "pallas_segmented", "pallas_mgpu") are exact for w
+      down to a limit; with a bound at or above it they run their kernels without reading w to check it at run time
+      (and without the conditional that check feeds). A w below a given bound makes those kernels overflow to
+      inf/NaN. The other backends are exact for every w <= 0 and ignore it.
 
   Returns:
     y: [B, T, H, N] in v's dtype, and the [B, H, N, N] float32 state after the last token: feeding it back continues
     the sequence, so running two segments one after the other equals running their concatenation.
 
   Raises:
-    ValueError: on mismatched shapes, non-float inputs, or an unknown impl.
+    ValueError: on mismatched shapes, non-float inputs, an unknown impl, or a w_min that is not a float <= 0.
   """
   run = backend.select("wkv7", impl, _BACKENDS, AUTO, length=k.shape[1] if k.ndim > 1 else None,
                        without_kernels=AUTO_WITHOUT_KERNELS)
@@ -112,6 +133,8 @@ def wkv7(
     raise ValueError(f"wkv7: r, w, k, v, a, b must all be [B, T, H, N]; got {shapes}")
   if not all(jnp.issubdtype(x.dtype, jnp.floating) for x in inputs):
     raise ValueError(f"wkv7: inputs must be floating point; got {', '.join(str(x.dtype) for x in inputs)}")
+  if w_min is not None and (isinstance(w_min, bool) or not isinstance(w_min, (int, float)) or not w_min <= 0):
+    raise ValueError(f"wkv7: w_min must be a float <= 0 (a bound on the log-decays) or None; got {w_min!r}")
   batch, length, heads, size = r.shape
   if backend.resolve("wkv7", impl, AVAILABLE, AUTO, length=length, without_kernels=AUTO_WITHOUT_KERNELS) == "scan":
     needed, limit = scan_backward_bytes(batch, length, heads, size), _device_bytes()
@@ -129,5 +152,11 @@ def wkv7(
   # Heads are independent (each is a block of N channels), as are rows: both can be split over the mesh. The channel
   # axis is named "wkv" like the RWKV-7 layer's channel parameters, so the split follows theirs.
   btc, bc = ("batch", None, "wkv", None), ("batch", "wkv", None, None)
-  return sharding.per_shard(run, inputs + (state,), in_axes=(btc,) * 6 + (bc,), out_axes=(btc, bc),
+  bound = None if w_min is None else float(w_min)
+
+  @functools.wraps(run)
+  def run_bounded(*args):
+    return run(*args, w_min=bound)
+
+  return sharding.per_shard(run_bounded, inputs + (state,), in_axes=(btc,) * 6 + (bc,), out_axes=(btc, bc),
                             sizes={"batch": batch, "wkv": heads})

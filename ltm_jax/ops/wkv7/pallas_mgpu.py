@@ -6,7 +6,7 @@ each chunk, [B, H, ceil(T / 64), N, N] in bfloat16 (the operand the forward's pr
 products see the same S_0; half the bytes of float32), and the backward kernel takes those with the inputs and the
 cotangents to all seven gradients. A call with a decay beyond the kernels' range (w < `wkv7_mgpu.min_log_decay()`,
 checked once at run time; the backward follows the forward's choice) runs the "chunked" backend (pure JAX, exact)
-instead, its derivative included.
+instead, its derivative included; a caller's static bound `w_min` within the range leaves the check out.
 Head sizes other than `wkv7_mgpu.SIZES` raise ValueError, as does a GPU older than sm_90 (NotImplementedError).
 
 Few programs over a long sequence (B·H·N/64 below the SMs, `segments` > 1: at (1, 32768, 64, 64), 64 programs and
@@ -42,22 +42,27 @@ def wkv7(
     b: jax.Array,
     state: jax.Array,
     *,
+    w_min: float | None = None,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """WKV-7 by the Mosaic GPU kernels; shapes are validated by the caller (`ltm_jax.ops.wkv7.wkv7`), whose arguments
-  and results these are. `interpret`: Mosaic GPU interpret mode (None: unless the default backend is a GPU)."""
+  (`w_min` included) and results these are. `interpret`: Mosaic GPU interpret mode (None: unless the default backend
+  is a GPU)."""
   size = r.shape[-1]
   if not wkv7_mgpu.supported(size):
     raise ValueError(f"wkv7: impl='pallas_mgpu' takes head sizes {wkv7_mgpu.SIZES}, got {size}; impl='pallas_chunked' "
                      "or 'chunked' take any")
+  checked = w_min is None or w_min < wkv7_mgpu.min_log_decay()
   count = segments(*r.shape)
   if count > 1:
     # No remat optimization, as for the unsegmented kernels: interpret mode's callbacks are side effects it refuses.
     run = functools.partial(segmented.run_segments, segmented.mgpu_kernels(interpret), count, optimize_remat=False)
+    if not checked:
+      return run(r, w, k, v, a, b, state)
     # The XLA fallback under jax.checkpoint: differentiated, the cond keeps both branches' residuals, and the
     # kernels' branch would write zeros for every per-chunk intermediate of the fallback's (~50x its inputs).
     return lax.cond(wkv7_mgpu.in_range(w), run, jax.checkpoint(chunked.wkv7), r, w, k, v, a, b, state)
-  return _differentiable(interpret)(r, w, k, v, a, b, state)
+  return _differentiable(interpret, checked)(r, w, k, v, a, b, state)
 
 
 def segments(batch: int, length: int, heads: int, size: int) -> int:
@@ -68,11 +73,15 @@ def segments(batch: int, length: int, heads: int, size: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _differentiable(interpret: bool | None):
+def _differentiable(interpret: bool | None, checked: bool):
+  """The kernels as one differentiable function; with `checked`, each call checks w's range at run time and takes
+  the "chunked" backend beyond it (the backward follows the forward's choice), else it runs the kernels alone."""
   forward = functools.partial(wkv7_mgpu.forward, interpret=interpret)
 
   @jax.custom_vjp
   def run(r, w, k, v, a, b, state):
+    if not checked:
+      return forward(r, w, k, v, a, b, state)
     return lax.cond(wkv7_mgpu.in_range(w), forward, chunked.wkv7, r, w, k, v, a, b, state)
 
   def run_fwd(*inputs):
@@ -84,8 +93,12 @@ def _differentiable(interpret: bool | None):
       y, final = chunked.wkv7(*x)
       return y, final, jnp.zeros((batch, heads, chunks, size, size), wkv7_mgpu.OPERANDS)
 
+    with_states = functools.partial(forward, checkpoints=True)
+    if not checked:
+      y, final, states = with_states(*inputs)
+      return (y, final), (inputs, states, None)
     kernels = wkv7_mgpu.in_range(inputs[1])
-    y, final, states = lax.cond(kernels, functools.partial(forward, checkpoints=True), beyond_range, *inputs)
+    y, final, states = lax.cond(kernels, with_states, beyond_range, *inputs)
     return (y, final), (inputs, states, kernels)
 
   def run_bwd(residuals, cotangents):
@@ -101,6 +114,8 @@ def _differentiable(interpret: bool | None):
       del states
       return jax.vjp(chunked.wkv7, *inputs)[1]((dy, dstate))
 
+    if not checked:
+      return kernel(inputs, states, dy, dstate)
     return lax.cond(kernels, kernel, beyond_range, inputs, states, dy, dstate)
 
   run.defvjp(run_fwd, run_bwd)

@@ -61,13 +61,16 @@ def wkv7(
     a: jax.Array,
     b: jax.Array,
     state: jax.Array,
+    *,
+    w_min: float | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """WKV-7 by the segmented kernels when `segments` > 1 and w is in the chunked kernels' range, the sequential kernels
   out of range, and the "pallas_chunked" backend when `segments` is 1; shapes are validated by the caller.
 
-  Arguments and results as `ltm_jax.ops.wkv7.wkv7`."""
+  Arguments and results as `ltm_jax.ops.wkv7.wkv7` (`w_min` as there: a bound within the range skips the run-time
+  check)."""
   count = segments(*r.shape, r.dtype)
   if count == 1:
-    return pallas_chunked.wkv7(r, w, k, v, a, b, state)
+    return pallas_chunked.wkv7(r, w, k, v, a, b, state, w_min=w_min)
   return pallas_chunked.in_range_or_sequential(functools.partial(segmented.wkv7, segments=count),
-                                               r, w, k, v, a, b, state)
+                                               r, w, k, v, a, b, state, w_min=w_min)
