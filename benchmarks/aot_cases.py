@@ -139,14 +139,15 @@ def _wkv7(batch: int, length: int, heads: int, size: int, dtype) -> Builder:
   return build
 
 
-def _wkv7_chunked(batch: int, length: int, heads: int, size: int, dtype) -> Builder:
-  """fwd+bwd of the chunked kernels at their default settings, under jax.checkpoint (the primal is compiled too)."""
+def _wkv7_chunked(batch: int, length: int, heads: int, size: int, dtype, **settings) -> Builder:
+  """fwd+bwd of the chunked kernels at their default settings (or these), under jax.checkpoint (the primal is
+  compiled too)."""
 
   def build(abstract: Abstract, block_sizes=None):
     del block_sizes
     seq = abstract((batch, length, heads, size), dtype)
     primals = (seq,) * 6 + (abstract((batch, heads, size, size), jnp.float32),)
-    fn = functools.partial(wkv7_chunked.wkv7, interpret=False)
+    fn = functools.partial(wkv7_chunked.wkv7, interpret=False, **settings)
     return _vjp_program(jax.checkpoint(fn), primals, abstract, 7)
 
   return build
@@ -286,6 +287,17 @@ def _kernel_cases() -> list[Case]:
     dtype_name = jnp.dtype(dtype).name
     cases.append(Case(name, f"wkv7 chunked fwd+bwd {dtype_name} {what}", WKV7_CHUNKED_REMAT_KERNELS,
                       _wkv7_chunked(*shape, dtype), dtype=dtype_name, head_dim=shape[3]))
+  # The backward's other spill-free launch settings at small_rwkv7's shape (benchmarks/wkv7.py --mode backward times
+  # them): its default, 255 registers on 8 warps, fills an SM's register file with one program; 4 warps at 255 hold
+  # two independent programs per SM. (BV = 64 on 4 warps spills 340 B, BV = 32 looping on 4 warps 24 B.)
+  for name, settings in (
+      ("bv32_w4", dict(backward_block=32, backward_warps=4, backward_loop=False)),
+      ("bv32_w8", dict(backward_block=32, backward_warps=8, backward_loop=False)),
+      ("bv16_loop_w4", dict(backward_block=16, backward_warps=4, backward_loop=True)),
+  ):
+    cases.append(Case(f"wkv7c_n64_bwd_{name}", f"wkv7 chunked fwd+bwd bfloat16 B32 T1024 H8 N64, backward {settings}",
+                      WKV7_CHUNKED_REMAT_KERNELS, _wkv7_chunked(32, 1024, 8, 64, bf16, **settings), dtype="bfloat16",
+                      head_dim=64))
   # The long sequence in 8 segments of 4096 tokens (ltm_jax.ops.wkv7.pallas_segmented's choice at that shape).
   cases.append(Case("wkv7s_n64_long_bf16", "wkv7 segmented fwd+bwd bfloat16 B1 T32768 H64 N64, 8 segments",
                     WKV7_SEGMENTED_REMAT_KERNELS, _wkv7_segmented(1, 32768, 64, 64, bf16, 8), head_dim=64))

@@ -8,6 +8,8 @@ layouts; their cost model.
                                             # against the chunked kernels (they differ at (1, 32768, 4096, 64) only)
   python benchmarks/wkv7.py --mode backward                      # GPU: the chunked backward's two layouts
   python benchmarks/wkv7.py --mode backward --shape 1,32,64,16   # CPU: the same kernels interpreted, numerics only
+  python benchmarks/wkv7.py --mode backward --shape 32,1024,512,64 --layouts default backward_block=32,backward_warps=4
+                                                                # other launch settings (key=value,...)
   python benchmarks/wkv7.py --mode cost [--markdown]             # the chunked kernels' cost model (docs/kernels.md)
   python benchmarks/wkv7.py --mode mgpu --shape 8,4096,4096,64   # Hopper: the Mosaic GPU kernels' two forms
 
@@ -278,17 +280,43 @@ PEER_PACKAGES = ("fla-core", "rwkv-ops", "jax-linear-attention", "torch")
 GRADIENTS = ("r", "w", "k", "v", "a", "b", "state")
 
 
+# The backward's launch settings `--mode backward` tries by default: the head size's own, and its two layouts.
+LAYOUTS = ("default", "backward_loop=1", "backward_loop=0")
+_SETTING_TYPES = dict(chunk=int, forward_block=int, backward_block=int, backward_loop=lambda v: bool(int(v)),
+                      forward_warps=int, backward_warps=int)
+
+
+def parse_layout(text: str) -> dict:
+  """Launch settings from "default" (none: the head size's own) or "key=value,..." over `_SETTING_TYPES` (the
+  settings of `wkv7_chunked.wkv7`; backward_loop 0 or 1). Raises SystemExit naming a bad entry."""
+  if text == "default":
+    return {}
+  settings = {}
+  for item in text.split(","):
+    key, _, value = item.partition("=")
+    if key not in _SETTING_TYPES or not value:
+      raise SystemExit(f"wkv7.py: --layouts entry {text!r}: want default or key=value,... with keys "
+                       f"{', '.join(_SETTING_TYPES)}")
+    try:
+      settings[key] = _SETTING_TYPES[key](value)
+    except ValueError:
+      raise SystemExit(f"wkv7.py: --layouts entry {text!r}: {key} must be an integer, got {value!r}") from None
+  return settings
+
+
 def backward_layouts(args, platform: str) -> None:
-  """The chunked WKV-7 backward's two layouts side by side: value blocks as programs of their own (key-side gradients
-  added atomically) and one program per head looping over them (`backward_loop`), timed forward+backward on a GPU,
-  their gradients compared with each other and with the XLA chunked implementation.
+  """The chunked WKV-7 backward under several launch settings side by side (`--layouts`; by default the head size's
+  own and its two layouts: value blocks as programs of their own, key-side gradients added atomically, and one
+  program per head looping over them, `backward_loop`), timed forward+backward on a GPU, their gradients compared
+  with the XLA chunked implementation.
 
   Each row: its settings, fwd+bwd median ms (GPU only), and per gradient max|g - g_ref| / max|g_ref| against impl
   "chunked" (`ltm_jax.ops.wkv7`, float32 XLA, no Pallas) on the same bf16 inputs. Batch rows are independent, so the
   reference runs on the first --reference-rows rows only (default 1): at (8, 4096, 4096, 128) the XLA form over all 8
   needs about 50 GiB, which an 80 GiB H100 did not hold beside the kernels' buffers. Writes
-  benchmarks/results/wkv7-chunked-backward-<device>.json (on a GPU).
+  benchmarks/results/<--name, default wkv7-chunked-backward>-<device>.json (on a GPU).
   """
+  layouts = {name: parse_layout(name) for name in args.layouts}
   shape = tuple(int(x) for x in args.shape.split(","))
   batch, _, channels, size = shape
   on_gpu = platform == "gpu"
@@ -306,7 +334,6 @@ def backward_layouts(args, platform: str) -> None:
   reference = grads_of(lambda *p: wkv7(*(x.astype(jnp.float32) for x in p[:6]), p[6], impl="chunked"),
                        dy[:rows_ref])(*(x[:rows_ref] for x in primals))
   default = wkv7_chunked.settings(size)
-  layouts = {"default": {}, "loop": dict(backward_loop=True), "programs": dict(backward_loop=False)}
   rows = []
   for name, override in layouts.items():
     chosen = {**default, **override}
@@ -323,7 +350,7 @@ def backward_layouts(args, platform: str) -> None:
     print({key: (round(val, 5) if isinstance(val, float) else val) for key, val in row.items() if key != "fwd_bwd"},
           flush=True)
   if on_gpu:
-    print(common.write_results("wkv7-chunked-backward", rows))
+    print(common.write_results(args.name or "wkv7-chunked-backward", rows))
 
 
 def mgpu_forms(args, platform: str) -> None:
@@ -632,6 +659,11 @@ def main():
   group.add_argument("--shape", default="8,4096,4096,128", help="B,T,C,N (mgpu: N is each of the kernels' sizes)")
   group.add_argument("--runs", type=int, default=20)
   group.add_argument("--reference-rows", type=int, default=1, help="batch rows the float32 XLA reference runs on")
+  group.add_argument("--name", default=None,
+                     help="backward: results file stem (default wkv7-chunked-backward; -<device>.json is added)")
+  group.add_argument("--layouts", nargs="+", default=list(LAYOUTS),
+                     help="backward: launch settings to time, each default or key=value,... "
+                          "(e.g. backward_block=32,backward_warps=4,backward_loop=0)")
   group = parser.add_argument_group("cost")
   group.add_argument("--markdown", action="store_true")
   args = parser.parse_args()
