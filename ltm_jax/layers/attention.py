@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from ltm_jax import ops
-from ltm_jax.layers.common import dense
+from ltm_jax.layers.common import dense, plain_kernels
 from ltm_jax.layers.rope import apply_rope
 
 EMPTY_POSITION = jnp.iinfo(jnp.int32).max  # An empty cache slot: causally invisible to every query.
@@ -79,12 +79,7 @@ class Attention(nn.Module):
   @nn.compact
   def __call__(self, x, cache: KVCache | None = None, valid=None):
     batch, length, d_model = x.shape
-    q = dense((self.n_heads, self.head_dim), ("embed", "heads", "head_dim"), self.std, self.dtype, "q",
-              fp8=self.fp8)(x)
-    k = dense((self.kv_heads, self.head_dim), ("embed", "kv_heads", "head_dim"), self.std, self.dtype, "k",
-              fp8=self.fp8)(x)
-    v = dense((self.kv_heads, self.head_dim), ("embed", "kv_heads", "head_dim"), self.std, self.dtype, "v",
-              fp8=self.fp8)(x)
+    q, k, v = self._project(x)
     fresh = cache is None
     if fresh:
       cache = KVCache.empty(batch, self.capacity, self.kv_heads, self.head_dim, k.dtype)
@@ -118,3 +113,30 @@ class Attention(nn.Module):
     y = dense(d_model, ("heads", "head_dim", "embed"), self.out_std, self.dtype, "out", in_axis=(-2, -1),
               fp8=self.fp8)(y)
     return y, cache._replace(next_position=end)
+
+  def _project(self, x):
+    """(q [B, T, Hq, D], k, v [B, T, Hkv, D]) = x [B, T, d_model] times the "q", "k" and "v" kernels.
+
+    Where all three are plain arrays they are one product: x times [d_model, Hkv, G + 2, D], each key/value head's
+    G = Hq / Hkv query heads (query head h reads key/value head h // G) with its key and value beside them. x is then
+    read once, and the backward's gradient of x is one product instead of three partial ones that the norm's
+    backward before the layer would add. A tensor-parallel mesh splits heads and key/value heads over the same axis,
+    so grouping by key/value head splits the stacked kernel as it splits the three. Kernels stored quantised, and FP8
+    projections, take each projection through its `Dense`."""
+    kernels = plain_kernels(self, ("q", "k", "v"), self.fp8)
+    if kernels is None:
+      q = dense((self.n_heads, self.head_dim), ("embed", "heads", "head_dim"), self.std, self.dtype, "q",
+                fp8=self.fp8)(x)
+      k = dense((self.kv_heads, self.head_dim), ("embed", "kv_heads", "head_dim"), self.std, self.dtype, "k",
+                fp8=self.fp8)(x)
+      v = dense((self.kv_heads, self.head_dim), ("embed", "kv_heads", "head_dim"), self.std, self.dtype, "v",
+                fp8=self.fp8)(x)
+      return q, k, v
+    batch, length, d_model = x.shape
+    group = self.n_heads // self.kv_heads
+    w_q, w_k, w_v = (w.astype(self.dtype) for w in kernels)
+    grouped = w_q.reshape(d_model, self.kv_heads, group, self.head_dim)
+    stacked = jnp.concatenate([grouped, w_k[:, :, None], w_v[:, :, None]], axis=2)  # [d_model, Hkv, G + 2, D]
+    qkv = jnp.einsum("btc,cgkd->btgkd", x.astype(self.dtype), stacked)
+    q = qkv[:, :, :, :group].reshape(batch, length, self.n_heads, self.head_dim)
+    return q, qkv[:, :, :, group], qkv[:, :, :, group + 1]
