@@ -136,7 +136,8 @@ class Block(nn.Module):
     mixer_entry = sublayers.MIXER_KINDS[mixer_kind]
     mixer_cls, mixer_args = mixer_entry.build(site)
     mixer = self._sublayer(mixer_cls, "mixer")(**mixer_args, name="mixer")
-    ffn_cls, ffn_args = sublayers.FFN_KINDS[cfg.ffn_kind(mixer_kind)].build(site)
+    ffn_entry = sublayers.FFN_KINDS[cfg.ffn_kind(mixer_kind)]
+    ffn_cls, ffn_args = ffn_entry.build(site)
     ffn = self._sublayer(ffn_cls, "ffn")(**ffn_args, name="ffn")
     mixer_state, ffn_state = (None, None) if state is None else state
     h = norm(cfg.norm, cfg.norm_eps, cfg.dtype, "mixer_norm")(x)
@@ -144,20 +145,17 @@ class Block(nn.Module):
       h, mixer_state, v_first = mixer(h, mixer_state, v_first, valid)
     else:
       h, mixer_state = mixer(h, mixer_state, valid)
-    if self.latent is None and mixer_entry.value_residual:
-      # RWKV-7: the add and the channel mix's norm as one op (one kernel each way on GPU; flax's arithmetic on CPU).
-      x, h = AddNorm(cfg.norm, cfg.norm_eps, cfg.dtype, name="ffn_norm")(x, h)
-      h, ffn_state = ffn(h, ffn_state, valid)
-      return x + h.astype(x.dtype), BlockState(mixer_state, ffn_state), v_first
-    x = x + h.astype(x.dtype)
+    # Each sub-layer's residual add and the next one's norm as one op (one kernel each way on GPU; on CPU flax's
+    # arithmetic, the values of the add followed by the norm module, whose parameters it keeps).
     if self.latent is not None:
       cross = self._sublayer(CrossAttention, "cross_attention")(
           n_heads=cfg.n_heads, head_dim=cfg.head_dim, std=std, out_std=out_std,
           rope_span=self.latent.rope_span if self.latent.rope else None, rope_theta=cfg.rope_theta,
           impl=cfg.attention_impl, dtype=cfg.dtype, fp8=cfg.fp8, name="cross_attention")
-      h = cross(norm(cfg.norm, cfg.norm_eps, cfg.dtype, "cross_norm")(x), z, positions)
-      x = x + h.astype(x.dtype)
-    h, ffn_state = ffn(norm(cfg.norm, cfg.norm_eps, cfg.dtype, "ffn_norm")(x), ffn_state, valid)
+      x, h = AddNorm(cfg.norm, cfg.norm_eps, cfg.dtype, name="cross_norm")(x, h)
+      h = cross(h, z, positions)
+    x, h = AddNorm(cfg.norm, cfg.norm_eps, cfg.dtype, token_shifted=ffn_entry.token_shift, name="ffn_norm")(x, h)
+    h, ffn_state = ffn(h, ffn_state, valid)
     return x + h.astype(x.dtype), BlockState(mixer_state, ffn_state), v_first
 
 

@@ -39,6 +39,7 @@ class Mixer(NamedTuple):
 class Ffn(NamedTuple):
   build: Build
   empty_state: EmptyState
+  token_shift: bool = False  # Its input is token-shifted (each position also reads the previous one's).
 
 
 def _attention_args(s: Site) -> dict[str, Any]:
@@ -131,6 +132,6 @@ def _token_shift(cfg: ModelConfig, batch: int, capacity: int) -> ChannelMixState
 
 FFN_KINDS: dict[str, Ffn] = {
     "swiglu": Ffn(_swiglu, lambda cfg, batch, capacity: None),
-    "channel_mix": Ffn(_channel_mix, _token_shift),
-    "channel_mix7": Ffn(_channel_mix7, _token_shift),
+    "channel_mix": Ffn(_channel_mix, _token_shift, token_shift=True),
+    "channel_mix7": Ffn(_channel_mix7, _token_shift, token_shift=True),
 }

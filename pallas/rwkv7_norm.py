@@ -13,12 +13,14 @@ Arithmetic is float32 whatever the inputs' dtypes; h is rounded once, to `out_dt
 Kernels (grid over blocks of whole rows: the norm's statistics need every channel of a row):
   forward:  reads x, d; writes x_new and h.
   backward: reads x_new and the cotangents of x_new and h; recomputes the statistics and writes the gradient of x
-            (in x's dtype) and of d (the same values in d's dtype: the add's convert), and each row block's partial
-            sums of ds and db ([R / block_rows, C] float32, summed outside).
+            (in x's dtype) and of d (the same values in d's dtype: the add's convert; not written again when d has
+            x's dtype), and each program's partial sums of ds and db ([R / program rows, C] float32, summed outside;
+            a program takes BACKWARD_STEPS blocks of rows in turn).
 
 Bytes per element of [R, C] with a float32 stream and a bfloat16 d and h: forward 12 (x, d read; x_new, h written),
-backward 16 (x_new, dh, dx_new read; dx, dd written), against XLA's two passes forward (the add with the statistics'
-reduction, then the normalisation re-reading x_new) and three or four backward.
+backward 16 (x_new, dh, dx_new read; dx, dd written; with a bfloat16 stream and d, 8: dd is dx), against XLA's two
+passes forward (the add with the statistics' reduction, then the normalisation re-reading x_new) and three or four
+backward.
 
 Lowering: Triton on GPU, `interpret=True` on CPU. A block spans `padded(C)` columns, the power of two at or above C
 (a Triton block's sizes are powers of two), its columns past C masked; rows are taken in blocks of a power of two
@@ -42,6 +44,9 @@ KINDS = ("layernorm", "rmsnorm")
 # (`row_block`): 16 rows of a 1024-wide block took 170 registers forward (sm_90a), 12% occupancy.
 BLOCK_ROWS = 16
 BACKWARD_BLOCK_ROWS = 8
+# Row steps a backward program takes in turn, summing its ds and db partials in registers: the partial sums it writes
+# ([R / (8 * 8), C] float32 each, read back by one reduction) are then a sixteenth of the stream's bytes, not a half.
+BACKWARD_STEPS = 8
 BLOCK_ELEMENTS = 16 * 512  # Forward; the backward takes half as many.
 NUM_WARPS = 8
 _SECOND_ORDER = ("rwkv7_norm: impl='pallas' (the Pallas residual-add and norm kernels) has no second derivative; "
@@ -124,21 +129,32 @@ def _forward_kernel(x_ref, d_ref, s_ref, b_ref, xnew_ref, h_ref, *, c, kind, eps
   cols.store(h_ref, h.astype(h_ref.dtype))
 
 
-def _backward_kernel(xnew_ref, s_ref, dxnew_ref, dh_ref, dx_ref, dd_ref, ds_ref, db_ref, *, c, kind, eps):
+def _backward_kernel(xnew_ref, s_ref, dxnew_ref, dh_ref, *out_refs, c, kind, eps, sub_rows):
+  """A program's rows in `sub_rows`-row steps (as many rows as the registers hold at once), its partial sums of ds
+  and db carried across them. `out_refs`: dx, dd (absent when d has x's dtype: the same values), ds, db."""
+  dx_ref, *dd_ref, ds_ref, db_ref = out_refs
   cols = _Columns(c, xnew_ref.shape[1])
-  xc, rstd = _statistics(cols.load(xnew_ref).astype(jnp.float32), cols, kind, eps)
-  xhat = xc * rstd
-  dh = cols.load(dh_ref).astype(jnp.float32)  # Zero in the masked columns, as xhat: so are ds, db and dxhat.
-  cols.store(ds_ref, jnp.sum(dh * xhat, axis=0))
-  cols.store(db_ref, jnp.sum(dh, axis=0))
-  dxhat = dh * cols.load(s_ref)[None, :]
-  # d(xhat)/d(x_new) projects out the directions the statistics remove: the mean (layernorm) and xhat itself.
-  dxc = dxhat - xhat * cols.mean(dxhat * xhat)
-  if kind == "layernorm":
-    dxc = dxc - cols.mean(dxhat)
-  dx = cols.load(dxnew_ref).astype(jnp.float32) + dxc * rstd
-  cols.store(dx_ref, dx.astype(dx_ref.dtype))
-  cols.store(dd_ref, dx.astype(dd_ref.dtype))
+  s = cols.load(s_ref)[None, :]
+
+  def step(j, sums):
+    rows = pl.ds(pl.multiple_of(j * sub_rows, sub_rows), sub_rows)
+    xc, rstd = _statistics(cols.load(xnew_ref.at[rows]).astype(jnp.float32), cols, kind, eps)
+    xhat = xc * rstd
+    dh = cols.load(dh_ref.at[rows]).astype(jnp.float32)  # Zero in the masked columns, as xhat: so are ds, db, dxhat.
+    dxhat = dh * s
+    # d(xhat)/d(x_new) projects out the directions the statistics remove: the mean (layernorm) and xhat itself.
+    dxc = dxhat - xhat * cols.mean(dxhat * xhat)
+    if kind == "layernorm":
+      dxc = dxc - cols.mean(dxhat)
+    dx = cols.load(dxnew_ref.at[rows]).astype(jnp.float32) + dxc * rstd
+    for ref in (dx_ref, *dd_ref):
+      cols.store(ref.at[rows], dx.astype(ref.dtype))
+    return sums[0] + jnp.sum(dh * xhat, axis=0), sums[1] + jnp.sum(dh, axis=0)
+
+  zeros = jnp.zeros((xnew_ref.shape[1],), jnp.float32)
+  ds, db = jax.lax.fori_loop(0, xnew_ref.shape[0] // sub_rows, step, (zeros, zeros))
+  cols.store(ds_ref, ds)
+  cols.store(db_ref, db)
 
 
 def _specs(c: int, block_rows: int):
@@ -162,18 +178,21 @@ def _forward(x, d, s, b, *, kind, eps, out_dtype, block_rows, interpret):
 
 def _backward(x_new, s, dx_new, dh, d_dtype, *, kind, eps, block_rows, interpret):
   rows, c = x_new.shape
-  # Powers of two: it still divides the rows.
-  block_rows = min(block_rows, BACKWARD_BLOCK_ROWS, max(1, BLOCK_ELEMENTS // 2 // padded(c)))
-  blocks = rows // block_rows
-  tile, per_channel, partial = _specs(c, block_rows)
+  # Powers of two: they still divide the rows.
+  sub_rows = min(block_rows, BACKWARD_BLOCK_ROWS, max(1, BLOCK_ELEMENTS // 2 // padded(c)))
+  program_rows = block_rows_for(rows, sub_rows * BACKWARD_STEPS)
+  blocks = rows // program_rows
+  tile, per_channel, partial = _specs(c, program_rows)
   sums = jax.ShapeDtypeStruct((blocks, c), jnp.float32)
-  dx, dd, ds, db = backend.call(
-      functools.partial(_backward_kernel, c=c, kind=kind, eps=eps),
-      out_shape=(jax.ShapeDtypeStruct((rows, c), x_new.dtype), jax.ShapeDtypeStruct((rows, c), d_dtype), sums, sums),
-      grid=(blocks,), in_specs=[tile, per_channel, tile, tile], out_specs=(tile, tile, partial, partial),
+  same = jnp.dtype(d_dtype) == x_new.dtype  # Then dd is dx: written once.
+  grads = (jax.ShapeDtypeStruct((rows, c), x_new.dtype),) + (() if same else (jax.ShapeDtypeStruct((rows, c), d_dtype),))
+  dx, *dd, ds, db = backend.call(
+      functools.partial(_backward_kernel, c=c, kind=kind, eps=eps, sub_rows=sub_rows),
+      out_shape=(*grads, sums, sums),
+      grid=(blocks,), in_specs=[tile, per_channel, tile, tile], out_specs=(*(tile for _ in grads), partial, partial),
       num_warps=NUM_WARPS, interpret=interpret, name="rwkv7_norm_backward",
   )(x_new, s, dx_new, dh)
-  return dx, dd, jnp.sum(ds, axis=0), jnp.sum(db, axis=0)
+  return dx, dd[0] if dd else dx, jnp.sum(ds, axis=0), jnp.sum(db, axis=0)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))

@@ -20,6 +20,7 @@ class AddNorm(nn.Module):
   eps: float
   dtype: Any
   impl: str = "auto"
+  token_shifted: bool = False  # The norm's output feeds a token shift (the op's "auto" weighs it).
 
   @nn.compact
   def __call__(self, x, d):
@@ -28,4 +29,5 @@ class AddNorm(nn.Module):
     bias = None
     if self.kind == "layernorm":
       bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, ("norm",)), channels, jnp.float32)
-    return add_norm(x, d, scale, bias, kind=self.kind, eps=self.eps, dtype=self.dtype, impl=self.impl)
+    return add_norm(x, d, scale, bias, kind=self.kind, eps=self.eps, dtype=self.dtype, impl=self.impl,
+                    token_shifted=self.token_shifted)

@@ -1,4 +1,4 @@
-"""A residual add and the norm after it, as an RWKV-7 block does between its time mix and its channel mix:
+"""A residual add and the norm after it, as every block does between its sub-layers:
 
   x_new = x + d,  h = norm(x_new) * scale (+ bias)
 
@@ -32,10 +32,12 @@ KINDS = kernel.KINDS
 AUTO = {"cpu": "xla", "gpu": "pallas"}
 # On a GPU where this jax cannot compile the Pallas kernels (no Triton lowering, `ltm_pallas.backend.gpu_lowering`).
 AUTO_WITHOUT_KERNELS = {"gpu": "xla"}
-# Streams "auto" gives the kernels. A bfloat16 stream (model.residual_dtype) takes the xla form: XLA's two passes then
-# move about the kernel's bytes and keep the channel mix's token shift inside the normalisation's fusion, which the
-# kernel's output breaks (small_rwkv7 32 x 1024, deviceless sm_90a step budget: 37.11 ms with the xla form, 37.56
-# with the kernels; with a float32 stream 39.72 -> 39.45 ms).
+# Streams "auto" gives the kernels whatever follows the norm. A bfloat16 stream (model.residual_dtype) whose h feeds
+# a token shift (`token_shifted`: the RWKV channel mixes) takes the xla form: XLA's two passes then move about the
+# kernel's bytes and keep the shift inside the normalisation's fusion, which the kernel's output breaks (small_rwkv7
+# 32 x 1024, deviceless sm_90a step budget: 37.11 ms with the xla form, 37.56 with the kernels; with the kernels'
+# backward writing d's gradient once and fewer partial sums, 35.37 against 35.67). Followed by a matmul (SwiGLU) the
+# kernels win at either stream: base_125m 64 x 2048 238.5 -> 235.4 ms (step-budget-base_125m-addnorm-h100-aot.json).
 AUTO_STREAMS = ("float32",)
 
 
@@ -84,7 +86,7 @@ def pallas(x, d, scale, bias, *, kind, eps, dtype, interpret=None):
 _BACKENDS = {"xla": xla, "pallas": pallas}
 
 
-def add_norm(x, d, scale, bias=None, *, kind: str, eps: float, dtype, impl: str = "auto"):
+def add_norm(x, d, scale, bias=None, *, kind: str, eps: float, dtype, impl: str = "auto", token_shifted: bool = False):
   """(x_new, h) of the module docstring.
 
   Args:
@@ -93,6 +95,8 @@ def add_norm(x, d, scale, bias=None, *, kind: str, eps: float, dtype, impl: str 
     kind: "layernorm" or "rmsnorm"; eps: added to the variance (mean square for rmsnorm).
     dtype: h's dtype.
     impl: "auto" (see AUTO and AUTO_STREAMS; one token, T = 1, takes the reference) or one of AVAILABLE.
+    token_shifted: whether h feeds a token shift (each position also reads the previous one's h), which "auto"
+      weighs for streams outside AUTO_STREAMS. Values are the same either way.
 
   Returns:
     x_new: [B, T, C] in x's dtype; h: [B, T, C] in `dtype`.
@@ -102,7 +106,7 @@ def add_norm(x, d, scale, bias=None, *, kind: str, eps: float, dtype, impl: str 
   if bias is None:
     bias = jnp.zeros_like(scale)  # Read by neither backend for rmsnorm; keeps one signature.
   _check(x, d, scale, bias, kind)
-  if impl == "auto" and jnp.dtype(x.dtype).name not in AUTO_STREAMS:
+  if impl == "auto" and token_shifted and jnp.dtype(x.dtype).name not in AUTO_STREAMS:
     impl = "xla"
   run = backend.select("rwkv7_norm", impl, _BACKENDS, AUTO, length=x.shape[1], without_kernels=AUTO_WITHOUT_KERNELS)
   # Rows are independent but each needs all of its channels: only the batch is split over the mesh.

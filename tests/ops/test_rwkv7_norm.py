@@ -17,8 +17,9 @@ from ltm_jax.layers.rwkv7_norm import AddNorm
 from ltm_jax.ops import rwkv7_norm as op
 from ltm_pallas import rwkv7_norm as kernel
 
-# B * T = 48 rows: forward blocks of 16, backward of 8 (six blocks' partial sums of ds and db add up). C = 48 also
-# runs in 64-wide blocks with the last 16 columns masked.
+# B * T = 48 rows: forward blocks of 16; backward programs of 16 rows, each in two steps of 8 that carry its partial
+# sums of ds and db (three programs' partial sums add up). C = 48 also runs in 64-wide blocks with the last 16 columns
+# masked. A float32 d has the stream's dtype (the backward writes its gradient once), a bfloat16 d does not.
 B, T, C = 2, 24, 64
 EPS = 1e-5
 # float32 against float64: sums over C = 64 terms, measured ~1e-6 of the largest magnitude. bfloat16 d and h (the
@@ -163,6 +164,19 @@ def test_shapes_the_kernels_do_not_take_run_the_xla_form():
   assert not kernel.supported(B * 13, C) and kernel.supported(B * T, 48)
   for got, want in zip(_run("pallas", "layernorm", jnp.float32)(*inputs), _run("xla", "layernorm", jnp.float32)(*inputs)):
     np.testing.assert_array_equal(got, want)
+
+
+def test_auto_leaves_a_token_shifted_bfloat16_stream_to_xla(monkeypatch):
+  """"auto" hands the backend choice on (the kernels on a GPU) except for a bfloat16 stream whose norm feeds a token
+  shift, which takes the xla form (XLA keeps the shift inside its normalising pass)."""
+  chosen = []
+  real = op.backend.select
+  monkeypatch.setattr(op.backend, "select", lambda name, impl, *a, **k: chosen.append(impl) or real(name, impl, *a, **k))
+  x, d, s, b = _inputs(11, jnp.bfloat16)
+  for stream in (jnp.float32, jnp.bfloat16):
+    for shifted in (False, True):
+      op.add_norm(x.astype(stream), d, s, b, kind="layernorm", eps=EPS, dtype=jnp.bfloat16, token_shifted=shifted)
+  assert chosen == ["auto", "auto", "auto", "xla"]
 
 
 def test_shape_errors_and_unknown_impl_and_kind():
