@@ -35,7 +35,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ltm_pallas import quant_matmul, rwkv7_key, rwkv7_norm, rwkv7_out, wkv4, wkv7, wkv7_chunked, wkv7_segmented
+from ltm_pallas import add_norm, quant_matmul, rwkv7_key, rwkv7_out, wkv4, wkv7, wkv7_chunked, wkv7_segmented
 from ltm_pallas.attention import BlockSizes, config, flash_attention
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -61,10 +61,10 @@ ATTENTION_KERNELS = ("flash_attention_forward", "flash_attention_dq", "flash_att
 QUANT_MATMUL_KERNELS = ("quant_matmul_int8", "quant_matmul_int4")
 RWKV7_OUT_KERNELS = ("rwkv7_out_forward", "rwkv7_out_backward")
 RWKV7_KEY_KERNELS = ("rwkv7_key_forward", "rwkv7_key_backward")
-RWKV7_NORM_KERNELS = ("rwkv7_norm_forward", "rwkv7_norm_backward")
+ADD_NORM_KERNELS = ("add_norm_forward", "add_norm_backward")
 # Entry names the compiled program gives the kernels of this package (a suffix _1, _2, ... tells copies apart).
 KERNEL_PREFIXES = ("wkv4_", "wkv7_", "flash_attention_", "quant_matmul_", "rwkv7_out_", "rwkv7_key_",
-                   "rwkv7_norm_")
+                   "add_norm_")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,15 +196,15 @@ def _rwkv7_key(rows: int, heads: int, size: int, dtype) -> Builder:
   return build
 
 
-def _rwkv7_norm(rows: int, channels: int, stream, dtype, kind: str = "rmsnorm") -> Builder:
+def _add_norm(rows: int, channels: int, stream, dtype, kind: str = "rmsnorm") -> Builder:
   """fwd+bwd of the residual add and norm over `rows` = B * T rows of `channels`: the stream in `stream`, the
-  sub-layer's output and the norm's output in `dtype`, at the op's row block (`rwkv7_norm.row_block`)."""
+  sub-layer's output and the norm's output in `dtype`, at the op's row block (`add_norm.row_block`)."""
 
   def build(abstract: Abstract, block_sizes=None):
     del block_sizes
     vector = abstract((channels,), jnp.float32)
-    fn = lambda *xs: rwkv7_norm.add_norm(*xs, kind, 1e-5, jnp.dtype(dtype),
-                                         rwkv7_norm.row_block(rows, channels), False)
+    fn = lambda *xs: add_norm.add_norm(*xs, kind, 1e-5, jnp.dtype(dtype),
+                                       add_norm.row_block(rows, channels), False)
     return _vjp_program(fn, (abstract((rows, channels), stream), abstract((rows, channels), dtype), vector, vector),
                         abstract, 4)
 
@@ -315,11 +315,11 @@ def _kernel_cases() -> list[Case]:
   # The RWKV-7 block's residual add and channel-mix norm (RMSNorm) at small_rwkv7's training shape (B32 T1024, C 512)
   # and base_125m_rwkv7's at batch 32 (B32 T2048, C 768: masked 1024-wide blocks): the float32 stream with bfloat16
   # sub-layer and norm outputs (the model's mix), and all float32 (the larger tiles).
-  for name, rows, c, dtype in (("rwkv7_norm_c512_bf16", 32 * 1024, 512, bf16), ("rwkv7_norm_c512_f32", 32 * 1024, 512, f32),
-                               ("rwkv7_norm_c768_bf16", 32 * 2048, 768, bf16)):
+  for name, rows, c, dtype in (("add_norm_c512_bf16", 32 * 1024, 512, bf16), ("add_norm_c512_f32", 32 * 1024, 512, f32),
+                               ("add_norm_c768_bf16", 32 * 2048, 768, bf16)):
     dtype_name = jnp.dtype(dtype).name
-    cases.append(Case(name, f"rwkv7_norm fwd+bwd float32 stream, {dtype_name} B32 T{rows // 32} C{c} rmsnorm",
-                      RWKV7_NORM_KERNELS, _rwkv7_norm(rows, c, f32, dtype), dtype=dtype_name))
+    cases.append(Case(name, f"add_norm fwd+bwd float32 stream, {dtype_name} B32 T{rows // 32} C{c} rmsnorm",
+                      ADD_NORM_KERNELS, _add_norm(rows, c, f32, dtype), dtype=dtype_name))
   # Flash attention. Head dim 64: base_125m (B64 T2048, 12 query heads on 4 key/value heads) and small_rwkv7 /
   # small (B32 T1024, 8 heads, window 512); head dim 32: tiny (float32). Head dims 128 and 256: B * T = 16k tokens and
   # Hq * D = 2048 (the benchmark's GPU shapes), GQA 4:1 unless said.
@@ -495,7 +495,7 @@ def _model_cases() -> list[Case]:
 # dtype, shape or default-tile row.
 SUITE_CASES = ("wkv4_seq_bf16", "wkv4_par_f32", "wkv7_n128_f32", "wkv7s_n64_long_bf16", "attn_d128_bf16_window_seg",
                "attn_d256_f32_causal_mqa", "quant_matmul_f32_768",
-               "rwkv7_out_n64_f32", "rwkv7_key_n64_f32", "rwkv7_norm_c512_f32")
+               "rwkv7_out_n64_f32", "rwkv7_key_n64_f32", "add_norm_c512_f32")
 
 
 def all_cases() -> dict[str, Case]:

@@ -312,7 +312,7 @@ def classify(comps, ins: Instr, op_name: str, where: str) -> tuple[str, float, f
     name = _kernel_name(ins, op_name)
     lowered = (name + target).lower()
     # RWKV-7's output stage, key side and block norm (residual add + norm): norms, not a WKV.
-    if lowered.startswith(("rwkv7_out", "rwkv7_key", "rwkv7_norm")):
+    if lowered.startswith(("rwkv7_out", "rwkv7_key", "add_norm")):
       return "reductions/norms", 0.0, 0.0, "", name
     if lowered.startswith("matmul_epilogue"):  # ltm_pallas.matmul_mgpu: a [M, K] @ b [K, G * N], priced as a matmul.
       (dtype, (m, k)), (_, (_, columns)) = ins.operands[:2]

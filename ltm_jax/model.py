@@ -31,12 +31,12 @@ from jax import lax
 
 from ltm_jax import sublayers
 from ltm_jax.config import LatentConfig, ModelConfig
+from ltm_jax.layers.add_norm import AddNorm
 from ltm_jax.layers import CrossAttention, SplitLatents
 from ltm_jax.layers.common import init, norm
 from ltm_jax.layers import pattern as layer_pattern
 from ltm_jax.layers import pipeline
 from ltm_jax.layers.latent_encoder import LatentEncoder
-from ltm_jax.layers.rwkv7_norm import AddNorm
 from ltm_jax.ops import cross_entropy
 from ltm_jax.ops.quant_matmul import weights as quant_weights
 

@@ -15,7 +15,7 @@ from ltm_jax.ops.attention import cudnn
 from ltm_jax.ops.mdi import mdi
 from ltm_jax.ops.quant_matmul import quant_matmul
 from ltm_jax.ops.rwkv7_key import rwkv7_key
-from ltm_jax.ops.rwkv7_norm import add_norm
+from ltm_jax.ops.add_norm import add_norm
 from ltm_jax.ops.rwkv7_out import rwkv7_out
 
 
@@ -54,9 +54,9 @@ REFUSED = {
         k, k * 0.5, jnp.sin(k), k[0, 3], k[0, 0], k[0, 1] * 0.5, k[0, 2], head_size=16, eps=1e-12, impl="pallas")]),
                          (1, 16, 16), ("rwkv7_key: impl='pallas'", "impl='xla'")),
     # x [B, T, C] with the sub-layer output, scale and bias drawn from it; both outputs feed the sum.
-    "rwkv7_norm_pallas": (lambda x: jnp.concatenate([o.reshape(-1) for o in add_norm(
+    "add_norm_pallas": (lambda x: jnp.concatenate([o.reshape(-1) for o in add_norm(
         x, jnp.sin(x), x[0, 0], x[0, 1], kind="layernorm", eps=1e-5, dtype=jnp.float32, impl="pallas")]),
-                          (1, 16, 16), ("rwkv7_norm: impl='pallas'", "impl='xla'")),
+                          (1, 16, 16), ("add_norm: impl='pallas'", "impl='xla'")),
 }
 
 

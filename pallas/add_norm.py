@@ -49,7 +49,7 @@ BACKWARD_BLOCK_ROWS = 8
 BACKWARD_STEPS = 8
 BLOCK_ELEMENTS = 16 * 512  # Forward; the backward takes half as many.
 NUM_WARPS = 8
-_SECOND_ORDER = ("rwkv7_norm: impl='pallas' (the Pallas residual-add and norm kernels) has no second derivative; "
+_SECOND_ORDER = ("add_norm: impl='pallas' (the Pallas residual-add and norm kernels) has no second derivative; "
                  "impl='xla' has one")
 
 
@@ -172,7 +172,7 @@ def _forward(x, d, s, b, *, kind, eps, out_dtype, block_rows, interpret):
       functools.partial(_forward_kernel, c=c, kind=kind, eps=eps),
       out_shape=(jax.ShapeDtypeStruct((rows, c), x.dtype), jax.ShapeDtypeStruct((rows, c), out_dtype)),
       grid=(rows // block_rows,), in_specs=[tile, tile, per_channel, per_channel], out_specs=(tile, tile),
-      num_warps=NUM_WARPS, interpret=interpret, name="rwkv7_norm_forward",
+      num_warps=NUM_WARPS, interpret=interpret, name="add_norm_forward",
   )(x, d, s, b)
 
 
@@ -190,7 +190,7 @@ def _backward(x_new, s, dx_new, dh, d_dtype, *, kind, eps, block_rows, interpret
       functools.partial(_backward_kernel, c=c, kind=kind, eps=eps, sub_rows=sub_rows),
       out_shape=(*grads, sums, sums),
       grid=(blocks,), in_specs=[tile, per_channel, tile, tile], out_specs=(*(tile for _ in grads), partial, partial),
-      num_warps=NUM_WARPS, interpret=interpret, name="rwkv7_norm_backward",
+      num_warps=NUM_WARPS, interpret=interpret, name="add_norm_backward",
   )(x_new, s, dx_new, dh)
   return dx, dd[0] if dd else dx, jnp.sum(ds, axis=0), jnp.sum(db, axis=0)
 

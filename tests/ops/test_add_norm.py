@@ -1,5 +1,5 @@
-"""The residual add and the norm after it (`ltm_jax.ops.rwkv7_norm`): its backends' values and gradients against a
-float64 statement of the formula written here, the Pallas kernels (`ltm_pallas.rwkv7_norm`, interpreted on CPU)
+"""The residual add and the norm after it (`ltm_jax.ops.add_norm`): its backends' values and gradients against a
+float64 statement of the formula written here, the Pallas kernels (`ltm_pallas.add_norm`, interpreted on CPU)
 included, and the XLA form against the add followed by flax's own norm modules, value for value."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import pytest
 from conftest import assert_gradients_close, micro_config
 from ltm_jax import model as lm
 from ltm_jax.layers.common import norm
-from ltm_jax.layers.rwkv7_norm import AddNorm
-from ltm_jax.ops import rwkv7_norm as op
-from ltm_pallas import rwkv7_norm as kernel
+from ltm_jax.layers.add_norm import AddNorm
+from ltm_jax.ops import add_norm as op
+from ltm_pallas import add_norm as kernel
 
 # B * T = 48 rows: forward blocks of 16; backward programs of 16 rows, each in two steps of 8 that carry its partial
 # sums of ds and db (three programs' partial sums add up). C = 48 also runs in 64-wide blocks with the last 16 columns

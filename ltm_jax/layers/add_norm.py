@@ -1,5 +1,5 @@
-"""The residual add and the norm after it as one flax module (`ltm_jax.ops.rwkv7_norm`), for the RWKV-7 block between
-its time mix and its channel mix. Its parameters are those of the norm module it stands in for
+"""The residual add and the norm after it as one flax module (`ltm_jax.ops.add_norm`), for a block between one
+sub-layer and the next. Its parameters are those of the norm module it stands in for
 (`ltm_jax.layers.common.norm`: `scale`, and `bias` for layernorm, float32, logical axis "norm"), so a checkpoint
 reads the same either way."""
 
@@ -10,7 +10,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from ltm_jax.ops.rwkv7_norm import add_norm
+from ltm_jax.ops.add_norm import add_norm
 
 
 class AddNorm(nn.Module):

@@ -9,7 +9,7 @@ Backends (the first is the reference):
   xla:    the formula as JAX operations, in flax's arithmetic (`nn.LayerNorm` / `nn.RMSNorm` with dtype=`dtype`,
           param_dtype float32, as `ltm_jax.layers.common.norm` builds them): the same values as the add followed by
           those modules.
-  pallas: one kernel forward and one backward (`ltm_pallas.rwkv7_norm`), float32 throughout and rounded once (the
+  pallas: one kernel forward and one backward (`ltm_pallas.add_norm`), float32 throughout and rounded once (the
           variance as the mean of squared deviations); B * T without a power-of-two factor of at least 8 runs the
           xla form.
 """
@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from ltm_jax.ops import backend, sharding
-from ltm_pallas import rwkv7_norm as kernel
+from ltm_pallas import add_norm as kernel
 
 AVAILABLE = ("xla", "pallas")
 KINDS = kernel.KINDS
@@ -43,12 +43,12 @@ AUTO_STREAMS = ("float32",)
 
 def _check(x, d, scale, bias, kind):
   if kind not in KINDS:
-    raise ValueError(f"rwkv7_norm: kind must be one of {KINDS}; got {kind!r}")
+    raise ValueError(f"add_norm: kind must be one of {KINDS}; got {kind!r}")
   if x.ndim != 3 or d.shape != x.shape:
-    raise ValueError(f"rwkv7_norm: x and d must be [B, T, C] of one shape; got {x.shape} and {d.shape}")
+    raise ValueError(f"add_norm: x and d must be [B, T, C] of one shape; got {x.shape} and {d.shape}")
   bad = [f"{name} {v.shape}" for name, v in (("scale", scale), ("bias", bias)) if v.shape != x.shape[-1:]]
   if bad:
-    raise ValueError(f"rwkv7_norm: x is {x.shape}; " + ", ".join(bad) + f" (want ({x.shape[-1]},))")
+    raise ValueError(f"add_norm: x is {x.shape}; " + ", ".join(bad) + f" (want ({x.shape[-1]},))")
 
 
 def xla(x, d, scale, bias, *, kind, eps, dtype):
@@ -102,13 +102,13 @@ def add_norm(x, d, scale, bias=None, *, kind: str, eps: float, dtype, impl: str 
     x_new: [B, T, C] in x's dtype; h: [B, T, C] in `dtype`.
   """
   if (bias is None) != (kind == "rmsnorm"):
-    raise ValueError(f"rwkv7_norm: {kind} takes {'no bias' if kind == 'rmsnorm' else 'a bias'}")
+    raise ValueError(f"add_norm: {kind} takes {'no bias' if kind == 'rmsnorm' else 'a bias'}")
   if bias is None:
     bias = jnp.zeros_like(scale)  # Read by neither backend for rmsnorm; keeps one signature.
   _check(x, d, scale, bias, kind)
   if impl == "auto" and token_shifted and jnp.dtype(x.dtype).name not in AUTO_STREAMS:
     impl = "xla"
-  run = backend.select("rwkv7_norm", impl, _BACKENDS, AUTO, length=x.shape[1], without_kernels=AUTO_WITHOUT_KERNELS)
+  run = backend.select("add_norm", impl, _BACKENDS, AUTO, length=x.shape[1], without_kernels=AUTO_WITHOUT_KERNELS)
   # Rows are independent but each needs all of its channels: only the batch is split over the mesh.
   fn = lambda *args: run(*args, kind=kind, eps=eps, dtype=dtype)
   seq, vec = ("batch", None, None), (None,)
