@@ -3,6 +3,8 @@ gradients, with grouped key/value heads (each key/value head's query heads besid
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -19,6 +21,13 @@ def _layer(dtype="float32", heads=6, kv_heads=2):
                    std=0.3, out_std=0.3, dtype=dtype)
 
 
+@functools.lru_cache(maxsize=None)
+def _params(heads, kv_heads):
+  """Initial parameters (float32 whatever the compute dtype), made once per head layout for the tests here."""
+  x = jnp.zeros((1, 5, 24), jnp.float32)
+  return nn.meta.unbox(jax.jit(_layer("float32", heads, kv_heads).init)(jax.random.key(heads), x)["params"])
+
+
 def _project(layer, params, x):
   return layer.apply({"params": params}, x, method=lambda m, x: m._project(x))
 
@@ -31,7 +40,7 @@ def test_stacked_projection_matches_float64(dtype, rtol, heads, kv_heads):
   key/value head is h // (heads / kv_heads)), which a wrong grouping would permute."""
   layer = _layer(dtype, heads, kv_heads)
   x = jax.random.normal(jax.random.key(1), (2, 5, 24), jnp.float32)
-  params = nn.meta.unbox(layer.init(jax.random.key(0), x)["params"])
+  params = _params(heads, kv_heads)
   cots = [jax.random.normal(jax.random.key(2 + i), (2, 5, h, 8), jnp.float32)
           for i, h in enumerate((heads, kv_heads, kv_heads))]
 
@@ -40,7 +49,7 @@ def test_stacked_projection_matches_float64(dtype, rtol, heads, kv_heads):
     return sum(jnp.sum(o.astype(jnp.float32) * c) for o, c in zip(outs, cots)), outs
 
   kernels = tuple(params[n]["kernel"] for n in "qkv")
-  (_, outs), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(kernels, x)
+  (_, outs), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(kernels, x)
   with jax.enable_x64(True):
     as64 = lambda a: jnp.asarray(np.asarray(a, np.float64))
     reference = lambda w, x: tuple(jnp.einsum("btc,chd->bthd", x, k) for k in w)
@@ -60,11 +69,11 @@ def test_quantised_kernels_take_the_three_products():
   dequantised values through the stacked product, to the quantised matmul's float32 rounding."""
   layer = _layer()
   x = jax.random.normal(jax.random.key(3), (1, 4, 24), jnp.float32)
-  params = nn.meta.unbox(layer.init(jax.random.key(4), x)["params"])
+  params = nn.meta.unbox(jax.jit(layer.init)(jax.random.key(4), x)["params"])
   quantised = {n: {"kernel": quantize(w["kernel"], contract=(0,)) if n in "qkv" else w["kernel"]}
                for n, w in params.items()}
   dequantised = {n: {"kernel": quant_weights.dequantize(w["kernel"]) if quant_weights.is_quantized(w["kernel"])
                      else w["kernel"]} for n, w in quantised.items()}
-  y_quantised, _ = layer.apply({"params": quantised}, x)
-  y_dequantised, _ = layer.apply({"params": dequantised}, x)
+  apply = jax.jit(lambda params, x: layer.apply({"params": params}, x)[0])
+  y_quantised, y_dequantised = apply(quantised, x), apply(dequantised, x)
   np.testing.assert_allclose(y_quantised, y_dequantised, atol=1e-5 * float(jnp.max(jnp.abs(y_dequantised))))
