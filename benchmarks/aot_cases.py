@@ -53,7 +53,8 @@ WKV4_KERNELS_PARALLEL = ("wkv4_chunk_summary", "wkv4_chunk_output", "wkv4_chunk_
 WKV7_KERNELS = ("wkv7_forward", "wkv7_backward")
 # Under remat the forward pass runs the primal kernel (no state checkpoints), the recomputation the full forward.
 WKV7_REMAT_KERNELS = ("wkv7_forward_primal",) + WKV7_KERNELS
-WKV7_CHUNKED_REMAT_KERNELS = ("wkv7_chunked_forward_primal", "wkv7_chunked_forward", "wkv7_chunked_backward")
+WKV7_CHUNKED_KERNELS = ("wkv7_chunked_forward", "wkv7_chunked_backward")
+WKV7_CHUNKED_REMAT_KERNELS = ("wkv7_chunked_forward_primal",) + WKV7_CHUNKED_KERNELS
 # The segmented form adds the state-only passes: each segment's end state and transition, and the state gradients.
 WKV7_SEGMENTED_REMAT_KERNELS = WKV7_CHUNKED_REMAT_KERNELS + (
     "wkv7_chunked_end_state", "wkv7_chunked_transition", "wkv7_chunked_state_gradient")
@@ -466,22 +467,26 @@ def _generation(config_name: str, batch: int = 8, prompt: int = 512, new_tokens:
 def _model_cases() -> list[Case]:
   attention = ATTENTION_KERNELS
   return [
+      # The RWKV-7 layers bound their decay (the op's w_min), so the chunked WKV-7 kernels run without the sequential
+      # ones beside them; the attention blocks' add and norm are the add_norm kernels.
       Case("train_small_rwkv7", "small_rwkv7 train step, bf16 B32 T1024 (WKV-7 N64, window-512 attention D64)",
-           WKV7_KERNELS + attention, train_step("small_rwkv7"), group="models", head_dim=64),
-      Case("train_base_125m", "base_125m train step, bf16 B64 T2048 (GQA 12:4 attention D64)", attention,
-           train_step("base_125m"), group="models", head_dim=64),
+           WKV7_CHUNKED_KERNELS + attention + ADD_NORM_KERNELS, train_step("small_rwkv7"), group="models",
+           head_dim=64),
+      Case("train_base_125m", "base_125m train step, bf16 B64 T2048 (GQA 12:4 attention D64)",
+           attention + ADD_NORM_KERNELS, train_step("base_125m"), group="models", head_dim=64),
       # Decoding steps take the reference paths (one token: scan, cache attention: xla); the prefill takes the
       # forward kernels (its padding is a segment id).
       Case("generate_small_rwkv7", "small_rwkv7 prefill B8 T512 + 64-token decode loop",
-           ("wkv7_forward_primal", "flash_attention_forward"), _generation("small_rwkv7"), group="models",
+           ("wkv7_chunked_forward_primal", "flash_attention_forward"), _generation("small_rwkv7"), group="models",
            head_dim=64),
       Case("generate_base_125m", "base_125m prefill B8 T512 + 64-token decode loop", ("flash_attention_forward",),
            _generation("base_125m"), group="models", head_dim=64),
       Case("generate_small_rwkv7_int4", "small_rwkv7 int4 g128 weights read as stored: prefill B8 T512 + 64-token "
-           "decode loop", ("quant_matmul_int4", "wkv7_forward_primal"), _generation("small_rwkv7", quantize="int4"),
+           "decode loop", ("quant_matmul_int4", "wkv7_chunked_forward_primal"),
+           _generation("small_rwkv7", quantize="int4"),
            group="models", head_dim=64),
       Case("generate_small_rwkv7_int8", "small_rwkv7 int8 weights read as stored: prefill B8 T512 + 64-token decode "
-           "loop", ("quant_matmul_int8", "wkv7_forward_primal"), _generation("small_rwkv7", quantize="int8"),
+           "loop", ("quant_matmul_int8", "wkv7_chunked_forward_primal"), _generation("small_rwkv7", quantize="int8"),
            group="models", head_dim=64),
   ]
 
