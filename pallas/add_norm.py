@@ -185,7 +185,9 @@ def _backward(x_new, s, dx_new, dh, d_dtype, *, kind, eps, block_rows, interpret
   tile, per_channel, partial = _specs(c, program_rows)
   sums = jax.ShapeDtypeStruct((blocks, c), jnp.float32)
   same = jnp.dtype(d_dtype) == x_new.dtype  # Then dd is dx: written once.
-  grads = (jax.ShapeDtypeStruct((rows, c), x_new.dtype),) + (() if same else (jax.ShapeDtypeStruct((rows, c), d_dtype),))
+  grads = (jax.ShapeDtypeStruct((rows, c), x_new.dtype),)
+  if not same:
+    grads += (jax.ShapeDtypeStruct((rows, c), d_dtype),)
   dx, *dd, ds, db = backend.call(
       functools.partial(_backward_kernel, c=c, kind=kind, eps=eps, sub_rows=sub_rows),
       out_shape=(*grads, sums, sums),

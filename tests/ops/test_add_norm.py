@@ -171,7 +171,8 @@ def test_auto_leaves_a_token_shifted_bfloat16_stream_to_xla(monkeypatch):
   shift, which takes the xla form (XLA keeps the shift inside its normalising pass)."""
   chosen = []
   real = op.backend.select
-  monkeypatch.setattr(op.backend, "select", lambda name, impl, *a, **k: chosen.append(impl) or real(name, impl, *a, **k))
+  monkeypatch.setattr(op.backend, "select",
+                      lambda name, impl, *a, **k: chosen.append(impl) or real(name, impl, *a, **k))
   x, d, s, b = _inputs(11, jnp.bfloat16)
   for stream in (jnp.float32, jnp.bfloat16):
     for shifted in (False, True):

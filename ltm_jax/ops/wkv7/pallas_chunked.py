@@ -4,9 +4,9 @@ GPU), and the sequential kernels of `pallas/wkv7.py` wherever the chunked form d
 The chunked kernels factor each chunk's decays as e^{g_t}·e^{-g_s}, exact while every log-decay is at least
 `min_log_decay(chunk)` (-3.75 at chunk 16; RWKV-7 layers keep w >= -0.61). A caller's static bound `w_min` at or above
 that limit runs them directly; otherwise inputs are checked at run time (one read of w) and any call with a stronger
-decay runs the sequential kernels instead, which are exact for every w <= 0. Head sizes the chunked kernels have no spill-free settings for
-(`wkv7_chunked.fits`: powers of two from 16 to 128 with 16-bit inputs, to 32 with float32) take the sequential
-kernels statically.
+decay runs the sequential kernels instead, which are exact for every w <= 0. Head sizes the chunked kernels have no
+spill-free settings for (`wkv7_chunked.fits`: powers of two from 16 to 128 with 16-bit inputs, to 32 with float32)
+take the sequential kernels statically.
 """
 
 from __future__ import annotations
