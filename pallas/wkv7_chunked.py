@@ -73,6 +73,12 @@ def in_range(w: jax.Array, chunk: int = CHUNK) -> jax.Array:
   return jnp.min(w) >= min_log_decay(chunk)
 
 
+def bounded(w_min: float | None, chunk: int = CHUNK) -> bool:
+  """Whether a caller's static bound w >= w_min (None: no bound) keeps every log-decay in the kernels' range, so that
+  `in_range` need not read w."""
+  return w_min is not None and w_min >= min_log_decay(chunk)
+
+
 def _dot(x, y, operands=jnp.float32, *, ta=False, tb=False):
   """x @ y on 2-D tiles (x^T with ta, y^T with tb): operands rounded to `operands`, float32 accumulation."""
   dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))

@@ -134,6 +134,11 @@ def in_range(w: jax.Array) -> jax.Array:
   return wkv7_chunked.in_range(w, CHUNK)
 
 
+def bounded(w_min: float | None) -> bool:
+  """Whether a caller's static bound w >= w_min (None: no bound) keeps w in the kernel's range."""
+  return wkv7_chunked.bounded(w_min, CHUNK)
+
+
 def supported(size: int) -> bool:
   """Whether the kernel takes head size `size`."""
   return size in SIZES

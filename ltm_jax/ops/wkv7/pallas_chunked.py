@@ -54,7 +54,7 @@ def in_range_or_sequential(kernels, r, w, k, v, a, b, state, *, w_min=None):
   optimize = not sharding.inside_shard_map()
   chunk = chunked.settings(r.shape[-1], chunked.operand_dtype(r.dtype))["chunk"]
   run_chunked = functools.partial(kernels, optimize_remat=optimize)
-  if w_min is not None and w_min >= chunked.min_log_decay(chunk):
+  if chunked.bounded(w_min, chunk):
     return run_chunked(r, w, k, v, a, b, state)
   # Without the custom_vjp's own remat optimisation: under this explicit checkpoint it gains nothing on so rare a
   # branch, and with it a second derivative fails inside JAX instead of raising the kernels' one-line refusal.

@@ -52,7 +52,7 @@ def wkv7(
   if not wkv7_mgpu.supported(size):
     raise ValueError(f"wkv7: impl='pallas_mgpu' takes head sizes {wkv7_mgpu.SIZES}, got {size}; impl='pallas_chunked' "
                      "or 'chunked' take any")
-  checked = w_min is None or w_min < wkv7_mgpu.min_log_decay()
+  checked = not wkv7_mgpu.bounded(w_min)
   count = segments(*r.shape)
   if count > 1:
     # No remat optimization, as for the unsegmented kernels: interpret mode's callbacks are side effects it refuses.
