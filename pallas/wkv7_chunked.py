@@ -421,7 +421,8 @@ def _specs(length, size, block, num_chunks):
 # within one bfloat16 rounding of the other layout's (benchmarks/results/wkv7-chunked-backward-nvidia-h100-80gb-
 # hbm3.json; at B = 8 the script's float32 XLA reference runs out of memory). Its dS rows pass between threads
 # through global memory, ordered by the barriers that the compiled layout conversions place between them. Chunks of
-# 32 spill at N = 64. Float32
+# 32 at N = 64: the forward fits with BV = 32 (4 warps), the backward spills at every setting tried (BV = 64, 8 warps:
+# 640 B; 32: 268 B on 8 warps, 960 on 4; 16: 464 B; 16 looping: 16 B on 8 warps, 784 on 4). Float32
 # operands take twice the registers: N = 32 fits, N = 64 spills at every setting tried (8 B at best), so float32
 # inputs with larger heads run the sequential kernels (`fits`).
 SETTINGS = {
