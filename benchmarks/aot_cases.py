@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from ltm_pallas import add_norm, quant_matmul, rwkv7_key, rwkv7_out, wkv4, wkv7, wkv7_chunked, wkv7_segmented
+from ltm_jax.ops import norm_mix
 from ltm_pallas.attention import BlockSizes, config, flash_attention
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -63,9 +64,10 @@ QUANT_MATMUL_KERNELS = ("quant_matmul_int8", "quant_matmul_int4")
 RWKV7_OUT_KERNELS = ("rwkv7_out_forward", "rwkv7_out_backward")
 RWKV7_KEY_KERNELS = ("rwkv7_key_forward", "rwkv7_key_backward")
 ADD_NORM_KERNELS = ("add_norm_forward", "add_norm_backward")
+NORM_MIX_KERNELS = ("norm_mix_backward",)
 # Entry names the compiled program gives the kernels of this package (a suffix _1, _2, ... tells copies apart).
 KERNEL_PREFIXES = ("wkv4_", "wkv7_", "flash_attention_", "quant_matmul_", "rwkv7_out_", "rwkv7_key_",
-                   "add_norm_")
+                   "add_norm_", "norm_mix_")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,6 +214,22 @@ def _add_norm(rows: int, channels: int, stream, dtype, kind: str = "rmsnorm") ->
   return build
 
 
+def _norm_mix(batch: int, length: int, channels: int, dtype) -> Builder:
+  """The norm and three token-shift mixes of a time mix, fwd+bwd through the op with the kernel backward
+  (`ltm_jax.ops.norm_mix`, impl='pallas'): a layernorm over the stream in `dtype`."""
+
+  def build(abstract: Abstract, block_sizes=None):
+    del block_sizes
+    vector = abstract((channels,), jnp.float32)
+    fn = lambda x, last, s, b, shifts: norm_mix.norm_mix(x, last, s, b, shifts, kind="layernorm", eps=1e-5,
+                                                         dtype=jnp.dtype(dtype), impl="pallas")
+    args = (abstract((batch, length, channels), dtype), abstract((batch, channels), jnp.float32), vector, vector,
+            abstract((3, channels), jnp.float32))
+    return _vjp_program(fn, args, abstract, 5)
+
+  return build
+
+
 def _attention(batch: int, length: int, q_heads: int, kv_heads: int, head_dim: int, dtype, *, causal: bool = True,
                window: int | None = None, segments: bool = False, kv_length: int | None = None,
                tiles: BlockSizes | None = None) -> Builder:
@@ -321,6 +339,13 @@ def _kernel_cases() -> list[Case]:
     dtype_name = jnp.dtype(dtype).name
     cases.append(Case(name, f"add_norm fwd+bwd float32 stream, {dtype_name} B32 T{rows // 32} C{c} rmsnorm",
                       ADD_NORM_KERNELS, _add_norm(rows, c, f32, dtype), dtype=dtype_name))
+  # The time mix's norm and mixes (the backward kernel) at small_rwkv7's shape (C 512) and base_125m_rwkv7's at batch
+  # 32 (C 768: six column chunks of 128), bfloat16 as the configs run it, and float32.
+  for name, shape, dtype in (("norm_mix_c512_bf16", (32, 1024, 512), bf16), ("norm_mix_c512_f32", (32, 1024, 512), f32),
+                             ("norm_mix_c768_bf16", (32, 2048, 768), bf16)):
+    dtype_name = jnp.dtype(dtype).name
+    cases.append(Case(name, f"norm_mix fwd+bwd {dtype_name} B{shape[0]} T{shape[1]} C{shape[2]} layernorm",
+                      NORM_MIX_KERNELS, _norm_mix(*shape, dtype), dtype=dtype_name))
   # Flash attention. Head dim 64: base_125m (B64 T2048, 12 query heads on 4 key/value heads) and small_rwkv7 /
   # small (B32 T1024, 8 heads, window 512); head dim 32: tiny (float32). Head dims 128 and 256: B * T = 16k tokens and
   # Hq * D = 2048 (the benchmark's GPU shapes), GQA 4:1 unless said.
@@ -470,7 +495,8 @@ def _model_cases() -> list[Case]:
       # The RWKV-7 layers bound their decay (the op's w_min), so the chunked WKV-7 kernels run without the sequential
       # ones beside them; the attention blocks' add and norm are the add_norm kernels.
       Case("train_small_rwkv7", "small_rwkv7 train step, bf16 B32 T1024 (WKV-7 N64, window-512 attention D64)",
-           WKV7_CHUNKED_KERNELS + attention + ADD_NORM_KERNELS, train_step("small_rwkv7"), group="models",
+           WKV7_CHUNKED_KERNELS + attention + ADD_NORM_KERNELS + NORM_MIX_KERNELS, train_step("small_rwkv7"),
+           group="models",
            head_dim=64),
       Case("train_base_125m", "base_125m train step, bf16 B64 T2048 (GQA 12:4 attention D64)",
            attention + ADD_NORM_KERNELS, train_step("base_125m"), group="models", head_dim=64),
@@ -495,12 +521,13 @@ def _model_cases() -> list[Case]:
 # case and the committed report covers them all. One case per kernel (every kernel any case names is compiled): WKV-4
 # sequential and time-parallel, WKV-7 at head size 128 in float32 (the largest state per program), the segmented
 # WKV-7 (which runs the chunked kernels too), the quantised matmul, the RWKV-7 output stage, key side and block norm
-# in float32 (the larger tiles), and attention twice: bfloat16 with a window, segment ids and grouped heads, and
+# in float32 (the larger tiles), the time mix's norm backward at C 768, and attention twice: bfloat16 with a window,
+# segment ids and grouped heads, and
 # float32 at head dim 256 (the most registers of the default tiles). The rest repeat one of these kernels at another
 # dtype, shape or default-tile row.
 SUITE_CASES = ("wkv4_seq_bf16", "wkv4_par_f32", "wkv7_n128_f32", "wkv7s_n64_long_bf16", "attn_d128_bf16_window_seg",
                "attn_d256_f32_causal_mqa", "quant_matmul_f32_768",
-               "rwkv7_out_n64_f32", "rwkv7_key_n64_f32", "add_norm_c512_f32")
+               "rwkv7_out_n64_f32", "rwkv7_key_n64_f32", "add_norm_c512_f32", "norm_mix_c768_bf16")
 
 
 def all_cases() -> dict[str, Case]:

@@ -21,9 +21,9 @@ at full float32 precision against --f32-matmul-tflops, everything else against -
 --copy-tbps (read + write). The WKV-7 kernels also get a time scaled by their element count from the kernel
 benchmark's measured H100 rows (--wkv-fwd-ns, --wkv-bwd-ns); the prediction takes the larger of the two. Each
 kernel launch adds --launch-us (an assumption, not a measurement). Kernels fall into categories: matmul, WKV kernel,
-attention kernel, elementwise/fusion, reductions/norms (with the Pallas kernels of the RWKV-7 output stage, key side
-and block norm, priced by their bytes), copies/transposes, optimizer (the AdamW update: instructions whose source is
-optax or ltm_jax/train), other.
+attention kernel, elementwise/fusion, reductions/norms (with the Pallas kernels of the RWKV-7 output stage, key side,
+block norm and time-mix input stage, priced by their bytes, a buffer given twice read once), copies/transposes,
+optimizer (the AdamW update: instructions whose source is optax or ltm_jax/train), other.
 
 Where it compiles: with the CUDA plugin installed and no GPU, for an H100 without a device (benchmarks/gpu_aot.py's
 target description); on a machine with a GPU, for that GPU, and then it also times the step; elsewhere for the host
@@ -311,8 +311,9 @@ def classify(comps, ins: Instr, op_name: str, where: str) -> tuple[str, float, f
     target = _attr(ins.attrs, "custom_call_target") or re.search(r'custom_call_target="([^"]*)"', ins.attrs).group(1)
     name = _kernel_name(ins, op_name)
     lowered = (name + target).lower()
-    # RWKV-7's output stage, key side and block norm (residual add + norm): norms, not a WKV.
-    if lowered.startswith(("rwkv7_out", "rwkv7_key", "add_norm")):
+    # RWKV-7's output stage, key side, block norm (residual add + norm) and the time mix's norm with its mixes:
+    # norms, not a WKV.
+    if lowered.startswith(("rwkv7_out", "rwkv7_key", "add_norm", "norm_mix")):
       return "reductions/norms", 0.0, 0.0, "", name
     if lowered.startswith("matmul_epilogue"):  # ltm_pallas.matmul_mgpu: a [M, K] @ b [K, G * N], priced as a matmul.
       (dtype, (m, k)), (_, (_, columns)) = ins.operands[:2]
@@ -442,14 +443,20 @@ def _launch_bytes(comps, ins: Instr) -> float:
 
 
 def _operand_bytes(comps, ins: Instr, in_place: bool = False) -> float:
-  """Bytes a launch reads: each operand whole, except where a fusion's computation reads only part of an operand,
-  through slices, alone or after elementwise ops (a kernel reading one leaf of a flattened tree). The share read
-  flows from the root (all of it) back through elementwise ops (the share their users read) and slices (the slice's
-  share of their operand); any other use reads the operand whole, as does a share above one. `in_place`: the root
-  updates its first operand in place, which it does not read."""
+  """Bytes a launch reads: each operand whole (a custom call's repeated operand once), except where a fusion's
+  computation reads only part of an operand, through slices, alone or after elementwise ops (a kernel reading one
+  leaf of a flattened tree). The share read flows from the root (all of it) back through elementwise ops (the share
+  their users read) and slices (the slice's share of their operand); any other use reads the operand whole, as does a
+  share above one. `in_place`: the root updates its first operand in place, which it does not read."""
   sub = _attr(ins.attrs, "calls") if ins.opcode in ("fusion", "fusion-start") else None
   body = comps.get(sub, []) if sub else []
   params = {int(i.operand_text): i.name for i in body if i.opcode == "parameter" and i.operand_text.strip().isdigit()}
+  if ins.opcode == "custom-call":
+    # A kernel given one buffer twice (two block layouts over it, as a Pallas call may take) reads it once: the
+    # second layout's blocks are the first's elements again, or a few of them.
+    names = re.findall(r"%([\w.\-]+)", ins.operand_text)
+    if len(names) == len(ins.operands):
+      return _nbytes([shape for k, shape in enumerate(ins.operands) if names[k] not in names[:k]])
   if not params or len(params) != len(ins.operands):
     return _nbytes(ins.operands)
   share = collections.defaultdict(float)  # name -> the share of its elements that the kernel reads (root: 1).

@@ -31,7 +31,7 @@ from jax import lax
 
 from ltm_jax import sublayers
 from ltm_jax.config import LatentConfig, ModelConfig
-from ltm_jax.layers.add_norm import AddNorm
+from ltm_jax.layers.add_norm import AddNorm, NormParameters
 from ltm_jax.layers import CrossAttention, SplitLatents
 from ltm_jax.layers.common import init, norm
 from ltm_jax.layers import pattern as layer_pattern
@@ -140,11 +140,16 @@ class Block(nn.Module):
     ffn_cls, ffn_args = ffn_entry.build(site)
     ffn = self._sublayer(ffn_cls, "ffn")(**ffn_args, name="ffn")
     mixer_state, ffn_state = (None, None) if state is None else state
-    h = norm(cfg.norm, cfg.norm_eps, cfg.dtype, "mixer_norm")(x)
-    if mixer_entry.value_residual:
-      h, mixer_state, v_first = mixer(h, mixer_state, v_first, valid)
+    if mixer_entry.normalizes_input:  # The mixer normalises the stream with its own input stage (one op).
+      h, mixer_kw = x, dict(norm=NormParameters(cfg.norm, name="mixer_norm")(x.shape[-1]))
     else:
-      h, mixer_state = mixer(h, mixer_state, valid)
+      h, mixer_kw = norm(cfg.norm, cfg.norm_eps, cfg.dtype, "mixer_norm")(x), {}
+    if mixer_entry.value_residual:
+      h, mixer_state, v_first, *stream = mixer(h, mixer_state, v_first, valid, **mixer_kw)
+    else:
+      h, mixer_state, *stream = mixer(h, mixer_state, valid, **mixer_kw)
+    if mixer_entry.normalizes_input:  # The stream as the mixer returns it: the residual's gradient joins its op's.
+      x = stream[0]
     # Each sub-layer's residual add and the next one's norm as one op (one kernel each way on GPU; on CPU flax's
     # arithmetic, the values of the add followed by the norm module, whose parameters it keeps).
     if self.latent is not None:

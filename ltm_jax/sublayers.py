@@ -34,6 +34,9 @@ class Mixer(NamedTuple):
   build: Build
   empty_state: EmptyState
   value_residual: bool = False  # Takes and returns v_first, the first RWKV-7 layer's values.
+  # Takes the residual stream and the parameters of the norm before it (`norm=(scale, bias)`), normalises the stream
+  # itself and returns it last, for the residual add; its build sets norm_kind and norm_eps.
+  normalizes_input: bool = False
 
 
 class Ffn(NamedTuple):
@@ -82,7 +85,7 @@ def _rwkv7(s: Site):
   return TimeMix7, dict(layer=s.layer, n_layers=cfg.n_layers, head_size=cfg.rwkv7_head_size,
                         decay_lora=lora["decay"], iclr_lora=lora["iclr"], value_lora=lora["value"],
                         gate_lora=lora["gate"], first=cfg.mixers.index("rwkv7") == s.layer, impl=cfg.wkv7_impl,
-                        dtype=cfg.dtype, fp8=cfg.fp8)
+                        dtype=cfg.dtype, fp8=cfg.fp8, norm_kind=cfg.norm, norm_eps=cfg.norm_eps)
 
 
 def _rwkv4(s: Site):
@@ -104,7 +107,7 @@ MIXER_KINDS: dict[str, Mixer] = {
     "attention": Mixer(_attention, _kv_cache),
     "rwkv4": Mixer(_rwkv4, lambda cfg, batch, capacity: TimeMixState.empty(batch, cfg.d_model)),
     "rwkv7": Mixer(_rwkv7, lambda cfg, batch, capacity: TimeMix7State.empty(batch, cfg.d_model, cfg.rwkv7_head_size),
-                   value_residual=True),
+                   value_residual=True, normalizes_input=True),
     "titans_mal": Mixer(_titans_mal, _titans_state),
     "titans_mag": Mixer(_titans_mag, _titans_state),
     "mmrec": Mixer(_mmrec, lambda cfg, batch, capacity: MMRecState.empty(batch, cfg.d_model, cfg.mmrec_slots)),

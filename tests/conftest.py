@@ -86,6 +86,27 @@ def cpu_only_env(**extra: str) -> dict[str, str]:
   return {**os.environ, "JAX_PLATFORMS": "cpu", "CUDA_VISIBLE_DEVICES": "", **extra}
 
 
+def random_model_params(model, tokens, seed: int):
+  """Every parameter of flax `model` (initialised on `tokens`) drawn from N(0, 0.3^2): no zero-initialised projection
+  hides a path."""
+  import flax.linen as nn
+  shapes = jax.eval_shape(model.init, jax.random.key(0), tokens)
+  rng = np.random.default_rng(seed)
+  return jax.tree.map(lambda x: jax.numpy.asarray(rng.normal(0, 0.3, x.shape), x.dtype), nn.meta.unbox(shapes))
+
+
+def logits_and_gradients(model, tokens, params):
+  """(logits, the gradients of sum(sin(logits)) in every parameter) of the LM `model`, jitted."""
+
+  def loss(params):
+    logits = model.apply(params, tokens)
+    logits = logits[0] if isinstance(logits, tuple) else logits
+    return jax.numpy.sum(jax.numpy.sin(logits)), logits
+
+  (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+  return logits, grads
+
+
 def assert_gradients_close(got, expected, rtol: float) -> None:
   """Two gradient trees of the same structure agree leaf by leaf within rtol of each expected leaf's largest
   magnitude, and every expected leaf is far from zero (a parameter the loss does not reach would pass vacuously)."""

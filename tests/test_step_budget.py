@@ -177,6 +177,23 @@ def test_slices_read_and_in_place_updates_count_only_the_slice():
   assert by["sum"]["bytes"] == 3 * 4 * 4 * 16  # A plain fusion still reads and writes whole buffers.
 
 
+# A kernel (custom call) given one buffer twice, as a Pallas call with two block layouts over it.
+TWICE = """HloModule m
+
+ENTRY %main (a: f32[4,16], b: f32[16]) -> f32[4,16] {
+  %a = f32[4,16]{1,0} parameter(0)
+  %b = f32[16]{0} parameter(1)
+  ROOT %k = f32[4,16]{1,0} custom-call(f32[4,16]{1,0} %a, f32[16]{0} %b, f32[4,16]{1,0} %a), custom_call_target="__gpu$xla.gpu.triton"
+}
+"""
+
+
+def test_a_kernel_given_a_buffer_twice_reads_it_once():
+  comps, entry, frames = step_budget.parse_hlo(TWICE)
+  rows, _ = step_budget.kernels(comps, entry, frames, dict(step_budget.DEFAULTS))
+  assert rows[0]["bytes"] == 4 * (64 + 16) + 4 * 64  # a and b read once each, then the output.
+
+
 # Two float32 dots of the same shape: one at XLA's default precision (TF32 on tensor cores), one asking for full
 # float32 precision; and a bfloat16 one.
 PRECISIONS = """HloModule m

@@ -31,7 +31,9 @@ from ltm_jax.layers.common import (
   token_shift,
 )
 from ltm_jax.layers.rwkv4 import ChannelMixState
+from ltm_jax.ops.add_norm import normalize
 from ltm_jax.ops.ffn import ffn
+from ltm_jax.ops.norm_mix import norm_mix
 from ltm_jax.ops.rwkv7_key import rwkv7_key
 from ltm_jax.ops.rwkv7_out import rwkv7_out
 from ltm_jax.ops.wkv7 import empty_state as wkv7_empty_state
@@ -90,6 +92,11 @@ class TimeMix7(nn.Module):
 
   `first`: this is the first RWKV-7 layer of the stack, which produces v_first (the `v_first` argument is ignored);
   later layers need the first layer's v_first.
+
+  With `norm_kind` set, x is the residual stream and the call's `norm` = (scale, bias) are the parameters of the norm
+  before the layer (bias None for rmsnorm): the layer normalises x itself, with its token-shift mixes, as one op
+  (`ltm_jax.ops.norm_mix`), the same values as normalising before the call, and returns the stream as a fourth
+  output for the block's residual add (the same values; its gradient then joins the op's backward).
   """
   layer: int
   n_layers: int
@@ -104,9 +111,12 @@ class TimeMix7(nn.Module):
   key_impl: str = "auto"  # The key side's backend (ltm_jax.ops.rwkv7_key): key norm, delta-rule keys, bonus sums.
   dtype: str = "float32"
   fp8: bool = False  # Its projections multiply in FP8 (ltm_jax.ops.fp8); the model sets it from model.fp8.
+  norm_kind: str | None = None  # "layernorm" or "rmsnorm": x is the stream, normalised here (see above).
+  norm_eps: float = 1e-5
+  norm_impl: str = "auto"  # The ltm_jax.ops.norm_mix backend.
 
   @nn.compact
-  def __call__(self, x, state: TimeMix7State | None = None, v_first=None, valid=None):
+  def __call__(self, x, state: TimeMix7State | None = None, v_first=None, valid=None, norm=None):
     """`valid` [B, T] bool (None: all valid) marks left padding, which leaves the state as it was."""
     batch, length, d = x.shape
     n = self.head_size
@@ -136,11 +146,21 @@ class TimeMix7(nn.Module):
 
     # Token shift: x + (previous - x) * shift, a per-channel interpolation toward the previous token.
     last = state.last_x
-    x, shifted = shift_inputs(x.astype(self.dtype), last, valid)
-    delta = shifted - x
     powers = {"r": 0.2, "w": 0.9, "k": 0.7, "v": 0.7, "a": 0.9, "g": 0.2}
     shifts = {name: vector(f"shift_{name}", _shift_fraction(d, p * down), ("embed",)) for name, p in powers.items()}
-    mixed = {name: x + delta * shifts[name].astype(x.dtype) for name in "rkv"}
+    if self.norm_kind is not None and norm is None:
+      raise ValueError("TimeMix7: with norm_kind set, the call needs the norm's parameters (norm=(scale, bias))")
+    stream = x
+    if self.norm_kind is not None and valid is None:  # The norm and the r, k, v mixes as one op.
+      stream, x, mixes = norm_mix(x, last, *norm, jnp.stack([shifts[name] for name in "rkv"]), kind=self.norm_kind,
+                                  eps=self.norm_eps, dtype=self.dtype, impl=self.norm_impl)
+      mixed = dict(zip("rkv", mixes))
+    else:
+      if self.norm_kind is not None:
+        x = normalize(x, *norm, kind=self.norm_kind, eps=self.norm_eps, dtype=self.dtype)
+      x, shifted = shift_inputs(x.astype(self.dtype), last, valid)
+      delta = shifted - x
+      mixed = {name: x + delta * shifts[name].astype(x.dtype) for name in "rkv"}
 
     scale = 1 / math.sqrt(d)
     r = _projection(d, _centered_uniform(0.5 * scale, ("embed", "wkv")), self.dtype, "receptance", self.fp8)(
@@ -186,7 +206,8 @@ class TimeMix7(nn.Module):
     y = rwkv7_out(y, rk, v, gate, norm_scale, norm_bias, eps=GROUP_NORM_EPS, impl=self.out_impl)
     out = _projection(d, nn.with_logical_partitioning(nn.initializers.zeros, ("wkv", "embed")), self.dtype,
                       "output", self.fp8)(y)
-    return out, TimeMix7State(wkv_state, x[:, -1].astype(jnp.float32)), v_first
+    new_state = TimeMix7State(wkv_state, x[:, -1].astype(jnp.float32))
+    return (out, new_state, v_first) if self.norm_kind is None else (out, new_state, v_first, stream)
 
 
 def _shifted_loras(x, last, loras):

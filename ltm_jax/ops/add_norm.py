@@ -51,11 +51,10 @@ def _check(x, d, scale, bias, kind):
     raise ValueError(f"add_norm: x is {x.shape}; " + ", ".join(bad) + f" (want ({x.shape[-1]},))")
 
 
-def xla(x, d, scale, bias, *, kind, eps, dtype):
-  """The reference: the add, then flax's normalisation arithmetic (statistics as `_compute_stats`, the affine and the
-  final cast as `_normalize`)."""
-  x_new = x + d.astype(x.dtype)
-  xf = x_new.astype(jnp.promote_types(dtype, jnp.float32))
+def statistics(x, *, kind, eps, dtype):
+  """(mean, 1 / sqrt(var + eps)) [..., 1] float32 over the last axis in flax's arithmetic (`_compute_stats`; the
+  mean is zero for rmsnorm, var its mean square)."""
+  xf = x.astype(jnp.promote_types(dtype, jnp.float32))
   if kind == "layernorm":
     square = jax.lax.square(xf)  # Before the mean, as flax: the backward then sums x's cotangents in its order.
     mean, mean2 = xf.mean(-1), square.mean(-1)
@@ -63,12 +62,24 @@ def xla(x, d, scale, bias, *, kind, eps, dtype):
   else:
     var = jax.lax.square(xf).mean(-1)
     mean = jnp.zeros_like(var)
-  y = x_new - mean[..., None]
-  mul = jax.lax.rsqrt(var[..., None] + eps) * scale.reshape(1, 1, -1)
-  y = y * mul
+  return mean[..., None], jax.lax.rsqrt(var[..., None] + eps)
+
+
+def normalize(x, scale, bias, *, kind, eps, dtype, stats=None):
+  """norm(x) * scale (+ bias) over the last axis in flax's arithmetic (`statistics`, then the affine and the final
+  cast as `_normalize`): the values of `ltm_jax.layers.common.norm`'s module, in `dtype`. `stats`: `statistics(x)`
+  when the caller has them."""
+  mean, rstd = statistics(x, kind=kind, eps=eps, dtype=dtype) if stats is None else stats
+  y = (x - mean) * (rstd * scale.reshape(1, 1, -1))
   if kind == "layernorm":
     y = y + bias.reshape(1, 1, -1)
-  return x_new, jnp.asarray(y, dtype)
+  return jnp.asarray(y, dtype)
+
+
+def xla(x, d, scale, bias, *, kind, eps, dtype):
+  """The reference: the add, then flax's normalisation arithmetic (`normalize`)."""
+  x_new = x + d.astype(x.dtype)
+  return x_new, normalize(x_new, scale, bias, kind=kind, eps=eps, dtype=dtype)
 
 
 def pallas(x, d, scale, bias, *, kind, eps, dtype, interpret=None):

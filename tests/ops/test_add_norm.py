@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import assert_gradients_close, micro_config
+from conftest import assert_gradients_close, logits_and_gradients, micro_config, random_model_params
 from ltm_jax import model as lm
 from ltm_jax.layers.common import norm
 from ltm_jax.layers.add_norm import AddNorm
@@ -140,21 +140,10 @@ def test_rwkv7_model_with_the_kernels_matches_the_xla_form(monkeypatch):
   cfg = micro_config(layer_pattern="WWA", n_layers=3, rwkv7_head_size=8, norm="layernorm").model
   model = lm.LM(cfg)
   tokens = jnp.asarray(np.random.default_rng(11).integers(0, cfg.vocab_size, (2, 16)))
-  shapes = jax.eval_shape(model.init, jax.random.key(0), tokens)
-  rng = np.random.default_rng(12)
-  params = jax.tree.map(lambda x: jnp.asarray(rng.normal(0, 0.3, x.shape), x.dtype), nn.meta.unbox(shapes))
-
-  def run():
-    def loss(params):
-      logits = model.apply(params, tokens)
-      logits = logits[0] if isinstance(logits, tuple) else logits
-      return jnp.sum(jnp.sin(logits)), logits
-    (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
-    return logits, grads
-
-  logits_xla, grads_xla = run()
+  params = random_model_params(model, tokens, 12)
+  logits_xla, grads_xla = logits_and_gradients(model, tokens, params)
   monkeypatch.setattr(op, "AUTO", {"cpu": "pallas"})
-  logits_pallas, grads_pallas = run()
+  logits_pallas, grads_pallas = logits_and_gradients(model, tokens, params)
   _close(logits_pallas, np.asarray(logits_xla, np.float64), 1e-5, "logits")
   assert_gradients_close(grads_pallas, grads_xla, 1e-4)
 
