@@ -136,3 +136,28 @@ def test_shape_errors_and_unknown_impl_and_kind():
     call(x, last, s, b, shifts, kind="rmsnorm")
   with pytest.raises(ValueError, match="unknown impl"):
     call(x, last, s, b, shifts, kind="layernorm", impl="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU: the Triton kernel is compiled only for one")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_compiled_kernel_matches_float64_on_a_gpu(dtype):
+  """The Triton-compiled backward (impl='pallas' under jit on a GPU) at base_125m_rwkv7's width (six column chunks),
+  two programs of eight steps and a sequence ending inside a program: gradients against float64 within the GPU
+  tests' tolerances (tests/ops/test_gpu_kernels.py: 2e-3 in float32 for another summation order, 2^-5 in bfloat16)."""
+  b, t, c = 4, 64, 768
+  inputs = _inputs(21, b, t, c, dtype)
+  rng = np.random.default_rng(22)
+  cotangents = tuple(jnp.asarray(rng.normal(size=(b, t, c)), dtype) for _ in range(M + 2))
+  run = lambda *a: op.norm_mix(*a, kind="layernorm", eps=EPS, dtype=dtype, impl="pallas")
+  fn = lambda *a: _grads(run, a, (*cotangents[:2], cotangents[2:]))
+  assert "__gpu$xla.gpu.triton" in jax.jit(fn).lower(*inputs).as_text()
+  grads = jax.jit(fn)(*inputs)
+  with jax.enable_x64(True):
+    as64 = lambda v: jnp.asarray(np.asarray(v, np.float64))
+    ref = _grads(lambda *v: _reference(*v, "layernorm"), [as64(v) for v in inputs],
+                 (as64(cotangents[0]), as64(cotangents[1]), tuple(as64(v) for v in cotangents[2:])))
+  rtol = 2e-3 if dtype == jnp.float32 else 2.0**-5
+  for name, grad, want in zip(NAMES, grads, ref):
+    np.testing.assert_allclose(np.asarray(grad, np.float64), np.asarray(want), rtol=0,
+                               atol=rtol * np.abs(np.asarray(want)).max(), err_msg=f"d{name}")
