@@ -85,7 +85,7 @@ $(AOT_VENV)/.installed: pyproject.toml
 	  || { rm -rf $(AOT_VENV); echo "$(AOT_VENV) could not be built (see $(AOT_VENV).log): the GPU AOT test will skip"; }
 
 test: $(VENV)/.installed-dev $(AOT_VENV)/.installed
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --durations=60 -m "not long"
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --durations=60 -m "not long"
 
 test-long: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --durations=20 -m long

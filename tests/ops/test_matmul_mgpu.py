@@ -21,10 +21,6 @@ import pytest
 from conftest import ROOT, aot_worker_output, cpu_only_env
 from ffn_reference import reference as ffn_reference
 
-# One pytest-xdist worker takes this file's tests (`make test` runs --dist loadgroup): its Mosaic GPU worker runs once
-# per session, and any other xdist worker that needed it would wait idle for it.
-pytestmark = pytest.mark.xdist_group("matmul_mgpu")
-
 AOT_PYTHON = ROOT / ".venv-aot" / "bin" / "python"
 WORKER = ROOT / "tests" / "ops" / "matmul_mgpu_worker.py"
 # Relative to max |expected| of each output. The products accumulate bfloat16 inputs exactly in float32; the error is
@@ -224,7 +220,6 @@ import jax.numpy as jnp
 import gpu_aot
 from ltm_jax.ops import ffn
 from ltm_pallas import matmul_mgpu
-
 form, activation, which, m, d, n = *sys.argv[1:4], *map(int, sys.argv[4:])
 groups = ffn.ACTIVATIONS[activation]
 mesh = gpu_aot._h100_mesh()

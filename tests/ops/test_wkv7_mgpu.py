@@ -24,10 +24,6 @@ import pytest
 from conftest import ROOT, aot_worker_output, cpu_only_env
 from wkv7_reference import wkv7_reference
 
-# One pytest-xdist worker takes this file's tests (`make test` runs --dist loadgroup): its Mosaic GPU worker runs once
-# per session, and any other xdist worker that needed it would wait idle for it.
-pytestmark = pytest.mark.xdist_group("wkv7_mgpu")
-
 AOT_PYTHON = ROOT / ".venv-aot" / "bin" / "python"
 WORKER = ROOT / "tests" / "ops" / "wkv7_mgpu_worker.py"
 # Relative to max |expected| of each array. Every product takes bfloat16 operands (the decayed keys, the state, U, the
@@ -236,7 +232,6 @@ from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec
 import gpu_aot
 from ltm_jax.ops.wkv7 import pallas_mgpu
-
 topology = topologies.get_topology_desc(platform="cuda", target_config=gpu_aot.H100_TARGET_CONFIG, topology="1x1x1")
 mesh = topologies.make_mesh(topology, (1,), ("x",))
 placed = NamedSharding(mesh, PartitionSpec())
