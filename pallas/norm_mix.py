@@ -42,7 +42,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ltm_pallas import backend
-from ltm_pallas.add_norm import KINDS, padded  # noqa: F401  (KINDS: the op checks kinds)
+from ltm_pallas.add_norm import KINDS, _masked_memory, padded  # noqa: F401  (KINDS: the op checks kinds)
 
 STEP_ROWS = 16  # L: the shift is a tensor-core product, whose dimensions are at least 16.
 MAX_STEPS = 8  # Steps a program takes in turn, carrying its partial sums: [R / 128, C] partials at most.
@@ -131,10 +131,11 @@ def _backward_kernel(x_ref, mean_ref, rstd_ref, s_ref, b_ref, dres_ref, dxn_ref,
       xhat = (chunk.load(x_ref, rows).astype(jnp.float32) - mean) * rstd
       if chunk.mask is not None:
         xhat = jnp.where(chunk.mask[None, :], xhat, 0.0)
-      xn = xhat * s
-      if kind == "layernorm":
-        xn = xn + chunk.load(b_ref)[None, :]
-      xn = xn.astype(xn_dtype).astype(jnp.float32)  # The forward's rounded xn, which the mixes read.
+      if with_sums:  # Only the shift fractions' sums read xn; the second pass does not rebuild it.
+        xn = xhat * s
+        if kind == "layernorm":
+          xn = xn + chunk.load(b_ref)[None, :]
+        xn = xn.astype(xn_dtype).astype(jnp.float32)  # The forward's rounded xn, which the mixes read.
       g = chunk.load(dxn_ref, rows).astype(jnp.float32)
       for j in range(mixes):
         d = chunk.load(dm_refs[j], rows)
@@ -170,12 +171,6 @@ def _backward_kernel(x_ref, mean_ref, rstd_ref, s_ref, b_ref, dres_ref, dxn_ref,
     return carry
 
   lax.fori_loop(0, steps, step, 0)
-
-
-def _masked_memory():
-  """The Triton lowering's masked load and store, imported only when a kernel with masked columns is traced."""
-  from jax.experimental.pallas import triton as pl_triton  # pylint: disable=g-import-not-at-top
-  return pl_triton
 
 
 def backward(x, mean, rstd, scale, bias, mu, dres, dxn, dms, *, kind, length, xn_dtype, interpret=None):
