@@ -214,17 +214,18 @@ def _add_norm(rows: int, channels: int, stream, dtype, kind: str = "rmsnorm") ->
   return build
 
 
-def _norm_mix(batch: int, length: int, channels: int, dtype) -> Builder:
-  """The norm and three token-shift mixes of a time mix, fwd+bwd through the op with the kernel backward
-  (`ltm_jax.ops.norm_mix`, impl='pallas'): a layernorm over the stream in `dtype`."""
+def _norm_mix(batch: int, length: int, channels: int, dtype, *, mixes: int = 3, xn_rows: str = "all") -> Builder:
+  """The norm and token-shift mixes of a token-shift layer, fwd+bwd through the op with the kernel backward
+  (`ltm_jax.ops.norm_mix`, impl='pallas'): a layernorm over the stream in `dtype`; the time mix's three mixes and
+  every row of xn, or the channel mix's one mix and xn's last rows."""
 
   def build(abstract: Abstract, block_sizes=None):
     del block_sizes
     vector = abstract((channels,), jnp.float32)
     fn = lambda x, last, s, b, shifts: norm_mix.norm_mix(x, last, s, b, shifts, kind="layernorm", eps=1e-5,
-                                                         dtype=jnp.dtype(dtype), impl="pallas")
+                                                         dtype=jnp.dtype(dtype), impl="pallas", xn_rows=xn_rows)
     args = (abstract((batch, length, channels), dtype), abstract((batch, channels), jnp.float32), vector, vector,
-            abstract((3, channels), jnp.float32))
+            abstract((mixes, channels), jnp.float32))
     return _vjp_program(fn, args, abstract, 5)
 
   return build
@@ -346,6 +347,10 @@ def _kernel_cases() -> list[Case]:
     dtype_name = jnp.dtype(dtype).name
     cases.append(Case(name, f"norm_mix fwd+bwd {dtype_name} B{shape[0]} T{shape[1]} C{shape[2]} layernorm",
                       NORM_MIX_KERNELS, _norm_mix(*shape, dtype), dtype=dtype_name))
+  # The channel mix's: one mix, no gradient of xn but its last rows (base_125m_rwkv7's width).
+  cases.append(Case("norm_mix_c768_m1_bf16",
+                    "norm_mix fwd+bwd bfloat16 B32 T2048 C768 layernorm, one mix, xn's last rows",
+                    NORM_MIX_KERNELS, _norm_mix(32, 2048, 768, bf16, mixes=1, xn_rows="last"), dtype="bfloat16"))
   # Flash attention. Head dim 64: base_125m (B64 T2048, 12 query heads on 4 key/value heads) and small_rwkv7 /
   # small (B32 T1024, 8 heads, window 512); head dim 32: tiny (float32). Head dims 128 and 256: B * T = 16k tokens and
   # Hq * D = 2048 (the benchmark's GPU shapes), GQA 4:1 unless said.

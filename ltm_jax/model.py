@@ -151,7 +151,8 @@ class Block(nn.Module):
     if mixer_entry.normalizes_input:  # The stream as the mixer returns it: the residual's gradient joins its op's.
       x = stream[0]
     # Each sub-layer's residual add and the next one's norm as one op (one kernel each way on GPU; on CPU flax's
-    # arithmetic, the values of the add followed by the norm module, whose parameters it keeps).
+    # arithmetic, the values of the add followed by the norm module, whose parameters it keeps), unless the next
+    # sub-layer normalises its input itself.
     if self.latent is not None:
       cross = self._sublayer(CrossAttention, "cross_attention")(
           n_heads=cfg.n_heads, head_dim=cfg.head_dim, std=std, out_std=out_std,
@@ -159,8 +160,12 @@ class Block(nn.Module):
           impl=cfg.attention_impl, dtype=cfg.dtype, fp8=cfg.fp8, name="cross_attention")
       x, h = AddNorm(cfg.norm, cfg.norm_eps, cfg.dtype, name="cross_norm")(x, h)
       h = cross(h, z, positions)
-    x, h = AddNorm(cfg.norm, cfg.norm_eps, cfg.dtype, token_shifted=ffn_entry.token_shift, name="ffn_norm")(x, h)
-    h, ffn_state = ffn(h, ffn_state, valid)
+    if ffn_entry.normalizes_input:  # As the mixer's: the FFN normalises the stream and hands it back.
+      x = x + h.astype(x.dtype)
+      h, ffn_state, x = ffn(x, ffn_state, valid, norm=NormParameters(cfg.norm, name="ffn_norm")(x.shape[-1]))
+    else:
+      x, h = AddNorm(cfg.norm, cfg.norm_eps, cfg.dtype, token_shifted=ffn_entry.token_shift, name="ffn_norm")(x, h)
+      h, ffn_state = ffn(h, ffn_state, valid)
     return x + h.astype(x.dtype), BlockState(mixer_state, ffn_state), v_first
 
 

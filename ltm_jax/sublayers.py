@@ -43,6 +43,9 @@ class Ffn(NamedTuple):
   build: Build
   empty_state: EmptyState
   token_shift: bool = False  # Its input is token-shifted (each position also reads the previous one's).
+  # As Mixer's: takes the residual stream (after the previous sub-layer's add) and the norm's parameters, normalises
+  # the stream itself and returns it last, for the residual add.
+  normalizes_input: bool = False
 
 
 def _attention_args(s: Site) -> dict[str, Any]:
@@ -121,7 +124,8 @@ def _channel_mix(s: Site):
 
 def _channel_mix7(s: Site):
   return ChannelMix7, dict(layer=s.layer, n_layers=s.cfg.n_layers, hidden=s.cfg.ffn_dim("channel_mix7"),
-                           dtype=s.cfg.dtype, fp8=s.cfg.fp8, impl=s.cfg.ffn_impl)
+                           dtype=s.cfg.dtype, fp8=s.cfg.fp8, impl=s.cfg.ffn_impl, norm_kind=s.cfg.norm,
+                           norm_eps=s.cfg.norm_eps)
 
 
 def _swiglu(s: Site):
@@ -136,5 +140,5 @@ def _token_shift(cfg: ModelConfig, batch: int, capacity: int) -> ChannelMixState
 FFN_KINDS: dict[str, Ffn] = {
     "swiglu": Ffn(_swiglu, lambda cfg, batch, capacity: None),
     "channel_mix": Ffn(_channel_mix, _token_shift, token_shift=True),
-    "channel_mix7": Ffn(_channel_mix7, _token_shift, token_shift=True),
+    "channel_mix7": Ffn(_channel_mix7, _token_shift, token_shift=True, normalizes_input=True),
 }

@@ -8,8 +8,8 @@ scale and bias and mu [M, C] the mixes' shift fractions:
   p_t = xn_{t-1}                            (the carried last token at a sequence's first token)
   m_{j,t} = xn_t + (p_t - xn_t) mu_j        j < M
 
-The kernel takes the cotangents dxn and dm_j (and dres, x's gradient from its other uses: the residual) and, for
-every row, sums the gradient that reaches xn_t:
+The kernel takes the cotangents dm_j, dxn where xn has uses of its own besides the mixes, and dres (x's gradient
+from its other uses: the residual) and, for every row, sums the gradient that reaches xn_t:
 
   g_t = dxn_t + sum_j (1 - mu_j) dm_{j,t} + [t + 1 in the sequence] sum_j mu_j dm_{j,t+1}
 
@@ -25,7 +25,8 @@ of the next step, or past the program's rows a one-row block of the next program
 
 Bytes per element of [R, C] with a bfloat16 stream and cotangents and M = 3: 12 read (x, dres, dxn, dm_0..2) and 2
 written (dx), against 44 for XLA's derivative of the same (the norm's backward reading the mixes' gradients twice,
-the shift fractions' sums reading them again, the token shift's and the residual's adds).
+the shift fractions' sums reading them again, the token shift's and the residual's adds). With M = 1 and no dxn (the
+RWKV-7 channel mix): 6 read and 2 written.
 
 Lowering: Triton on GPU, `interpret=True` on CPU. A step takes its columns in chunks of up to CHUNK_COLUMNS, twice
 (the norm's row sums need the whole row before dx), the last chunk masked past C; R must be a multiple of L
@@ -97,12 +98,13 @@ class _Chunk:
       _masked_memory().store(view, value, mask=self._mask(view.shape))
 
 
-def _backward_kernel(x_ref, mean_ref, rstd_ref, s_ref, b_ref, dres_ref, dxn_ref, *refs, c, kind, length, steps,
-                     mixes, xn_dtype):
+def _backward_kernel(x_ref, mean_ref, rstd_ref, s_ref, b_ref, dres_ref, *refs, c, kind, length, steps, mixes,
+                     xn_dtype, with_dxn):
   """One program: `steps` steps of STEP_ROWS rows, each in two passes over its column chunks (the row sums of the
-  norm's backward, then dx from them). refs (M of each, one ref per mix: Triton blocks are powers of two): mu_j [W],
-  dm_j [P, W], dm_j's row after the program's [1, W]; then the outputs dx [P, W] and the partial sums ds, db and
-  dmu_j [W], accumulated in place step by step."""
+  norm's backward, then dx from them). refs: dxn [P, W] when `with_dxn`; then (M of each, one ref per mix: Triton
+  blocks are powers of two) mu_j [W], dm_j [P, W], dm_j's row after the program's [1, W]; then the outputs dx [P, W]
+  and the partial sums ds, db and dmu_j [W], accumulated in place step by step."""
+  dxn_ref, refs = (refs[0], refs[1:]) if with_dxn else (None, refs)
   mu_refs, dm_refs, next_refs = refs[:mixes], refs[mixes:2 * mixes], refs[2 * mixes:3 * mixes]
   dx_ref, ds_ref, db_ref, *dmu_refs = refs[3 * mixes:]
   sums_refs = (ds_ref, db_ref, *dmu_refs)
@@ -136,7 +138,8 @@ def _backward_kernel(x_ref, mean_ref, rstd_ref, s_ref, b_ref, dres_ref, dxn_ref,
         if kind == "layernorm":
           xn = xn + chunk.load(b_ref)[None, :]
         xn = xn.astype(xn_dtype).astype(jnp.float32)  # The forward's rounded xn, which the mixes read.
-      g = chunk.load(dxn_ref, rows).astype(jnp.float32)
+      g = jnp.zeros((STEP_ROWS, width), jnp.float32) if dxn_ref is None else chunk.load(dxn_ref, rows).astype(
+          jnp.float32)
       for j in range(mixes):
         d = chunk.load(dm_refs[j], rows)
         after = jnp.where(i < steps - 1, chunk.load(dm_refs[j], next_row), chunk.load(next_refs[j], pl.ds(0, 1)))
@@ -177,7 +180,8 @@ def backward(x, mean, rstd, scale, bias, mu, dres, dxn, dms, *, kind, length, xn
   """(dx [R, C] in x's dtype, ds [C], db [C], dmu [M, C]) float32 sums, without the sequences' first tokens' terms
   through the carried token (module docstring).
 
-  x, dres, dxn: [R, C] (dres: x's gradient from elsewhere, which dx includes); mean, rstd: [R] float32, the
+  x, dres, dxn: [R, C] (dres: x's gradient from elsewhere, which dx includes; dxn None: xn has no other use, and
+  no [R, C] array of zeros is read); mean, rstd: [R] float32, the
   forward's statistics of x's rows (mean zero for rmsnorm); scale, bias: [C] float32 (bias unread for rmsnorm); mu:
   [M, C] float32, the shift fractions as the forward used them; dms: M cotangents [R, C] of the mixes; length: T,
   the tokens of a sequence; xn_dtype: the dtype the forward rounded xn to.
@@ -196,12 +200,12 @@ def backward(x, mean, rstd, scale, bias, mu, dres, dxn, dms, *, kind, length, xn
   sums = jax.ShapeDtypeStruct((programs, c), jnp.float32)
   dx, ds, db, *dmu = backend.call(
       functools.partial(_backward_kernel, c=c, kind=kind, length=length, steps=steps, mixes=mixes,
-                        xn_dtype=jnp.dtype(xn_dtype)),
+                        xn_dtype=jnp.dtype(xn_dtype), with_dxn=dxn is not None),
       out_shape=(jax.ShapeDtypeStruct((rows, c), x.dtype), *(sums,) * (2 + mixes)),
       grid=(programs,),
-      in_specs=[tile, per_row, per_row, vector, vector, tile, tile, *(vector,) * mixes, *(tile,) * mixes,
-                *(after,) * mixes],
+      in_specs=[tile, per_row, per_row, vector, vector, tile, *(tile,) * (dxn is not None), *(vector,) * mixes,
+                *(tile,) * mixes, *(after,) * mixes],
       out_specs=(tile, *(partial,) * (2 + mixes)),
       num_warps=NUM_WARPS, interpret=interpret, name="norm_mix_backward",
-  )(x, mean, rstd, scale, bias, dres, dxn, *mu, *dms, *dms)
+  )(x, mean, rstd, scale, bias, dres, *(() if dxn is None else (dxn,)), *mu, *dms, *dms)
   return dx, jnp.sum(ds, axis=0), jnp.sum(db, axis=0), jnp.stack([jnp.sum(t, axis=0) for t in dmu])

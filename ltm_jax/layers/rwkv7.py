@@ -27,7 +27,6 @@ from ltm_jax.layers.common import (
   plain_kernels,
   projection_dot_general,
   shift_inputs,
-  start_token_shift,
   token_shift,
 )
 from ltm_jax.layers.rwkv4 import ChannelMixState
@@ -235,29 +234,49 @@ def _shifted_loras(x, last, loras):
 class ChannelMix7(nn.Module):
   """RWKV-7 FFN: W_v relu(W_k x_k)^2 with a token-shifted input (no receptance gate); x, y: [B, T, d_model]. Where
   both kernels are plain arrays (not FP8, not stored quantised) the two products and the activation are one
-  `ltm_jax.ops.ffn` op."""
+  `ltm_jax.ops.ffn` op.
+
+  With `norm_kind` set, x is the residual stream and the call's `norm` = (scale, bias) the parameters of the norm
+  before the layer (bias None for rmsnorm): the layer normalises x with its token shift as one op
+  (`ltm_jax.ops.norm_mix`, which keeps only the carried token of the normalised input), the same values as
+  normalising before the call, and returns the stream as a third output for the block's residual add."""
   layer: int
   n_layers: int
   hidden: int
   dtype: str = "float32"
   fp8: bool = False  # Its projections multiply in FP8 (ltm_jax.ops.fp8); the model sets it from model.fp8.
   impl: str = "auto"  # The ltm_jax.ops.ffn backend.
+  norm_kind: str | None = None  # "layernorm" or "rmsnorm": x is the stream, normalised here (see above).
+  norm_eps: float = 1e-5
+  norm_impl: str = "auto"  # The ltm_jax.ops.norm_mix backend.
 
   @nn.compact
-  def __call__(self, x, state: ChannelMixState | None = None, valid=None):
-    d = x.shape[-1]
-    state, x, shifted = start_token_shift(x.astype(self.dtype), state, ChannelMixState.empty, valid)
+  def __call__(self, x, state: ChannelMixState | None = None, valid=None, norm=None):
+    batch, _, d = x.shape
+    if self.norm_kind is not None and norm is None:
+      raise ValueError("ChannelMix7: with norm_kind set, the call needs the norm's parameters (norm=(scale, bias))")
     _, down = depth_ratios(self.layer, self.n_layers)
     shift = self.param("shift_k", _constant_init(_shift_fraction(d, down ** 4).astype(np.float32), ("embed",)), (d,))
-    xk = x + (shifted - x) * shift.astype(x.dtype)
-    new_state = ChannelMixState(x[:, -1].astype(jnp.float32))
+    state = ChannelMixState.empty(batch, d) if state is None else state
+    stream = x
+    if self.norm_kind is not None and valid is None:  # The norm and the token shift as one op.
+      stream, carried, (xk,) = norm_mix(x, state.last_x, *norm, shift[None], kind=self.norm_kind, eps=self.norm_eps,
+                                        dtype=self.dtype, impl=self.norm_impl, xn_rows="last")
+    else:
+      if self.norm_kind is not None:
+        x = normalize(x, *norm, kind=self.norm_kind, eps=self.norm_eps, dtype=self.dtype)
+      x, shifted = shift_inputs(x.astype(self.dtype), state.last_x, valid)
+      xk, carried = x + (shifted - x) * shift.astype(x.dtype), x[:, -1]
+    new_state = ChannelMixState(carried.astype(jnp.float32))
     kernels = plain_kernels(self, ("key", "value"), self.fp8)
     if kernels is not None:  # One ltm_jax.ops.ffn op (backend `impl`).
       key, value = (k.astype(self.dtype) for k in kernels)
-      return ffn(xk, key[:, None], value, activation="relu2", impl=self.impl), new_state
-    key = _projection(self.hidden, _centered_uniform(0.5 / math.sqrt(d), ("embed", "mlp")), self.dtype, "key",
-                      self.fp8)
-    hidden = jnp.square(nn.relu(key(xk)))
-    value = _projection(d, nn.with_logical_partitioning(nn.initializers.zeros, ("mlp", "embed")), self.dtype,
-                        "value", self.fp8)
-    return value(hidden), new_state
+      out = ffn(xk, key[:, None], value, activation="relu2", impl=self.impl)
+    else:
+      key = _projection(self.hidden, _centered_uniform(0.5 / math.sqrt(d), ("embed", "mlp")), self.dtype, "key",
+                        self.fp8)
+      hidden = jnp.square(nn.relu(key(xk)))
+      value = _projection(d, nn.with_logical_partitioning(nn.initializers.zeros, ("mlp", "embed")), self.dtype,
+                          "value", self.fp8)
+      out = value(hidden)
+    return (out, new_state) if self.norm_kind is None else (out, new_state, stream)

@@ -5,7 +5,8 @@
 
 with norm a LayerNorm or RMSNorm over the last axis in flax's arithmetic (`add_norm.normalize`), and xn, prev and the
 mixes in `dtype`, as the layer computes them. The op also returns x unchanged, for the caller's residual add: x's
-gradient from there then joins the op's backward instead of being added after it.
+gradient from there then joins the op's backward instead of being added after it. A caller that reads xn only for
+the token it carries to its next call (the RWKV-7 channel mix) asks for that row alone (`xn_rows="last"`).
 
 Backends (the first is the reference):
   xla:    the formula as JAX operations; XLA differentiates it. Its backward reads every mix's gradient three times
@@ -23,6 +24,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.custom_derivatives import SymbolicZero
 
 from ltm_jax.ops import backend, sharding
 from ltm_jax.ops.add_norm import normalize, statistics
@@ -31,6 +34,7 @@ from ltm_pallas.backend import first_order_only
 
 AVAILABLE = ("xla", "pallas")
 KINDS = kernel.KINDS
+XN_ROWS = ("all", "last")  # What the op returns of xn: every row, or each sequence's last (the carried token).
 
 # cpu: xla (the kernel only runs interpreted there, to be checked). gpu: pallas, by the deviceless step budget
 # (benchmarks/step_budget.py on sm_90a, docs/kernels.md).
@@ -56,75 +60,100 @@ def _check(x, last, scale, bias, shifts, kind):
     raise ValueError(f"norm_mix: x is {x.shape}; " + ", ".join(bad))
 
 
-def _forward(x, last, scale, bias, shifts, *, kind, eps, dtype):
-  """((x, xn, mixes), the norm's statistics (mean, rstd) [B, T, 1] float32)."""
+def _forward(x, last, scale, bias, shifts, *, kind, eps, dtype, xn_rows):
+  """((x, xn or its last rows, mixes), the norm's statistics (mean, rstd) [B, T, 1] float32)."""
   stats = statistics(x, kind=kind, eps=eps, dtype=dtype)
   xn = normalize(x, scale, bias, kind=kind, eps=eps, dtype=dtype, stats=stats)
   delta = jnp.concatenate([last[:, None].astype(xn.dtype), xn[:, :-1]], axis=1) - xn
-  return (x, xn, tuple(xn + delta * shift.astype(xn.dtype) for shift in shifts)), stats
+  mixes = tuple(xn + delta * shift.astype(xn.dtype) for shift in shifts)
+  return (x, xn if xn_rows == "all" else xn[:, -1], mixes), stats
 
 
-def xla(x, last, scale, bias, shifts, *, kind, eps, dtype):
+def xla(x, last, scale, bias, shifts, *, kind, eps, dtype, xn_rows="all"):
   """The reference: the norm, then the token shift and the mixes in `dtype`, as the layers compute them."""
-  return _forward(x, last, scale, bias, shifts, kind=kind, eps=eps, dtype=dtype)[0]
+  return _forward(x, last, scale, bias, shifts, kind=kind, eps=eps, dtype=dtype, xn_rows=xn_rows)[0]
 
 
-def xla_backward(x, last, scale, bias, shifts, stats, dres, dxn, dmixes, *, kind, eps, dtype):
-  """The gradients of (x, last, scale, bias, shifts) given the cotangents of the outputs (x, xn, the mixes): XLA's
-  derivative of the reference (`stats`, the forward's statistics, unused)."""
+def xla_backward(x, last, scale, bias, shifts, stats, dres, dxn, dmixes, *, kind, eps, dtype, xn_rows="all"):
+  """The gradients of (x, last, scale, bias, shifts) given the cotangents of the outputs (x, xn or its last rows,
+  the mixes; dxn None: xn's are zero): XLA's derivative of the reference (`stats`, the forward's statistics,
+  unused)."""
   del stats
-  _, vjp = jax.vjp(functools.partial(xla, kind=kind, eps=eps, dtype=dtype), x, last, scale, bias, shifts)
-  return vjp((dres, dxn, tuple(dmixes)))
+  fn = functools.partial(xla, kind=kind, eps=eps, dtype=dtype, xn_rows=xn_rows)
+  outputs, vjp = jax.vjp(fn, x, last, scale, bias, shifts)
+  return vjp((dres, jnp.zeros_like(outputs[1]) if dxn is None else dxn, tuple(dmixes)))
 
 
-def pallas_backward(x, last, scale, bias, shifts, stats, dres, dxn, dmixes, *, kind, eps, dtype, interpret=None):
+def pallas_backward(x, last, scale, bias, shifts, stats, dres, dxn, dmixes, *, kind, eps, dtype, xn_rows="all",
+                    interpret=None):
   """`xla_backward`'s gradients from the kernel (`ltm_pallas.norm_mix`), plus the sequences' first tokens' terms
-  through the carried token; `xla_backward` where the kernel does not take the rows."""
+  through the carried token (and with xn_rows "last" and dxn given, the last tokens' through xn); `xla_backward`
+  where the kernel does not take the rows."""
   batch, length, c = x.shape
   rows = batch * length
   if not kernel.supported(rows):
-    return xla_backward(x, last, scale, bias, shifts, stats, dres, dxn, dmixes, kind=kind, eps=eps, dtype=dtype)
+    return xla_backward(x, last, scale, bias, shifts, stats, dres, dxn, dmixes, kind=kind, eps=eps, dtype=dtype,
+                        xn_rows=xn_rows)
   xn_dtype = jnp.dtype(dtype)
   mu = shifts.astype(xn_dtype).astype(jnp.float32)  # The fractions as the forward's mixes used them.
   mean, rstd = (t.astype(jnp.float32).reshape(rows) for t in stats)
   dx, ds, db, dmu = kernel.backward(x.reshape(rows, c), mean, rstd, scale.astype(jnp.float32),
                                     bias.astype(jnp.float32), mu, dres.astype(x.dtype).reshape(rows, c),
-                                    dxn.reshape(rows, c),
+                                    dxn.reshape(rows, c) if xn_rows == "all" and dxn is not None else None,
                                     [d.reshape(rows, c) for d in dmixes], kind=kind, length=length,
                                     xn_dtype=xn_dtype, interpret=interpret)
+  dx = dx.reshape(x.shape)
   # Each sequence's first token reads the carried one: its share of the mixes' gradients goes there, and into dmu.
   firsts = jnp.stack([d[:, 0] for d in dmixes]).astype(jnp.float32)  # [M, B, C]
   carried = last.astype(xn_dtype).astype(jnp.float32)
   dlast = jnp.sum(firsts * mu[:, None], axis=0)
   dmu = dmu + jnp.sum(firsts * carried[None], axis=1)
-  return (dx.reshape(x.shape), dlast.astype(last.dtype), ds.astype(scale.dtype), db.astype(bias.dtype),
-          dmu.astype(shifts.dtype))
+  if xn_rows == "last" and dxn is not None:  # The last tokens' xn gradients: their norm's backward on B rows.
+    norm = functools.partial(normalize, kind=kind, eps=eps, dtype=dtype)
+    _, vjp = jax.vjp(norm, x[:, -1:].astype(jnp.float32), scale.astype(jnp.float32), bias.astype(jnp.float32))
+    dx_end, ds_end, db_end = vjp(dxn[:, None].astype(xn_dtype))
+    dx = lax.dynamic_update_slice_in_dim(dx, (dx[:, -1:].astype(jnp.float32) + dx_end).astype(dx.dtype),
+                                         length - 1, axis=1)
+    ds, db = ds + ds_end, db + db_end
+  return (dx, dlast.astype(last.dtype), ds.astype(scale.dtype), db.astype(bias.dtype), dmu.astype(shifts.dtype))
 
 
 _BACKWARDS = {"xla": xla_backward, "pallas": pallas_backward}
 
 
-def _with_backward(backward, kind, eps, dtype):
-  """The reference forward with `backward` as its derivative (first order only)."""
+def _with_backward(backward, **static):
+  """The reference forward with `backward` as its derivative (first order only); `static`: kind, eps, dtype and
+  xn_rows. An xn no gradient reaches (a symbolic zero: the channel mix's carried token in training) reaches the
+  backward as None, so that no array of zeros is made or read."""
 
   @jax.custom_vjp
   def run(x, last, scale, bias, shifts):
-    return xla(x, last, scale, bias, shifts, kind=kind, eps=eps, dtype=dtype)
+    return xla(x, last, scale, bias, shifts, **static)
 
-  def forward(*args):
-    args = first_order_only(_SECOND_ORDER, *args)
-    outputs, stats = _forward(*args, kind=kind, eps=eps, dtype=dtype)
+  def forward(*primals):
+    args = first_order_only(_SECOND_ORDER, *(p.value for p in primals))
+    outputs, stats = _forward(*args, **static)
     return outputs, (*args, stats)  # The statistics as the forward computed them (also what XLA's fusion wants).
 
   def derivative(residuals, cotangents):
-    residuals, (dres, dxn, dmixes) = first_order_only(_SECOND_ORDER, residuals, cotangents)
-    return tuple(backward(*residuals, dres, dxn, tuple(dmixes), kind=kind, eps=eps, dtype=dtype))
+    dres, dxn, dmixes = jax.tree.map(_instantiate, cotangents, is_leaf=_is_zero)
+    dxn = None if _is_zero(cotangents[1]) else dxn
+    residuals, (dres, dxn, dmixes) = first_order_only(_SECOND_ORDER, residuals, (dres, dxn, dmixes))
+    return tuple(backward(*residuals, dres, dxn, tuple(dmixes), **static))
 
-  run.defvjp(forward, derivative)
+  run.defvjp(forward, derivative, symbolic_zeros=True)
   return run
 
 
-def norm_mix(x, last, scale, bias, shifts, *, kind: str, eps: float, dtype, impl: str = "auto"):
+def _is_zero(t) -> bool:
+  return isinstance(t, SymbolicZero)
+
+
+def _instantiate(t):
+  return jnp.zeros(t.shape, t.dtype) if _is_zero(t) else t
+
+
+def norm_mix(x, last, scale, bias, shifts, *, kind: str, eps: float, dtype, impl: str = "auto", xn_rows: str = "all"):
   """(x, xn, mixes): the stream itself, then xn and the mixes of the module docstring. A caller that also adds x to
   the residual takes the x returned here: its gradient then joins this op's backward (one pass, not an add after).
 
@@ -136,10 +165,14 @@ def norm_mix(x, last, scale, bias, shifts, *, kind: str, eps: float, dtype, impl
     kind: "layernorm" or "rmsnorm"; eps: added to the variance (mean square for rmsnorm).
     dtype: the dtype of xn and the mixes.
     impl: "auto" (see AUTO; one token, T = 1, takes the reference) or one of AVAILABLE.
+    xn_rows: "all" returns xn [B, T, C]; "last" only xn[:, -1] [B, C], the token a token-shift layer carries to its
+      next call, for a caller that reads no other row of xn (the backward then reads no [B, T, C] gradient of xn).
 
   Returns:
-    x unchanged; xn [B, T, C] and a tuple of M mixes [B, T, C], in `dtype`.
+    x unchanged; xn [B, T, C] (or [B, C]) and a tuple of M mixes [B, T, C], in `dtype`.
   """
+  if xn_rows not in XN_ROWS:
+    raise ValueError(f"norm_mix: xn_rows must be one of {XN_ROWS}; got {xn_rows!r}")
   if (bias is None) != (kind == "rmsnorm"):
     raise ValueError(f"norm_mix: {kind} takes {'no bias' if kind == 'rmsnorm' else 'a bias'}")
   if bias is None:
@@ -149,12 +182,10 @@ def norm_mix(x, last, scale, bias, shifts, *, kind: str, eps: float, dtype, impl
   # neighbours); only the backward is chosen per platform.
   backward = backend.select("norm_mix", impl, _BACKWARDS, AUTO, length=x.shape[1],
                             without_kernels=AUTO_WITHOUT_KERNELS)
-  if backward is xla_backward:
-    fn = functools.partial(xla, kind=kind, eps=eps, dtype=dtype)
-  else:
-    fn = _with_backward(backward, kind, eps, dtype)
+  static = dict(kind=kind, eps=eps, dtype=dtype, xn_rows=xn_rows)
+  fn = functools.partial(xla, **static) if backward is xla_backward else _with_backward(backward, **static)
   # Sequences are independent but each row needs all of its channels: only the batch is split over the mesh.
-  seq, vec = ("batch", None, None), (None,)
+  seq, row, vec = ("batch", None, None), ("batch", None), (None,)
   mixes = tuple(seq for _ in range(shifts.shape[0]))
-  return sharding.per_shard(fn, (x, last, scale, bias, shifts), in_axes=(seq, ("batch", None), vec, vec, (None, None)),
-                            out_axes=(seq, seq, mixes), sizes={"batch": x.shape[0]})
+  return sharding.per_shard(fn, (x, last, scale, bias, shifts), in_axes=(seq, row, vec, vec, (None, None)),
+                            out_axes=(seq, seq if xn_rows == "all" else row, mixes), sizes={"batch": x.shape[0]})

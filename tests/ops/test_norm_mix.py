@@ -1,8 +1,9 @@
 """A token-shift sub-layer's input stage, the norm and its token-shift mixes (`ltm_jax.ops.norm_mix`, which also
 passes the stream through for the residual): the gradients of both backends against a float64 statement of the
 formula written here, the Pallas backward
-(`ltm_pallas.norm_mix`, interpreted on CPU) included; and the RWKV-7 model that normalises inside its time mix
-against the same model normalising before it, value for value."""
+(`ltm_pallas.norm_mix`, interpreted on CPU) included, with every row of xn or only the last (the channel mix's
+carried token); and the RWKV-7 model that normalises inside its time and channel mixes against the same model
+normalising before them, value for value."""
 
 from __future__ import annotations
 
@@ -41,14 +42,14 @@ def _inputs(seed, b, t, c, dtype):
   return tuple(jnp.asarray(v, dt) for v, dt in zip(values, (dtype,) + (jnp.float32,) * 4))
 
 
-def _reference(x, last, scale, bias, shifts, kind):
+def _reference(x, last, scale, bias, shifts, kind, xn_rows="all"):
   """The formula in float64 jax.numpy."""
   xc = x - jnp.mean(x, axis=-1, keepdims=True) if kind == "layernorm" else x
   xn = xc / jnp.sqrt(jnp.mean(xc * xc, axis=-1, keepdims=True) + EPS) * scale
   if kind == "layernorm":
     xn = xn + bias
   prev = jnp.concatenate([last[:, None], xn[:, :-1]], axis=1)
-  return x, xn, tuple(xn + (prev - xn) * s for s in shifts)
+  return x, xn if xn_rows == "all" else xn[:, -1], tuple(xn + (prev - xn) * s for s in shifts)
 
 
 def _grads(fn, inputs, cotangents):
@@ -86,26 +87,57 @@ def test_gradients_match_float64(impl, layout, kind, dtype):
                                err_msg=f"d{name}")
 
 
+@pytest.mark.parametrize("impl", op.AVAILABLE)
+@pytest.mark.parametrize("kind", op.KINDS)
+def test_last_row_only_gradients_match_float64(impl, kind):
+  """xn_rows='last' with one mix, as the channel mix calls it: the last tokens' xn gradient (random here; zero in
+  training, where the carried state is not differentiated) reaches their rows, the scale and the bias. float32,
+  three programs of one step with a sequence ending inside the second (the last rows are 23 and 47). Tolerance 3e-5
+  of the largest value: these inputs hold a row whose mean is ~10 times its spread, where flax's variance
+  (E[x^2] - E[x]^2, which both backends' statistics follow) loses digits; measured 1.1e-5 there, in both backends,
+  and 8e-8 in the last rows."""
+  b, t, c = LAYOUTS["2x24x48"]
+  inputs = _inputs(30 + op.KINDS.index(kind), b, t, c, jnp.float32)
+  inputs = (*inputs[:4], inputs[4][:1])
+  rng = np.random.default_rng(31)
+  cot = (jnp.asarray(rng.normal(size=(b, t, c)), jnp.float32), jnp.asarray(rng.normal(size=(b, c)), jnp.float32),
+         (jnp.asarray(rng.normal(size=(b, t, c)), jnp.float32),))
+  run = lambda x, last, s, bias, shifts: op.norm_mix(x, last, s, bias if kind == "layernorm" else None, shifts,
+                                                     kind=kind, eps=EPS, dtype=jnp.float32, impl=impl, xn_rows="last")
+  assert run(*inputs)[1].shape == (b, c)
+  grads = jax.jit(lambda *a: _grads(run, a, cot))(*inputs)
+  with jax.enable_x64(True):
+    as64 = lambda v: jnp.asarray(np.asarray(v, np.float64))
+    ref = _grads(lambda *v: _reference(*v, kind, "last"), [as64(v) for v in inputs],
+                 (as64(cot[0]), as64(cot[1]), (as64(cot[2][0]),)))
+  for name, grad, want in zip(NAMES, grads, ref):
+    if name == "bias" and kind == "rmsnorm":
+      continue
+    np.testing.assert_allclose(np.asarray(grad, np.float64), np.asarray(want), rtol=0,
+                               atol=3e-5 * np.abs(np.asarray(want)).max(), err_msg=f"d{name}")
+
+
 @pytest.mark.usefixtures("fast_compile")  # Compares the values of programs: XLA's expensive passes add nothing.
-def test_rwkv7_model_normalising_in_its_time_mix_is_the_model_normalising_before_it(monkeypatch):
-  """A float32 WWA model (two RWKV-7 blocks, one attention block) whose time mixes take the stream and normalise it
-  with their mixes (impl='xla', what the CPU runs), against the same model with the norm module before the time mix
-  as it was built before the op: the same parameters, identical logits and gradients. Then with the interpreted
-  kernel backward: the same logits, the gradients of every parameter within float32 rounding. Random parameters, so
-  that no zero-initialised projection hides a path."""
+def test_rwkv7_model_normalising_in_its_mixes_is_the_model_normalising_before_them(monkeypatch):
+  """A float32 WWA model (two RWKV-7 blocks, one attention block) whose time and channel mixes take the stream and
+  normalise it with their token shifts (impl='xla', what the CPU runs), against the same model with the norm modules
+  before them as it was built before the op: the same parameters, identical logits and gradients. Then with the
+  interpreted kernel backward: the same logits, the gradients of every parameter within float32 rounding. Random
+  parameters, so that no zero-initialised projection hides a path."""
   cfg = micro_config(layer_pattern="WWA", n_layers=3, rwkv7_head_size=8, norm="layernorm").model
   tokens = jnp.asarray(np.random.default_rng(11).integers(0, cfg.vocab_size, (2, 16)))
   params = random_model_params(lm.LM(cfg), tokens, 12)
   fused = logits_and_gradients(lm.LM(cfg), tokens, params)
 
-  entry = sublayers.MIXER_KINDS["rwkv7"]
-
-  def build_unfused(site):
-    cls, args = entry.build(site)
-    return cls, {k: v for k, v in args.items() if k not in ("norm_kind", "norm_eps")}
+  def unfused(entry):
+    def build(site):
+      cls, args = entry.build(site)
+      return cls, {k: v for k, v in args.items() if k not in ("norm_kind", "norm_eps")}
+    return entry._replace(build=build, normalizes_input=False)
 
   with monkeypatch.context() as patch:
-    patch.setitem(sublayers.MIXER_KINDS, "rwkv7", entry._replace(build=build_unfused, normalizes_input=False))
+    patch.setitem(sublayers.MIXER_KINDS, "rwkv7", unfused(sublayers.MIXER_KINDS["rwkv7"]))
+    patch.setitem(sublayers.FFN_KINDS, "channel_mix7", unfused(sublayers.FFN_KINDS["channel_mix7"]))
     assert jax.tree.structure(random_model_params(lm.LM(cfg), tokens, 12)) == jax.tree.structure(params)
     unfused = logits_and_gradients(lm.LM(cfg), tokens, params)
   jax.tree.map(np.testing.assert_array_equal, fused, unfused)
@@ -124,6 +156,10 @@ def test_rows_the_kernel_does_not_take_run_xla_gradients():
   run = lambda impl: _grads(lambda *a: op.norm_mix(*a, kind="layernorm", eps=EPS, dtype=jnp.float32, impl=impl),
                             inputs, cot)
   jax.tree.map(np.testing.assert_array_equal, run("pallas"), run("xla"))
+  # Only the last rows of xn, which no gradient reaches (the pallas backend's backward is given None for them).
+  without_xn = lambda impl: jax.grad(lambda *a: sum(jnp.sum(jnp.sin(t)) for t in jax.tree.leaves(op.norm_mix(
+      *a, kind="layernorm", eps=EPS, dtype=jnp.float32, impl=impl, xn_rows="last")[::2])), argnums=range(5))(*inputs)
+  jax.tree.map(np.testing.assert_array_equal, without_xn("pallas"), without_xn("xla"))
 
 
 def test_shape_errors_and_unknown_impl_and_kind():
@@ -139,26 +175,34 @@ def test_shape_errors_and_unknown_impl_and_kind():
     call(x, last, s, b, shifts, kind="rmsnorm")
   with pytest.raises(ValueError, match="unknown impl"):
     call(x, last, s, b, shifts, kind="layernorm", impl="cuda")
+  with pytest.raises(ValueError, match="xn_rows"):
+    call(x, last, s, b, shifts, kind="layernorm", xn_rows="first")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU: the Triton kernel is compiled only for one")
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_compiled_kernel_matches_float64_on_a_gpu(dtype):
+@pytest.mark.parametrize("dtype, xn_rows", [(jnp.float32, "all"), (jnp.bfloat16, "all"), (jnp.bfloat16, "last")],
+                         ids=["f32", "bf16", "bf16-channel-mix"])
+def test_compiled_kernel_matches_float64_on_a_gpu(dtype, xn_rows):
   """The Triton-compiled backward (impl='pallas' under jit on a GPU) at base_125m_rwkv7's width (six column chunks),
   two programs of eight steps and a sequence ending inside a program: gradients against float64 within the GPU
-  tests' tolerances (tests/ops/test_gpu_kernels.py: 2e-3 in float32 for another summation order, 2^-5 in bfloat16)."""
+  tests' tolerances (tests/ops/test_gpu_kernels.py: 2e-3 in float32 for another summation order, 2^-5 in bfloat16).
+  The time mix's three mixes, and the channel mix's one with xn's last rows (their gradient random)."""
   b, t, c = 4, 64, 768
   inputs = _inputs(21, b, t, c, dtype)
+  mixes = M if xn_rows == "all" else 1
+  inputs = (*inputs[:4], inputs[4][:mixes])
   rng = np.random.default_rng(22)
-  cotangents = tuple(jnp.asarray(rng.normal(size=(b, t, c)), dtype) for _ in range(M + 2))
-  run = lambda *a: op.norm_mix(*a, kind="layernorm", eps=EPS, dtype=dtype, impl="pallas")
+  xn_shape = (b, t, c) if xn_rows == "all" else (b, c)
+  shapes = [(b, t, c), xn_shape] + [(b, t, c)] * mixes
+  cotangents = tuple(jnp.asarray(rng.normal(size=shape), dtype) for shape in shapes)
+  run = lambda *a: op.norm_mix(*a, kind="layernorm", eps=EPS, dtype=dtype, impl="pallas", xn_rows=xn_rows)
   fn = lambda *a: _grads(run, a, (*cotangents[:2], cotangents[2:]))
   assert "__gpu$xla.gpu.triton" in jax.jit(fn).lower(*inputs).as_text()
   grads = jax.jit(fn)(*inputs)
   with jax.enable_x64(True):
     as64 = lambda v: jnp.asarray(np.asarray(v, np.float64))
-    ref = _grads(lambda *v: _reference(*v, "layernorm"), [as64(v) for v in inputs],
+    ref = _grads(lambda *v: _reference(*v, "layernorm", xn_rows), [as64(v) for v in inputs],
                  (as64(cotangents[0]), as64(cotangents[1]), tuple(as64(v) for v in cotangents[2:])))
   rtol = 2e-3 if dtype == jnp.float32 else 2.0**-5
   for name, grad, want in zip(NAMES, grads, ref):
