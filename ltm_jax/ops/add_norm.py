@@ -33,10 +33,11 @@ AUTO = {"cpu": "xla", "gpu": "pallas"}
 # On a GPU where this jax cannot compile the Pallas kernels (no Triton lowering, `ltm_pallas.backend.gpu_lowering`).
 AUTO_WITHOUT_KERNELS = {"gpu": "xla"}
 # Streams "auto" gives the kernels whatever follows the norm. A bfloat16 stream (model.residual_dtype) whose h feeds
-# a token shift (`token_shifted`: the RWKV channel mixes) takes the xla form: XLA's two passes then move about the
-# kernel's bytes and keep the shift inside the normalisation's fusion, which the kernel's output breaks (small_rwkv7
-# 32 x 1024, deviceless sm_90a step budget: 37.11 ms with the xla form, 37.56 with the kernels; with the kernels'
-# backward writing d's gradient once and fewer partial sums, 35.37 against 35.67). Followed by a matmul (SwiGLU) the
+# a token shift (`token_shifted`: the RWKV-4 channel mix; RWKV-7's normalises its input itself, `ops.norm_mix`) takes
+# the xla form: XLA's two passes then move about the kernel's bytes and keep the shift inside the normalisation's
+# fusion, which the kernel's output breaks (measured with the RWKV-7 channel mix then: small_rwkv7 32 x 1024,
+# deviceless sm_90a step budget: 37.11 ms with the xla form, 37.56 with the kernels; with the kernels' backward
+# writing d's gradient once and fewer partial sums, 35.37 against 35.67). Followed by a matmul (SwiGLU) the
 # kernels win at either stream: base_125m 64 x 2048 238.5 -> 235.4 ms (step-budget-base_125m-addnorm-h100-aot.json).
 AUTO_STREAMS = ("float32",)
 
