@@ -3,6 +3,7 @@
 
     .venv-aot/bin/python benchmarks/step_budget.py --config configs/small_rwkv7.py    # H100, deviceless (sm_90a)
     python benchmarks/step_budget.py --config configs/base_125m_rwkv7.py --measured-ms 300   # on a GPU: + measured
+    python benchmarks/step_budget.py --config configs/small_rwkv7.py --profile 3   # on a GPU: + each kernel measured
     python benchmarks/step_budget.py --quick                                           # toy config, any machine
 
 Compiles the real train step (ltm_jax.train.step, AdamW included) at the config's batch_size x seq_len and reads the
@@ -28,6 +29,10 @@ optimizer (the AdamW update: instructions whose source is optax or ltm_jax/train
 Where it compiles: with the CUDA plugin installed and no GPU, for an H100 without a device (benchmarks/gpu_aot.py's
 target description); on a machine with a GPU, for that GPU, and then it also times the step; elsewhere for the host
 CPU (the budget is then of the CPU program, with the same ceilings: a dry run of the script).
+
+With --profile N on a device, N more steps run under jax.profiler and every kernel row gets its measured time beside
+the prediction (benchmarks/kernel_profile.py: the trace's events summed by HLO instruction), as do the categories
+and source lines; the trace's device time that names no instruction of the step is reported as unmatched.
 
 Prints the per-category table, the top kernels and the top source lines, and writes
 benchmarks/results/step-budget-<config>-<device>.json (or --out).
@@ -511,6 +516,8 @@ def summarize(rows: list[dict], key: str) -> list[dict]:
     g["gbytes"] += r["times"] * r["bytes"] / 1e9
     g["roofline_ms"] += r["roofline_ms"]
     g["predicted_ms"] += r["predicted_ms"]
+    if "measured_ms" in r:  # Profiled (--profile).
+      g["measured_ms"] = g.get("measured_ms", 0.0) + r["measured_ms"]
   return list(groups.values())
 
 
@@ -615,6 +622,8 @@ def main(argv=None) -> int:
                       "default device (a GPU if there is one, else the host CPU)")
   parser.add_argument("--measured-ms", type=float, default=None, help="a measured step time to set the sum against")
   parser.add_argument("--steps", type=int, default=10, help="timed steps on a device (after 2 warm-up steps)")
+  parser.add_argument("--profile", type=int, default=0, help="on a device: steps traced after the timed ones, each "
+                      "kernel's measured time put beside its prediction (0: none)")
   for key, value in DEFAULTS.items():
     parser.add_argument("--" + key.replace("_", "-"), type=float, default=value)
   parser.add_argument("--top", type=int, default=25, help="kernels and source lines printed")
@@ -643,7 +652,8 @@ def main(argv=None) -> int:
   started = time.perf_counter()
   compiled, state, batch = compile_step(cfg, target)
   compile_s = time.perf_counter() - started
-  comps, entry, frames = parse_hlo(compiled.as_text())
+  hlo_text = compiled.as_text()
+  comps, entry, frames = parse_hlo(hlo_text)
   rows, notes = kernels(comps, entry, frames, ceilings)
   xla_cost = None
   with contextlib.suppress(Exception):
@@ -672,10 +682,26 @@ def main(argv=None) -> int:
     except Exception as e:  # noqa: BLE001  (out of memory, say: the budget of the compiled program still stands)
       run_error = " ".join(f"{type(e).__name__}: {e}".split())[:1000]
       print(f"# the step did not run: {run_error}", flush=True)
+  profile = None
+  if state is not None and run_error is None and args.profile > 0:
+    import kernel_profile  # pylint: disable=g-import-not-at-top
+    carried = [state]
+
+    def run_step():
+      carried[0], metrics = compiled(carried[0], batch)
+      jax.block_until_ready(metrics)
+
+    profile = kernel_profile.measure(run_step, kernel_profile.module_name(hlo_text), args.profile)
+    if profile.source == "host" and jax.default_backend() != "cpu":
+      notes.append("the trace has no device plane (no CUPTI?): the measured times are the host's launch events, "
+                   "not the kernels'")
+    for r in rows:  # A row's name is its instruction's, behind the loops and branches it sits in.
+      r["measured_ms"] = profile.per_op_ms.get(r["name"].rsplit("/", 1)[-1], 0.0)
 
   categories = summarize(rows, "category")
   categories.sort(key=lambda g: CATEGORIES.index(g["category"]))
-  total = {k: sum(g[k] for g in categories) for k in ("kernels", "gflops", "gbytes", "roofline_ms", "predicted_ms")}
+  keys = ("kernels", "gflops", "gbytes", "roofline_ms", "predicted_ms") + (("measured_ms",) if profile else ())
+  total = {k: sum(g[k] for g in categories) for k in keys}
   for g in categories:
     g["share"] = g["predicted_ms"] / total["predicted_ms"] if total["predicted_ms"] else 0.0
   passes = summarize([dict(r, **{"pass": "backward" if r["backward"] else "forward/other"}) for r in rows], "pass")
@@ -687,9 +713,23 @@ def main(argv=None) -> int:
   for n in notes[:5]:
     print(f"# note: {n}")
   print("\nper category (ms a step; predicted = max(roofline, kernel benchmark) + launches):")
+  measured_col = [("measured_ms", "measured", 9)] if profile else []
   cols = [("category", "category", 20), ("kernels", "kernels", 7), ("gflops", "GFLOP", 9), ("gbytes", "GB", 8),
-          ("roofline_ms", "roofline", 9), ("predicted_ms", "predicted", 9), ("share", "share", 6)]
+          ("roofline_ms", "roofline", 9), ("predicted_ms", "predicted", 9), *measured_col, ("share", "share", 6)]
   _print(categories + [{"category": "total", **total, "share": 1.0}], cols)
+  profile_summary = None
+  if profile:
+    matched = sum(1 for r in rows if r["measured_ms"] > 0)
+    # Instructions of the step that no row holds: a conditional's branch other than the one the budget counts.
+    elsewhere = sum(profile.per_op_ms.values()) - total["measured_ms"]
+    profile_summary = {"steps": profile.runs, "source": profile.source, "kernels_ms": total["measured_ms"],
+                       "other_instructions_ms": elsewhere, "device_ms": profile.device_ms,
+                       "unmatched_ms": profile.unmatched_ms, "rows_measured": matched, "rows": len(rows)}
+    device_note = (f"; device busy {profile.device_ms:.2f} ms, of it {profile.unmatched_ms:.2f} ms in no kernel of "
+                   "the step" if profile.device_ms is not None else " (host threads: a dry run)")
+    print(f"profiled {profile.runs} steps: the budget's kernels measured {total['measured_ms']:.2f} ms a step, "
+          f"instructions outside its rows {elsewhere:.2f} ms{device_note}; {matched} of {len(rows)} kernel "
+          "instructions seen")
   print("by pass: " + ", ".join(f"{g['pass']} {g['predicted_ms']:.2f} ms ({g['kernels']} launches)" for g in passes))
   if measured_step:
     print(f"measured step {measured_step:.2f} ms: predicted {total['predicted_ms']:.2f} ms is "
@@ -697,11 +737,11 @@ def main(argv=None) -> int:
   print(f"\ntop {args.top} kernels:")
   kcols = [("name", "instruction", 34), ("category", "category", 18), ("detail", "detail", 22), ("times", "x", 3),
            ("out", "output", 26), ("bound", "bound", 7), ("roofline_ms", "roofline", 8), ("kernel_ms", "kernel", 8),
-           ("predicted_ms", "predicted", 9), ("where", "source", 34)]
+           ("predicted_ms", "predicted", 9), *measured_col, ("where", "source", 34)]
   _print(top[:args.top], kcols)
   print(f"\ntop {args.top} source lines:")
   _print(by_source[:args.top], [("where", "source", 44), ("kernels", "kernels", 7), ("gbytes", "GB", 8),
-                                ("roofline_ms", "roofline", 9), ("predicted_ms", "predicted", 9)])
+                                ("roofline_ms", "roofline", 9), ("predicted_ms", "predicted", 9), *measured_col])
 
   from ltm_jax.info import model_info  # pylint: disable=g-import-not-at-top
   info = model_info(cfg)
@@ -711,7 +751,8 @@ def main(argv=None) -> int:
       "params": info["params"], "model_flops_per_step": info["flops_per_step_train"],
       "ceilings": ceilings, "compile_s": round(compile_s, 1), "xla_cost_analysis": xla_cost, "memory_gib": memory,
       "notes": notes, "total": total, "measured_step_ms": measured_step, "step_times_ms": step_times,
-      "run_error": run_error, "categories": categories, "passes": passes, "sources": by_source[:100],
+      "run_error": run_error, "profile": profile_summary, "categories": categories, "passes": passes,
+      "sources": by_source[:100],
       "kernels": [dict(r, op_name=r["op_name"][-160:]) for r in top],
       "packages": {"jax": jax.__version__}, "python": platform.python_version(),
       "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -1,9 +1,11 @@
-"""benchmarks/step_budget.py: the HLO reading on a hand-written module, and a --quick run of the tiny config."""
+"""benchmarks/step_budget.py: the HLO reading on a hand-written module, and a --quick run of the tiny config, profiled
+(benchmarks/kernel_profile.py: the host trace stands in for a GPU's, a dry run of the plumbing)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 
 import pytest
@@ -79,14 +81,61 @@ def test_reads_kernels_costs_and_sources_from_hlo():
 
 
 def test_quick_run_writes_the_budget(tmp_path):
+  """Also profiled: the kernel rows, loop bodies' included (named behind their loop), find their instructions in the
+  trace, and the categories' measured times add up to the total."""
   out = tmp_path / "budget.json"
   assert step_budget.main(["--quick", "--config", str(ROOT / "configs" / "tiny.py"), "--steps", "1",
-                           "--measured-ms", "1", "--out", str(out), "--top", "3"]) == 0
+                           "--measured-ms", "1", "--out", str(out), "--top", "3", "--profile", "1"]) == 0
   result = json.loads(out.read_text())
   names = [c["category"] for c in result["categories"]]
   assert "matmul" in names and "optimizer" in names
   assert result["total"]["predicted_ms"] == pytest.approx(sum(c["predicted_ms"] for c in result["categories"]))
   assert result["total"]["gflops"] > 0 and result["measured_step_ms"] > 0
+  profile = result["profile"]
+  assert profile["source"] == "host" and profile["steps"] == 1 and profile["device_ms"] is None
+  in_loops = [k for k in result["kernels"] if "/" in k["name"]]
+  assert in_loops and sum(k["measured_ms"] > 0 for k in in_loops) >= 0.9 * len(in_loops)
+  assert profile["rows_measured"] >= 0.9 * profile["rows"]
+  assert result["total"]["measured_ms"] == pytest.approx(sum(c["measured_ms"] for c in result["categories"]))
+  assert result["total"]["measured_ms"] == pytest.approx(profile["kernels_ms"]) and profile["kernels_ms"] > 0
+
+
+def test_kernel_profile_counts_the_instructions_of_its_module_only(tmp_path):
+  """Two programs run inside one trace: only the named module's instructions are counted, each is an instruction of
+  that module's optimized HLO, and its product (the bulk of its work) is among them."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import kernel_profile
+
+  rng = np.random.default_rng(0)
+  x, y = (jnp.asarray(rng.normal(size=(256, 256)), jnp.float32) for _ in range(2))
+  def product(a, b):
+    return jnp.tanh(a @ b).sum(0)
+
+  def sine(a):
+    return jnp.sin(a) * 3.0
+
+  f, g = jax.jit(product).lower(x, y).compile(), jax.jit(sine).lower(x).compile()
+  module = kernel_profile.module_name(f.as_text())
+  assert module != kernel_profile.module_name(g.as_text())
+  instructions = set(re.findall(r"%([\w.-]+) = ", f.as_text()))
+
+  def run():
+    jax.block_until_ready((f(x, y), g(x)))
+
+  run()
+  profile = kernel_profile.measure(run, module, runs=2, trace_dir=str(tmp_path))
+  assert profile.source == "host" and profile.runs == 2
+  assert profile.per_op_ms and set(profile.per_op_ms) <= instructions
+  assert all(ms > 0 for ms in profile.per_op_ms.values())
+  dots = [name for name in profile.per_op_ms if "dot" in name or "ynn" in name or "gemm" in name]
+  assert dots, f"no product among {sorted(profile.per_op_ms)}"
+  assert list(tmp_path.rglob("*.xplane.pb"))  # The trace stays where it was asked to go.
+  with pytest.raises(ValueError, match="runs"):
+    kernel_profile.measure(run, module, runs=0)
+  with pytest.raises(ValueError, match="module name"):
+    kernel_profile.module_name("ENTRY %main () -> f32[] {}")
 
 
 # One fusion reads a quarter of a flat buffer through an elementwise op and a slice, a whole second operand, and a
