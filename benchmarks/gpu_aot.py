@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Compiles the Pallas kernels and whole model programs for an H100 without a GPU, and reports each kernel's
-resources: warps, registers, spills, shared memory, grid and an occupancy estimate.
+resources: warps, registers, spills, shared memory, grid, an occupancy estimate and the block-wide barriers a trip
+of its main loop waits on.
 
   make gpu-aot                                    # builds .venv-aot, runs every case, writes the results file
   .venv-aot/bin/python benchmarks/gpu_aot.py      # the same; --group kernels|models|controls, --cases REGEX,
@@ -17,7 +18,8 @@ of that topology, and `jax.jit(f).trace(...).lower().compile()` runs XLA's whole
 PTX and cubin. `JAX_PLATFORMS=cpu` and `JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1` keep the plugin from looking for a GPU and
 cuDNN; from jax 0.11 the lowering runs under the topology's abstract mesh, where the Pallas Triton lowering finds its
 target. XLA's dump (`--xla_dump_to`, `--xla_dump_emitter_re=ptx`) gives the PTX and the thunk sequence (grid, threads
-and dynamic shared memory of every launch); `ptxas -arch=sm_90a -v` on the PTX gives registers, spills and stack.
+and dynamic shared memory of every launch); `ptxas -arch=sm_90a -v` on the PTX gives registers, spills and stack;
+the PTX itself the `bar.sync` count of each kernel's longest loop (a latency proxy for kernels that walk a sequence).
 
 Cases are `benchmarks/aot_cases.py`: the kernels at their default tiles and at the models' shapes, the models' train
 steps and generation, and two controls that must fail (tiles too large for shared memory, tiles that must spill).
@@ -190,15 +192,35 @@ def _base_name(entry: str) -> str:
   return re.sub(r"_\d+$", "", entry)
 
 
+def loop_barriers(ptx: str) -> dict[str, int]:
+  """Entry -> the block-wide barriers (`bar.sync`) in the body of its longest loop, as written in the PTX: a kernel
+  that walks its chunks in a serial loop waits on each once per iteration (each stages a tile through shared memory
+  between tensor-core products or reductions). Entries without a loop are left out."""
+  counts = {}
+  for entry, body in re.findall(r"\.entry\s+(\w+)\((.*?)(?=\.entry\s|\Z)", ptx, flags=re.S):
+    lines = body.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"\s*(\$L__\w+):", line))}
+    loops = [(labels[m.group(1)], i) for i, line in enumerate(lines)
+             if (m := re.search(r"\bbra(?:\.uni)?\s+(\$L__\w+);", line)) and labels.get(m.group(1), i) < i]
+    if loops:
+      start, end = max(loops, key=lambda span: span[1] - span[0])
+      counts[entry] = sum("bar.sync" in line for line in lines[start:end + 1])
+  return counts
+
+
 def _ptxas(ptxas: str, dump: str) -> dict[str, dict]:
-  """Entry -> registers, spill stores/loads, stack and static shared memory from `ptxas -v`, for every kernel of
-  this package in the dumped PTX."""
+  """Entry -> registers, spill stores/loads, stack and static shared memory from `ptxas -v`, and the barriers of its
+  longest loop (`loop_barriers`), for every kernel of this package in the dumped PTX."""
   facts = {}
   for path in sorted(glob.glob(os.path.join(dump, "*.ptx"))):
     with open(path) as f:
-      entries = [e for e in re.findall(r"\.entry\s+(\w+)\(", f.read()) if _is_ours(e)]
+      ptx = f.read()
+    entries = [e for e in re.findall(r"\.entry\s+(\w+)\(", ptx) if _is_ours(e)]
     if not entries:
       continue
+    for entry, count in loop_barriers(ptx).items():
+      if _is_ours(entry):
+        facts.setdefault(entry, {})["loop_barriers"] = count
     proc = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.devnull], capture_output=True, text=True)
     current = None
     for line in (proc.stdout + proc.stderr).splitlines():
@@ -537,7 +559,8 @@ def _mgpu_main(args, versions: dict, ptxas_version: list[str]) -> int:
 
 _COLUMNS = [("kernel", "kernel", 23), ("case", "case", 26), ("dtype", "dtype", 8), ("head_dim", "D", 4),
             ("warps", "warps", 5), ("registers", "regs", 4), ("spills", "spill B", 7), ("smem", "smem B", 7),
-            ("occupancy_pct", "occ%", 4), ("occupancy_bound", "bound", 9), ("grid", "grid", 12)]
+            ("occupancy_pct", "occ%", 4), ("occupancy_bound", "bound", 9), ("grid", "grid", 12),
+            ("loop_barriers", "bar/loop", 8)]
 
 
 def _print_rows(rows: list[dict], summaries: list[dict]) -> None:
@@ -554,15 +577,16 @@ def _print_rows(rows: list[dict], summaries: list[dict]) -> None:
 def markdown(rows: list[dict]) -> str:
   """The kernel table of docs/benchmarks.md: one line per kernel of the kernel cases (model programs repeat the same
   kernels)."""
-  lines = ["| kernel | case | dtype | D | warps | registers | spills (B) | smem (KiB) | grid | occupancy |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+  lines = ["| kernel | case | dtype | D | warps | registers | spills (B) | smem (KiB) | grid | occupancy | barriers a "
+           "loop trip |", "|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     if r["group"] != "kernels":
       continue
     smem = "-" if r.get("smem") is None else f"{r['smem'] / 1024:.0f}"
     occ = "-" if r.get("occupancy_pct") is None else f"{r['occupancy_pct']}% ({r['occupancy_bound']})"
     lines.append(f"| {r['kernel']} | {r['case']} | {r['dtype']} | {r['head_dim'] or '-'} | {r.get('warps', '-')} | "
-                 f"{r.get('registers', '-')} | {r['spills']} | {smem} | {r.get('grid', '-')} | {occ} |")
+                 f"{r.get('registers', '-')} | {r['spills']} | {smem} | {r.get('grid', '-')} | {occ} | "
+                 f"{r.get('loop_barriers', '-')} |")
   return "\n".join(lines)
 
 

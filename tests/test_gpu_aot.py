@@ -81,6 +81,49 @@ def test_kernels_compile_for_h100_without_spills(tmp_path):
   report = json.loads(results.read_text())
   assert report["passed"]
   assert sorted(c["case"] for c in report["cases"]) == IN_SUITE
+  # The chunked WKV-7 backward walks its chunks in a loop that stages tiles through shared memory between products.
+  walks = [k for k in report["kernels"] if k["kernel"] == "wkv7_chunked_backward"]
+  assert walks and all(k["loop_barriers"] > 10 for k in walks), walks
+
+
+PTX = """
+.visible .entry outer_and_inner(
+  .param .u64 p
+)
+{
+  bar.sync 0;
+$L__BB0_1:
+  bar.sync 0;
+  ld.shared.f32 %f1, [%r1];
+$L__BB0_2:
+  bar.sync 0;
+  @%p1 bra $L__BB0_2;
+  bar.sync 0;
+  @%p2 bra $L__BB0_1;
+  bar.sync 0;
+  ret;
+}
+.visible .entry straight(
+  .param .u64 p
+)
+{
+  bar.sync 0;
+$L__BB1_1:
+  @%p1 bra $L__BB1_2;
+  bar.sync 0;
+$L__BB1_2:
+  ret;
+}
+"""
+
+
+def test_loop_barriers_count_the_longest_loop_of_each_entry():
+  """The outer loop's three barriers (its inner loop's included; none before or after it); a kernel whose only
+  branch goes forward has no loop."""
+  spec = importlib.util.spec_from_file_location("gpu_aot", ROOT / "benchmarks" / "gpu_aot.py")
+  gpu_aot = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(gpu_aot)
+  assert gpu_aot.loop_barriers(PTX) == {"outer_and_inner": 3}
 
 
 def test_the_in_suite_cases_compile_every_kernel():
