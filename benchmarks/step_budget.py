@@ -525,6 +525,19 @@ def summarize(rows: list[dict], key: str) -> list[dict]:
 # Compiling and (with a GPU) measuring.
 
 
+# What no fusion of the memory-bound kernels removes: the products and the sequence kernels (priced by measurement).
+FLOOR_CATEGORIES = ("matmul", "WKV kernel", "attention kernel")
+
+
+def _floor(categories: list[dict], total: dict, model_flops: float, matmul_tflops: float) -> dict:
+  """The step's floor: the predicted time of FLOOR_CATEGORIES alone, and the fraction of the matmul rate the model's
+  FLOPs would reach at it (the most any fusion of the other kernels can give) and at the predicted step."""
+  ms = sum(g["predicted_ms"] for g in categories if g["category"] in FLOOR_CATEGORIES)
+  fraction = lambda step_ms: model_flops / (step_ms * 1e-3) / (matmul_tflops * 1e12) if step_ms else 0.0
+  return {"categories": list(FLOOR_CATEGORIES), "ms": ms, "max_fraction": fraction(ms),
+          "predicted_fraction": fraction(total["predicted_ms"])}
+
+
 def _has_cuda_plugin() -> bool:
   return any(importlib.util.find_spec(m) is not None for m in ("jax_cuda13_plugin", "jax_cuda12_plugin"))
 
@@ -731,6 +744,12 @@ def main(argv=None) -> int:
           f"instructions outside its rows {elsewhere:.2f} ms{device_note}; {matched} of {len(rows)} kernel "
           "instructions seen")
   print("by pass: " + ", ".join(f"{g['pass']} {g['predicted_ms']:.2f} ms ({g['kernels']} launches)" for g in passes))
+  from ltm_jax.info import model_info  # pylint: disable=g-import-not-at-top
+  info = model_info(cfg)
+  floor = _floor(categories, total, info["flops_per_step_train"], args.matmul_tflops)
+  print(f"floor: the matmuls and the WKV and attention kernels alone take {floor['ms']:.2f} ms: with every other "
+        f"kernel free, at most {floor['max_fraction']:.3f} of the {args.matmul_tflops:g} TFLOP/s matmul rate "
+        f"(predicted {floor['predicted_fraction']:.3f})")
   if measured_step:
     print(f"measured step {measured_step:.2f} ms: predicted {total['predicted_ms']:.2f} ms is "
           f"{total['predicted_ms'] / measured_step:.2f} of it; roofline {total['roofline_ms'] / measured_step:.2f}")
@@ -743,14 +762,12 @@ def main(argv=None) -> int:
   _print(by_source[:args.top], [("where", "source", 44), ("kernels", "kernels", 7), ("gbytes", "GB", 8),
                                 ("roofline_ms", "roofline", 9), ("predicted_ms", "predicted", 9), *measured_col])
 
-  from ltm_jax.info import model_info  # pylint: disable=g-import-not-at-top
-  info = model_info(cfg)
   result = {
       "config": cfg.name, "config_file": args.config, "overrides": args.overrides, "quick": args.quick,
       "device": device, "target": device_desc, "batch": f"{cfg.train.batch_size}x{cfg.train.seq_len}",
       "params": info["params"], "model_flops_per_step": info["flops_per_step_train"],
       "ceilings": ceilings, "compile_s": round(compile_s, 1), "xla_cost_analysis": xla_cost, "memory_gib": memory,
-      "notes": notes, "total": total, "measured_step_ms": measured_step, "step_times_ms": step_times,
+      "notes": notes, "total": total, "floor": floor, "measured_step_ms": measured_step, "step_times_ms": step_times,
       "run_error": run_error, "profile": profile_summary, "categories": categories, "passes": passes,
       "sources": by_source[:100],
       "kernels": [dict(r, op_name=r["op_name"][-160:]) for r in top],

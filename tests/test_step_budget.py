@@ -91,6 +91,10 @@ def test_quick_run_writes_the_budget(tmp_path):
   assert "matmul" in names and "optimizer" in names
   assert result["total"]["predicted_ms"] == pytest.approx(sum(c["predicted_ms"] for c in result["categories"]))
   assert result["total"]["gflops"] > 0 and result["measured_step_ms"] > 0
+  floor = result["floor"]
+  assert 0 < floor["ms"] < result["total"]["predicted_ms"]
+  assert floor["max_fraction"] == pytest.approx(floor["predicted_fraction"] * result["total"]["predicted_ms"]
+                                                / floor["ms"])
   profile = result["profile"]
   assert profile["source"] == "host" and profile["steps"] == 1 and profile["device_ms"] is None
   in_loops = [k for k in result["kernels"] if "/" in k["name"]]
