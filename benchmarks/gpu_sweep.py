@@ -4,6 +4,7 @@
   python benchmarks/gpu_sweep.py --part 1                 # one of PARTS, each estimated to fit a 10-minute command
   python benchmarks/gpu_sweep.py --resume --deadline 560  # what has not run yet, stopping in time for a 600 s limit
   python benchmarks/gpu_sweep.py --only wkv7 train-small  # a subset, in the default order
+  python benchmarks/gpu_sweep.py --plan rwkv7-step --deadline 540  # a named selection (PLANS), in its own order
   python benchmarks/gpu_sweep.py --quick                  # tiny shapes (CPU dry run): every script end to end
   python benchmarks/gpu_sweep.py --list                   # the benchmarks, their parts, estimates and commands
 
@@ -80,10 +81,16 @@ class Bench:
     return self.quick_stem if quick else self.stem
 
 
-def _train(config: str, part: int, estimate_s: int, variants: tuple[str, ...] = ("",)) -> Bench:
+def _train(config: str, part: int, estimate_s: int, variants: tuple[str, ...] = ("",),
+           quick_variants: tuple[str, ...] | None = None) -> Bench:
+  """train.py --mfu on `config`'s variants; the dry run takes `quick_variants` (default the same): a GPU-only
+  backend fails off a GPU."""
   name = f"train-{config}"
-  args = ("--config", f"configs/{config}.py", "--name", name, *(a for v in variants for a in ("--variant", v)), "--mfu")
-  return Bench(name, "train.py", args, args + ("--quick",), name, f"{name}-quick", part, estimate_s)
+
+  def args(chosen):
+    return ("--config", f"configs/{config}.py", "--name", name, *(a for v in chosen for a in ("--variant", v)), "--mfu")
+  quick = args(variants if quick_variants is None else quick_variants) + ("--quick",)
+  return Bench(name, "train.py", args(variants), quick, name, f"{name}-quick", part, estimate_s)
 
 
 def _attention(head_dim: int, part: int, estimate_s: int) -> Bench:
@@ -95,6 +102,15 @@ def _attention(head_dim: int, part: int, estimate_s: int) -> Bench:
                env=tuple(SHARE_GPU.items()))
 
 
+# The chunked WKV-7 backward's launch settings worth timing at RWKV-7's head size 64 (benchmarks/wkv7.py --layouts):
+# as tabulated; value blocks of 32 as programs of 4 warps (two a SM) or of 8; blocks of 16 looping on 4 warps; and
+# 32-token chunks (blocks of 16 looping on 8 warps: the one such backward that compiles for sm_90a without spills).
+WKV7_BACKWARD_LAYOUTS = (
+    "default", "backward_block=32,backward_warps=4,backward_loop=0", "backward_block=32,backward_warps=8",
+    "backward_block=16,backward_warps=4,backward_loop=1",
+    "chunk=32,forward_block=32,backward_block=16,backward_warps=8,backward_loop=1")
+
+
 # The default order, most valuable first: the kernels against their peers (RWKV-7, then attention), training
 # throughput (MFU) of the shipped GPU configs, then the RWKV-4 kernel and decoding.
 BENCHMARKS = (
@@ -103,9 +119,10 @@ BENCHMARKS = (
     _attention(64, 1, 240),
     _attention(128, 2, 240),
     _train("base_125m", 2, 150),
-    # The shipped WKV-7 backend (auto) beside the sequential kernels and the bfloat16 residual stream (opt-in),
-    # measured in one process.
-    _train("small_rwkv7", 3, 170, variants=("", "model.wkv7_impl=pallas", "model.residual_dtype=bfloat16")),
+    # As shipped beside the kernels `auto` does not choose yet, in one process: the WKV-7 op and the feed-forward's
+    # fused epilogues as Mosaic GPU kernels (Hopper only; a variant that fails leaves an error row, the others stand).
+    _train("small_rwkv7", 3, 170, variants=("", "model.wkv7_impl=pallas_mgpu", "model.ffn_impl=pallas_mgpu"),
+           quick_variants=("",)),
     _train("small", 3, 100),
     # What a latent step costs against a plain step of the same decoder (configs/ltm_code.py): as shipped (z in the
     # top block, encoder + 2 inner steps) and with z in every block.
@@ -125,9 +142,31 @@ BENCHMARKS = (
     Bench("decode-rest", "decode.py", ("--sections", "batch", "dtype", "official", "--official-strategy", "cuda fp32"),
           ("--quick", "--sections", "batch", "dtype", "official"), "decode-batch-dtype-official",
           "decode-quick-batch-dtype-official", 4, 180, env=tuple(SHARE_GPU.items())),
+    # The RWKV-7 step's own measurements (PLANS["rwkv7-step"] runs them with the configs' steps above).
+    _train("base_125m_rwkv7", 6, 100),
+    # Each kernel of small_rwkv7's step measured beside the deviceless budget's prediction (benchmarks/kernel_profile
+    # .py). Without command buffers: the profiler then attributes every kernel to its HLO instruction.
+    Bench("step-budget-small_rwkv7", "step_budget.py", ("--config", "configs/small_rwkv7.py", "--profile", "3"),
+          ("--config", "configs/small_rwkv7.py", "--quick", "--profile", "1"), "step-budget-small_rwkv7",
+          "step-budget-small_rwkv7-quick", 6, 120, env=(("XLA_FLAGS", "--xla_gpu_enable_command_buffer="),)),
+    # The chunked WKV-7 backward's launch settings at small_rwkv7's and base_125m_rwkv7's layer shapes, among them
+    # 32-token chunks (exact under RWKV-7's decay bound); gradients checked against XLA's chunked form.
+    Bench("wkv7-backward-layouts", "wkv7.py",
+          ("--mode", "backward", "--shape", "32,1024,512,64", "--name", "wkv7-backward-layouts", "--layouts",
+           *WKV7_BACKWARD_LAYOUTS),
+          ("--mode", "backward", "--shape", "1,64,128,64", "--runs", "1", "--name", "wkv7-backward-layouts-quick",
+           "--layouts", *WKV7_BACKWARD_LAYOUTS[:2]), "wkv7-backward-layouts", "wkv7-backward-layouts-quick", 6, 120,
+          env=tuple(SHARE_GPU.items())),
 )
 BY_NAME = {b.name: b for b in BENCHMARKS}
 PARTS = sorted({b.part for b in BENCHMARKS})
+# Named selections for one lent device session, most valuable first (--plan; --resume --plan runs what is left).
+PLANS = {
+    # RWKV-7's and attention's training rate against the matmul rate: the three shipped GPU configs' steps, then
+    # small_rwkv7's step kernel by kernel, then the chunked WKV-7 backward's launch settings.
+    "rwkv7-step": ("train-small_rwkv7", "train-base_125m_rwkv7", "step-budget-small_rwkv7", "train-base_125m",
+                   "wkv7-backward-layouts"),
+}
 COLUMNS = ("benchmark", "part", "status", "seconds", "results", "headline")
 
 
@@ -261,7 +300,16 @@ def _headline(path: pathlib.Path) -> dict[str, Any]:
   if mfu:
     out["mfu"] = mfu
     parts.append("mfu " + ", ".join(f"{m:.3f}" for m in mfu))
+  total = payload.get("total")
+  if isinstance(total, dict) and "predicted_ms" in total:  # A step budget (step_budget.py).
+    out["predicted_ms"], out["measured_step_ms"] = total["predicted_ms"], payload.get("measured_step_ms")
+    measured = out["measured_step_ms"]
+    parts = [f"predicted {total['predicted_ms']:.1f} ms" + (f", measured {measured:.1f}" if measured else "")]
+    if payload.get("run_error"):
+      parts.append(f"run error: {str(payload['run_error'])[:120]}")
   config = payload.get("config", {})
+  if not isinstance(config, dict):
+    config = {}
   found = config.get("peers_found", config.get("peers_run"))
   if found is not None:
     parts.append(f"peers: {', '.join(found) or 'none'}")
@@ -371,6 +419,12 @@ def print_table(summary: dict[str, Any], names: list[str]) -> None:
       print("  ".join("-" * width for width in widths))
 
 
+def select(args) -> list[Bench]:
+  """The benchmarks a command runs: --plan's in its order, else the default order; narrowed by --only and --part."""
+  pool = [BY_NAME[name] for name in PLANS[args.plan]] if args.plan else list(BENCHMARKS)
+  return [b for b in pool if (args.only is None or b.name in args.only) and (args.part is None or b.part == args.part)]
+
+
 def _resumable(entry: dict[str, Any] | None) -> bool:
   """Whether --resume runs a benchmark again: never run, or stopped by a --deadline before its own timeout."""
   return entry is None or entry.get("status") in (None, "not run") or (
@@ -385,6 +439,9 @@ def parse_args(argv=None):
   parser.add_argument("--quick", action="store_true", help="every script's tiny shapes: a dry run (CPU) in minutes")
   parser.add_argument("--only", nargs="+", default=None, choices=list(BY_NAME), metavar="NAME",
                       help=f"run these only, in the default order: {' '.join(BY_NAME)}")
+  parser.add_argument("--plan", choices=sorted(PLANS), default=None,
+                      help="a named selection, in its own order: " + "; ".join(
+                          f"{name}: {' '.join(names)}" for name, names in PLANS.items()))
   parser.add_argument("--part", type=int, choices=PARTS, default=None,
                       help="run one part (see --list); parts are estimated to fit 10 minutes each on an H100")
   parser.add_argument("--resume", action="store_true",
@@ -415,10 +472,12 @@ def main(argv=None) -> int:
     return 0
   if args.list:
     for b in BENCHMARKS:
-      print(f"{b.name:18s} part {b.part}  ~{b.estimate_s:4d} s (timeout {b.timeout_s} s)  "
+      print(f"{b.name:24s} part {b.part}  ~{b.estimate_s:4d} s (timeout {b.timeout_s} s)  "
             f"python benchmarks/{b.script} {shlex.join(b.gpu_args)}")
     for part in PARTS:
       print(f"part {part}: ~{sum(b.estimate_s for b in BENCHMARKS if b.part == part)} s")
+    for name, names in PLANS.items():
+      print(f"plan {name}: ~{sum(BY_NAME[n].estimate_s for n in names)} s: {' '.join(names)}")
     print(f"all: ~{sum(b.estimate_s for b in BENCHMARKS)} s")
     return 0
   if args.merge is not None:
@@ -477,8 +536,7 @@ def main(argv=None) -> int:
   invocation = {"date": _now(), "argv": sys.argv[1:], "seconds": None, "ran": [], "ceilings": found.get("ceilings")}
   summary.setdefault("invocations", []).append(invocation)
 
-  chosen = [b for b in BENCHMARKS
-            if (args.only is None or b.name in args.only) and (args.part is None or b.part == args.part)]
+  chosen = select(args)
   if args.resume:
     chosen = [b for b in chosen if _resumable(summary["runs"].get(b.name))]
 
@@ -515,12 +573,14 @@ def main(argv=None) -> int:
     save()
   save()
 
-  names = [b.name for b in BENCHMARKS if b.name in summary["runs"] or b in chosen]
+  order = [BY_NAME[n] for n in PLANS[args.plan]] if args.plan else BENCHMARKS
+  names = [b.name for b in order if b.name in summary["runs"] or b in chosen]
   print(f"\n== gpu sweep on {device}: {summary_path}" + (f", archive {args.archive}" if args.archive else ""))
   print(f"ceilings: {summary.get('ceilings')}; versions: {summary['versions']}")
   print_table(summary, names)
-  pending = [b.name for b in BENCHMARKS if _resumable(summary["runs"].get(b.name))]
-  print(f"not run yet: {' '.join(pending)} (run again with --resume)" if pending else "every benchmark has run")
+  pending = [b.name for b in order if _resumable(summary["runs"].get(b.name))]
+  print(f"not run yet: {' '.join(pending)} (run again with --resume)" if pending
+        else f"every benchmark {'of the plan ' if args.plan else ''}has run")
   failed = [n for n in invocation["ran"] if summary["runs"][n]["status"] != "ok"]
   return 1 if failed else 0
 

@@ -641,7 +641,7 @@ def main(argv=None) -> int:
     parser.add_argument("--" + key.replace("_", "-"), type=float, default=value)
   parser.add_argument("--top", type=int, default=25, help="kernels and source lines printed")
   parser.add_argument("--out", default=None, help="results file (default benchmarks/results/step-budget-<config>-"
-                      "<device>.json)")
+                      "<device>.json, or under LTM_BENCH_RESULTS)")
   args = parser.parse_args(argv)
 
   target = choose_target(args.target)
@@ -774,7 +774,8 @@ def main(argv=None) -> int:
       "packages": {"jax": jax.__version__}, "python": platform.python_version(),
       "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
   }
-  path = pathlib.Path(args.out or BENCH / "results" / f"step-budget-{cfg.name}{'-quick' if args.quick else ''}-"
+  import common  # pylint: disable=g-import-not-at-top  (its RESULTS: LTM_BENCH_RESULTS or benchmarks/results)
+  path = pathlib.Path(args.out or common.RESULTS / f"step-budget-{cfg.name}{'-quick' if args.quick else ''}-"
                       f"{device}.json")
   path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text(json.dumps(result, indent=1) + "\n")

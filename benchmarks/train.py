@@ -9,13 +9,16 @@
     python benchmarks/train.py --config configs/base_125m.py --quick   # the config at toy sizes: proves it steps
 
 Times the real jitted train step (AdamW update included) on random tokens, median over steps after warm-up, and
-writes benchmarks/results/<name>-<device>.json (name: train by default; <name>-quick with --quick).
+writes benchmarks/results/<name>-<device>.json (name: train by default; <name>-quick with --quick). A variant that
+fails to compile or step (an unsupported backend, out of memory) gets a row with its error; the others still run,
+the file is still written, and the exit status is 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 import common  # First: puts the checkout on sys.path.
@@ -80,18 +83,27 @@ def main():
     cfg = config_lib.load_config(args.config, [v for v in variant.split(",") if v])
     if args.quick:
       cfg = common.toy_config(cfg)
-    row = {"config": cfg.name, "variant": variant or "(as is)", **measure(cfg, args.steps)}
+    row = {"config": cfg.name, "variant": variant or "(as is)"}
+    try:
+      row.update(measure(cfg, args.steps))
+    except Exception as e:  # noqa: BLE001  (one variant's failure must not cost the others' measurements)
+      row["error"] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
+      rows.append(row)
+      print(f"failed {row['config']} {row['variant']}: {row['error']}", flush=True)
+      continue
     if ceilings:
       # Model FLOPs utilisation against the matmul rate this machine reached, not a datasheet number.
       row["mfu"] = row["model_tflops"] / ceilings["matmul_tflops"]
     rows.append(row)
     print(f"measured {row['config']} {row['variant']}: {row['tokens_per_s']:.0f} tokens/s", flush=True)
   common.print_table(rows, ["config", "variant", "params", "batch", "compile_s", "step_ms", "tokens_per_s",
-                            "model_tflops"] + (["mfu"] if ceilings else []) + ["temp_mib"])
+                            "model_tflops"] + (["mfu"] if ceilings else []) + ["temp_mib"]
+                     + (["error"] if any("error" in row for row in rows) else []))
   path = common.write_results(args.name, rows, config_file=args.config, steps=args.steps, quick=args.quick,
                               ceilings=ceilings)
   print(f"wrote {path}")
+  return 1 if any("error" in row for row in rows) else 0
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

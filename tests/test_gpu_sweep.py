@@ -87,3 +87,37 @@ def test_resume_and_parts():
   for part in sweep.PARTS:
     assert sum(b.estimate_s for b in sweep.BENCHMARKS if b.part == part) <= 480
   assert all(b.timeout_s < 600 for b in sweep.BENCHMARKS)
+
+
+def _load_sweep():
+  spec = importlib.util.spec_from_file_location("gpu_sweep", SWEEP)
+  sweep = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = sweep
+  spec.loader.exec_module(sweep)
+  return sweep
+
+
+def test_plans_select_in_their_own_order():
+  sweep = _load_sweep()
+  for name, names in sweep.PLANS.items():
+    assert set(names) <= set(sweep.BY_NAME) and len(set(names)) == len(names), name
+    chosen = sweep.select(sweep.parse_args(["--plan", name]))
+    assert [b.name for b in chosen] == list(names)
+  plan = sweep.PLANS["rwkv7-step"]
+  # --only narrows a plan and keeps its order; without --plan the default order stands.
+  narrowed = sweep.select(sweep.parse_args(["--plan", "rwkv7-step", "--only", plan[-1], plan[0]]))
+  assert [b.name for b in narrowed] == [plan[0], plan[-1]]
+  assert [b.name for b in sweep.select(sweep.parse_args([]))] == [b.name for b in sweep.BENCHMARKS]
+  # The dry run leaves out the GPU-only variants the device run times.
+  small = sweep.BY_NAME["train-small_rwkv7"]
+  assert "model.wkv7_impl=pallas_mgpu" in small.gpu_args and "model.wkv7_impl=pallas_mgpu" not in small.quick_args
+
+
+def test_headline_reads_a_step_budget(tmp_path):
+  sweep = _load_sweep()
+  path = tmp_path / "step-budget-small_rwkv7-cpu.json"
+  path.write_text(json.dumps({"config": "small_rwkv7", "total": {"predicted_ms": 34.42}, "measured_step_ms": 38.2,
+                              "run_error": None}))
+  out = sweep._headline(path)
+  assert out["predicted_ms"] == 34.42 and out["measured_step_ms"] == 38.2
+  assert out["headline"] == "predicted 34.4 ms, measured 38.2"
