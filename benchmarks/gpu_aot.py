@@ -348,7 +348,9 @@ def _case_status(summary: dict, rows: list[dict]) -> str:
 
 # name -> (head size N, dtype of the inputs and y, description); inputs [B, T, C / N, N] at B 8, T 4096, C 4096. The
 # cases without "_pipe_" compile each chunk's loads before its products (`pipelined=False`, the only form at N = 128);
-# those with it overlap them with the previous chunk's products (`pipelined=True`, the default at N = 64).
+# those with it overlap them with the previous chunk's products (`pipelined=True`, the default at N = 64). Those with
+# "_xbar_" take only the kernel's own barriers (`explicit_barriers=True`) instead of one before and after every
+# shared-memory store.
 MGPU_CASES = {
     "wkv7_mgpu_n64_bf16": (64, "bfloat16", "wkv7 Mosaic GPU forward bf16 B8 T4096 C4096 N64"),
     "wkv7_mgpu_n128_bf16": (128, "bfloat16", "wkv7 Mosaic GPU forward bf16 B8 T4096 C4096 N128"),
@@ -366,6 +368,16 @@ MGPU_CASES = {
                                     "N64"),
     "wkv7_mgpu_pipe_bwd_n64_f32": (64, "float32", "wkv7 Mosaic GPU backward, loads overlapped, f32 B8 T4096 C4096 N64 "
                                    "(float32 dv tile)"),
+    "wkv7_mgpu_xbar_pipe_n64_f32": (64, "float32", "wkv7 Mosaic GPU forward, loads overlapped, own barriers only, "
+                                    "f32 B8 T4096 C4096 N64 (float32 y tile)"),
+    "wkv7_mgpu_xbar_pipe_ckpt_n64_bf16": (64, "bfloat16", "wkv7 Mosaic GPU forward with chunk states, loads "
+                                          "overlapped, own barriers only, bf16 B8 T4096 C4096 N64"),
+    "wkv7_mgpu_xbar_pipe_bwd_n64_bf16": (64, "bfloat16", "wkv7 Mosaic GPU backward, loads overlapped, own barriers "
+                                         "only, bf16 B8 T4096 C4096 N64"),
+    "wkv7_mgpu_xbar_pipe_bwd_n64_f32": (64, "float32", "wkv7 Mosaic GPU backward, loads overlapped, own barriers "
+                                        "only, f32 B8 T4096 C4096 N64 (float32 dv tile)"),
+    "wkv7_mgpu_xbar_bwd_n128_bf16": (128, "bfloat16", "wkv7 Mosaic GPU backward, own barriers only, bf16 B8 T4096 "
+                                     "C4096 N128"),
     # The state-only kernels of the segmented form (`end_states`, `state_gradients`): loads before products.
     "wkv7_mgpu_end_n64_bf16": (64, "bfloat16", "wkv7 Mosaic GPU end states bf16 B8 T4096 C4096 N64"),
     "wkv7_mgpu_end_n128_bf16": (128, "bfloat16", "wkv7 Mosaic GPU end states bf16 B8 T4096 C4096 N128"),
@@ -393,7 +405,8 @@ def _mgpu_has_entry(kernel_file: str, name: str) -> bool:
   marks = {"forward": "def forward(", "checkpoints": "checkpoints: bool", "backward": "def backward(",
            "end_states": "def end_states(", "transitions": "def end_states(", "state_gradients": "def state_gradients("}
   text = pathlib.Path(kernel_file).read_text()
-  return marks[_mgpu_entry(name)] in text and ("_pipe_" not in name or "pipelined: bool" in text)
+  return (marks[_mgpu_entry(name)] in text and ("_pipe_" not in name or "pipelined: bool" in text)
+          and ("_xbar_" not in name or "explicit_barriers: bool" in text))
 
 
 def _mgpu_worker(name: str, kernel_file: str) -> int:
@@ -416,7 +429,10 @@ def _mgpu_worker(name: str, kernel_file: str) -> int:
     result["stage"] = "build"
     entry = _mgpu_entry(name)
     # The form the case names, where the file has both (an older one has only the loads before the products).
-    form = {"pipelined": "_pipe_" in name} if "pipelined: bool" in pathlib.Path(kernel_file).read_text() else {}
+    text = pathlib.Path(kernel_file).read_text()
+    form = {"pipelined": "_pipe_" in name} if "pipelined: bool" in text else {}
+    if "explicit_barriers: bool" in text:
+      form["explicit_barriers"] = "_xbar_" in name
     if entry in ("end_states", "transitions"):
       values = entry == "end_states"
       fn = lambda w, k, v, a, b, s: kernel.end_states(w, k if values else None, v if values else None, a, b, s,
@@ -445,9 +461,14 @@ _LAUNCH = re.compile(r"gpu\.launch .*?blocks\([^)]*\) in \(([^)]*)\) threads\([^
 
 
 def _mgpu_facts(dump: str) -> dict:
-  """Registers, spills and stack from ptxas' report, and grid, threads and dynamic shared memory from the launch,
-  in a Mosaic GPU dump directory holding one kernel."""
+  """Registers, spills and stack from ptxas' report, the barriers of the kernel's longest loop (`loop_barriers`: one
+  chunk) from its PTX, and grid, threads and dynamic shared memory from the launch, in a Mosaic GPU dump directory
+  holding one kernel."""
   facts = {}
+  for path in glob.glob(os.path.join(dump, "*.ptx")):
+    counts = loop_barriers(pathlib.Path(path).read_text())
+    if counts:
+      facts["loop_barriers"] = max(counts.values())
   for path in glob.glob(os.path.join(dump, "*.ptxas")):
     text = pathlib.Path(path).read_text()
     if m := re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", text):

@@ -149,6 +149,12 @@ BENCHMARKS = (
     Bench("step-budget-small_rwkv7", "step_budget.py", ("--config", "configs/small_rwkv7.py", "--profile", "3"),
           ("--config", "configs/small_rwkv7.py", "--quick", "--profile", "1"), "step-budget-small_rwkv7",
           "step-budget-small_rwkv7-quick", 6, 120, env=(("XLA_FLAGS", "--xla_gpu_enable_command_buffer="),)),
+    # The Mosaic GPU WKV-7 kernels' forms at small_rwkv7's layer shape (and N = 128): loads serial or overlapped,
+    # Pallas' barriers or the kernels' own; every form's outputs against the first's (a race shows as a difference).
+    Bench("wkv7-mgpu-forms", "wkv7.py",
+          ("--mode", "mgpu", "--shape", "32,1024,512,64", "--runs", "10", "--name", "wkv7-mgpu-forms"),
+          ("--mode", "mgpu", "--shape", "1,128,128,64", "--runs", "1", "--name", "wkv7-mgpu-forms-quick"),
+          "wkv7-mgpu-forms", "wkv7-mgpu-forms-quick", 7, 150, env=tuple(SHARE_GPU.items())),
     # The chunked WKV-7 backward's launch settings at small_rwkv7's and base_125m_rwkv7's layer shapes, among them
     # 32-token chunks (exact under RWKV-7's decay bound); gradients checked against XLA's chunked form.
     Bench("wkv7-backward-layouts", "wkv7.py",
@@ -162,10 +168,11 @@ BY_NAME = {b.name: b for b in BENCHMARKS}
 PARTS = sorted({b.part for b in BENCHMARKS})
 # Named selections for one lent device session, most valuable first (--plan; --resume --plan runs what is left).
 PLANS = {
-    # RWKV-7's and attention's training rate against the matmul rate: the three shipped GPU configs' steps, then
-    # small_rwkv7's step kernel by kernel, then the chunked WKV-7 backward's launch settings.
-    "rwkv7-step": ("train-small_rwkv7", "train-base_125m_rwkv7", "step-budget-small_rwkv7", "train-base_125m",
-                   "wkv7-backward-layouts"),
+    # RWKV-7's and attention's training rate against the matmul rate: small_rwkv7's step (with the Mosaic GPU
+    # kernels as variants), those kernels' forms, the two other configs' steps, small_rwkv7's step kernel by kernel,
+    # then the chunked WKV-7 backward's launch settings.
+    "rwkv7-step": ("train-small_rwkv7", "wkv7-mgpu-forms", "train-base_125m_rwkv7", "step-budget-small_rwkv7",
+                   "train-base_125m", "wkv7-backward-layouts"),
 }
 COLUMNS = ("benchmark", "part", "status", "seconds", "results", "headline")
 

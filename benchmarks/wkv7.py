@@ -354,43 +354,54 @@ def backward_layouts(args, platform: str) -> None:
 
 
 def mgpu_forms(args, platform: str) -> None:
-  """The Mosaic GPU kernels' two forms (`ltm_pallas.wkv7_mgpu`): each chunk's loads serial with its products, or
-  overlapped with the previous chunk's (`pipelined`, where shared memory holds two slots: N = 64), timed apart.
+  """The Mosaic GPU kernels' forms (`ltm_pallas.wkv7_mgpu`) timed apart: each chunk's loads serial with its products
+  or overlapped with the previous chunk's (`pipelined`, where shared memory holds two slots: N = 64), each with
+  Pallas' barrier around every shared-memory store or with the kernels' own barriers only (`explicit_barriers`).
 
   Per head size in SIZES at --shape's B, T, C (bfloat16): the forward with chunk states and the backward, each a
-  jitted call with the XLA work beside the kernel, median ms; and the largest difference of every output of the
-  overlapped form from the serial one's (the same arithmetic: 0 expected). On CPU the kernels run in Mosaic GPU
-  interpret mode (jax >= 0.11), numerics only. Writes benchmarks/results/wkv7-mgpu-forms-<device>.json (on a GPU).
+  jitted call with the XLA work beside the kernel, median ms; and the largest difference of every output from the
+  serial form's with Pallas' barriers (the same arithmetic: 0 expected; on a GPU anything else is a race). On CPU the
+  kernels run in Mosaic GPU interpret mode (jax >= 0.11), numerics only; with an older jax the rows say skipped.
+  Writes benchmarks/results/<--name, default wkv7-mgpu-forms>-<device>.json.
   """
-  from ltm_pallas import wkv7_mgpu  # pylint: disable=g-import-not-at-top  (needs jax >= 0.11 to run)
+  from ltm_pallas import backend as kernel_backend  # pylint: disable=g-import-not-at-top
+  from ltm_pallas import wkv7_mgpu  # pylint: disable=g-import-not-at-top
   batch, length, channels, _ = (int(x) for x in args.shape.split(","))
   on_gpu = platform == "gpu"
+  name = args.name or "wkv7-mgpu-forms"
+  if not on_gpu and kernel_backend.jax_version() < (0, 11):
+    reason = f"Mosaic GPU interpret mode needs jax >= 0.11 (this is {jax.__version__})"
+    print(reason)
+    print(common.write_results(name, [dict(skipped=reason)]))
+    return
   rows = []
   for size in wkv7_mgpu.SIZES:
     r, w, k, v, a, b, dy = (x.astype(jnp.bfloat16) for x in _inputs((batch, length, channels, size)))
     state = jnp.zeros((batch, channels // size, size, size), jnp.float32)
-    outputs = {}
+    reference = None
     for pipelined in (False, True) if wkv7_mgpu.pipelines(size) else (False,):
-      interpret = None if on_gpu else True
-      forward = jax.jit(lambda *x, p=pipelined: wkv7_mgpu.forward(*x, checkpoints=True, pipelined=p,
-                                                                  interpret=interpret))
-      backward = jax.jit(lambda *x, p=pipelined: wkv7_mgpu.backward(*x, pipelined=p, interpret=interpret))
-      y, final, states = forward(r, w, k, v, a, b, state)
-      grads = backward(r, w, k, v, a, b, states, dy, final)
-      outputs[pipelined] = (y, final, states, *grads)
-      row = dict(size=size, shape=f"{batch}x{length}x{channels}x{size}", dtype="bfloat16", pipelined=pipelined)
-      if on_gpu:
-        row["fwd"] = common.time_fn(forward, r, w, k, v, a, b, state, max_runs=args.runs)
-        row["bwd"] = common.time_fn(backward, r, w, k, v, a, b, states, dy, final, max_runs=args.runs)
-        row.update(fwd_ms=row["fwd"]["median_ms"], bwd_ms=row["bwd"]["median_ms"])
-      if pipelined:
-        diffs = (jnp.abs(jnp.asarray(x, jnp.float32) - jnp.asarray(z, jnp.float32))
-                 for x, z in zip(outputs[True], outputs[False]))
-        row["max_diff_from_serial"] = max(float(jnp.max(d)) for d in diffs)
-      rows.append(row)
-      print({key: val for key, val in row.items() if key not in ("fwd", "bwd")}, flush=True)
-  if on_gpu:
-    print(common.write_results("wkv7-mgpu-forms", rows))
+      for explicit in (False, True):
+        form = dict(pipelined=pipelined, explicit_barriers=explicit, interpret=None if on_gpu else True)
+        forward = jax.jit(lambda *x, f=form: wkv7_mgpu.forward(*x, checkpoints=True, **f))
+        backward = jax.jit(lambda *x, f=form: wkv7_mgpu.backward(*x, **f))
+        y, final, states = forward(r, w, k, v, a, b, state)
+        grads = backward(r, w, k, v, a, b, states, dy, final)
+        outputs = (y, final, states, *grads)
+        row = dict(size=size, shape=f"{batch}x{length}x{channels}x{size}", dtype="bfloat16", pipelined=pipelined,
+                   explicit_barriers=explicit)
+        if on_gpu:
+          row["fwd"] = common.time_fn(forward, r, w, k, v, a, b, state, max_runs=args.runs)
+          row["bwd"] = common.time_fn(backward, r, w, k, v, a, b, states, dy, final, max_runs=args.runs)
+          row.update(fwd_ms=row["fwd"]["median_ms"], bwd_ms=row["bwd"]["median_ms"])
+        if reference is None:
+          reference = outputs
+        else:
+          diffs = (jnp.abs(jnp.asarray(x, jnp.float32) - jnp.asarray(z, jnp.float32))
+                   for x, z in zip(outputs, reference))
+          row["max_diff_from_serial"] = max(float(jnp.max(d)) for d in diffs)
+        rows.append(row)
+        print({key: val for key, val in row.items() if key not in ("fwd", "bwd")}, flush=True)
+  print(common.write_results(name, rows))
 
 
 AOT = ROOT / "benchmarks" / "results" / "gpu-aot-h100.json"
@@ -660,7 +671,8 @@ def main():
   group.add_argument("--runs", type=int, default=20)
   group.add_argument("--reference-rows", type=int, default=1, help="batch rows the float32 XLA reference runs on")
   group.add_argument("--name", default=None,
-                     help="backward: results file stem (default wkv7-chunked-backward; -<device>.json is added)")
+                     help="backward, mgpu: results file stem (default wkv7-chunked-backward, wkv7-mgpu-forms; "
+                          "-<device>.json is added)")
   group.add_argument("--layouts", nargs="+", default=list(LAYOUTS),
                      help="backward: launch settings to time, each default or key=value,... "
                           "(e.g. backward_block=32,backward_warps=4,backward_loop=0)")

@@ -78,15 +78,17 @@ column pieces, each leaving by TMA through one float32 tile. Every product has b
 dU and dX and the [L, L] gradients included.
 
 Compiled for an H100 without one (sm_90a; `benchmarks/gpu_aot.py --mgpu` reads ptxas' report and the launch from
-Mosaic GPU's dump; benchmarks/results/gpu-aot-h100-wkv7-mgpu.json). Forward, loads before products: dynamic shared
-memory 141,376 B at N = 64 (bfloat16), 215,104 B at N = 128 (bfloat16) and 223,296 B at N = 128 (float32 y); 185,
-215 and 219 registers a thread (219 at N = 128 bfloat16 with checkpoints), no spills. Forward, loads overlapped (N =
-64): 215,160 B (bfloat16 y) or 223,352 B (float32 y), 180 registers (185 with checkpoints), no spills. Backward,
-loads before products: 159,816 B and 235 registers at N = 64, 225,352 B and 239 (bfloat16) or 240 (float32 dv)
-registers at N = 128; loads overlapped (N = 64): 217,224 B and 233 (bfloat16) or 236 (float32 dv) registers; no
-spills. The barriers of the overlapped loads are indexed by the chunk's slot number without the opaque zero (the
-other form's by constants): indexed at the tiles' opaque slot, the backward took 247 registers instead of 239 at
-N = 128 and 245 instead of 236 overlapped (float32 dv). What keeps the backward from
+Mosaic GPU's dump; benchmarks/results/gpu-aot-h100-wkv7-mgpu.json; shared memory is the launch's, REDUCTION_SCRATCH
+included). Forward, loads before products: 145,473 B at N = 64 (bfloat16), 219,201 B at N = 128 (bfloat16) and
+227,393 B at N = 128 (float32 y); 188, 227 and 232 registers a thread (228 at N = 128 bfloat16 with checkpoints), no
+spills. Forward, loads overlapped (N = 64): 219,257 B (bfloat16 y) or 227,449 B (float32 y), 184 registers (189 with
+checkpoints), no spills. Backward, loads before products: 163,913 B and 239 registers at N = 64, 229,449 B and 243
+(bfloat16) or 244 (float32 dv) registers at N = 128; loads overlapped (N = 64): 221,321 B and 236 (bfloat16) or 240
+(float32 dv) registers; no spills. A chunk waits at 94 warpgroup barriers in the forward and 132 in the backward,
+32 and 52 with `explicit_barriers` (`_launch`; 242 / 243 registers in that backward). The barriers of the
+overlapped loads are indexed by the chunk's slot number without the opaque zero (the other form's by constants):
+indexed at the tiles' opaque slot, the backward took 247 registers instead of 239 at N = 128 and 245 instead of 236
+overlapped (float32 dv), with Pallas' default reduction scratch. What keeps the backward from
 spilling (docs/kernels.md has each step's registers): the tiles indexed at an opaque zero as in the forward, in the
 chunk loop and again in the loop over the key-side pieces; the [L, L] masks made inside the chunk loop; the [L, 64]
 pieces as loops rather than unrolled; g_L's column sums one product at a time. The backward's key-side pieces
@@ -101,8 +103,8 @@ y. Without values (k, v None) it skips k, v, Ǩ, M_ak and their products: from t
 S_end = S_start A. `state_gradients` walks the chunks in reverse carrying dS: the backward's value side alone on
 R̂, Â, B̌, dy and e^{g_L} (M_ab, P_rb, the inverse, dU, dX, dS_0), no S_0, v or k. The tile code shared with the
 forward and backward (the decays, the series inverse, dS̄, dU and dX, dS_0) is in the module's helpers. Compiled
-(sm_90a, B 8, T 4096, C 4096, bfloat16): end states 170 / 195 registers and 124,985 / 206,905 B at N = 64 / 128,
-transitions 168 / 192 and 100,393 / 174,121 B, state gradients 149 / 174 and 91,185 / 140,337 B; no spills.
+(sm_90a, B 8, T 4096, C 4096, bfloat16): end states 174 / 199 registers and 129,081 / 211,001 B at N = 64 / 128,
+transitions 172 / 196 and 104,489 / 178,217 B, state gradients 149 / 174 and 91,185 / 140,337 B; no spills.
 """
 
 from __future__ import annotations
@@ -122,6 +124,7 @@ CHUNK = 64  # Tokens per chunk L: the wgmma instruction height.
 BLOCK = 64  # Value rows per program BV.
 SIZES = (64, 128)  # Head sizes N the kernel takes (shared memory bounds N = 256).
 OPERANDS = jnp.bfloat16
+REDUCTION_SCRATCH = 6 * 1024  # Shared-memory bytes for cross-warp reductions (`_launch`).
 
 
 def min_log_decay() -> float:
@@ -188,8 +191,8 @@ def _backward_tiles(size: int, slots: int) -> tuple[list, list]:
 
 
 # Shared memory a block may take on Hopper (227 KiB), less a margin for what the launch takes beyond the tiles
-# themselves (their alignment, the barriers, Mosaic GPU's own scratch; measured at N = 64: 2,112 to 2,168 B in the
-# forward, 3,464 to 3,656 B in the backward).
+# themselves (their alignment, the barriers, Mosaic GPU's own scratch, REDUCTION_SCRATCH among it; measured at N = 64
+# with Pallas' default 2 KiB of it: 2,112 to 2,168 B in the forward, 3,464 to 3,656 B in the backward).
 SMEM_BUDGET = 232448 - 8192
 
 
@@ -218,10 +221,15 @@ def _product(shape, *terms):
   return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
 
 
-def _inverse(m_ab, diagonal, power_s, solve_s):
+def _no_sync() -> None:
+  """Where Pallas' own barriers guard every shared-memory store (`explicit_barriers=False`), a kernel needs none."""
+
+
+def _inverse(m_ab, diagonal, power_s, solve_s, sync=_no_sync):
   """(I - M_ab)^{-1} = (I + M)(I + M^2)(I + M^4)...(I + M^32) [L, L] into solve_s as a bfloat16 operand: each round
   squares the power and multiplies it in. m_ab: the strictly lower [L, L] float32 M_ab; diagonal: the [L, L] mask
-  of the diagonal; power_s, solve_s: [L, L] bfloat16 tiles (a wgmma's operands must be two buffers)."""
+  of the diagonal; power_s, solve_s: [L, L] bfloat16 tiles (a wgmma's operands must be two buffers); sync: the
+  warpgroup barrier between a product and the stores over its operands (`_launch`)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
   pairs = (CHUNK, CHUNK)
   solve = jnp.where(diagonal, 1.0, m_ab)
@@ -231,10 +239,12 @@ def _inverse(m_ab, diagonal, power_s, solve_s):
     solve_s[...] = power.astype(OPERANDS)
     plgpu.commit_smem()
     power = _product(pairs, (solve_s, power_s))
+    sync()
     power_s[...] = power.astype(OPERANDS)
     solve_s[...] = solve.astype(OPERANDS)
     plgpu.commit_smem()
     solve = solve + _product(pairs, (solve_s, power_s))
+    sync()
     span *= 2
   solve_s[...] = solve.astype(OPERANDS)
   plgpu.commit_smem()
@@ -275,13 +285,15 @@ def _scale_gradient(ds_s, dsb_s, decay_s, size, s0_s=None, row_s=None):
   plgpu.commit_smem()
 
 
-def _value_adjoint(p_rb_s, dy_s, bc_s, dsb_s, solve_s, x_s):
+def _value_adjoint(p_rb_s, dy_s, bc_s, dsb_s, solve_s, x_s, sync=_no_sync):
   """dU = P_rb^T dY + B̌ dS̄^T, then dX = (I - M_ab)^{-T} dU, both into x_s [L, BV] as bfloat16."""
   from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
   block_shape = (CHUNK, BLOCK)
   x_s[...] = _product(block_shape, (p_rb_s.T, dy_s), (bc_s, dsb_s.T)).astype(OPERANDS)
   plgpu.commit_smem()
-  x_s[...] = _product(block_shape, (solve_s.T, x_s)).astype(OPERANDS)
+  dx = _product(block_shape, (solve_s.T, x_s)).astype(OPERANDS)
+  sync()  # Every warp's share of the product has read dU.
+  x_s[...] = dx
   plgpu.commit_smem()
 
 
@@ -296,7 +308,7 @@ def _state_gradient(ds_s, dy_s, rh_s, x_s, ah_s, size):
 
 
 def _kernel(r_ref, k_ref, a_ref, b_ref, v_ref, g_ref, gp_ref, s0_ref, y_ref, s_ref, *refs, num_chunks, checkpoints,
-            slots):
+            slots, sync=_no_sync):
   """One program: BV value rows of one (batch, head)'s state through every chunk; with `checkpoints`, the first of
   `refs` is the output [B, H, T / L, N, N] of the (bfloat16) state entering each chunk. The input tiles have `slots`
   slots: with two, chunk c + 1's loads go to one while chunk c's products read the other."""
@@ -368,12 +380,13 @@ def _kernel(r_ref, k_ref, a_ref, b_ref, v_ref, g_ref, gp_ref, s0_ref, y_ref, s_r
     p_rb_s[...] = jnp.where(incl, product(pairs, (r_s, b_s.T)), 0.0).astype(OPERANDS)
     p_rk_s[...] = jnp.where(incl, product(pairs, (r_s, k_s.T)), 0.0).astype(OPERANDS)
 
-    _inverse(m_ab, rows_iota == cols_iota, power_s, solve_s)
+    _inverse(m_ab, rows_iota == cols_iota, power_s, solve_s, sync)
 
     block_shape = (CHUNK, BLOCK)
     x_s[...] = product(block_shape, (a_s, state_s.T), (m_ak_s, v_s)).astype(OPERANDS)
     plgpu.commit_smem()
     u = product(block_shape, (solve_s, x_s))
+    sync()  # Every warp's share of the product has read X.
     x_s[...] = u.astype(OPERANDS)
     plgpu.commit_smem()
     y = product(block_shape, (r_s, state_s.T), (p_rb_s, x_s), (p_rk_s, v_s))
@@ -399,11 +412,26 @@ def _check_size(size: int) -> None:
     raise ValueError(f"wkv7_mgpu: head size {size} not supported; sizes {SIZES}")
 
 
-def _launch(body, out_type, scratch, batch: int, heads: int, size: int, interpreted: bool):
+def _launch(body, out_type, scratch, batch: int, heads: int, size: int, interpreted: bool,
+            explicit_barriers: bool = False):
   """`body` as a Mosaic GPU kernel over grid (B, H, N / BV), one warpgroup a program: interpreted on the CPU (Mosaic
-  GPU interpret mode) or compiled."""
+  GPU interpret mode) or compiled.
+
+  Barriers. By default Pallas puts a warpgroup barrier before and after every store to shared memory, so that no
+  thread overwrites what another still reads and every thread then reads what the others wrote. With
+  `explicit_barriers` Pallas adds none (`unsafe_no_auto_barriers`) and `body` gets `sync`, a warpgroup barrier, for
+  the places where the kernels' own commits do not already separate a read from a later overwrite by another
+  thread: a product's operand tile overwritten by its result (another warp's share of the wgmma may still read it)
+  and the log-decay row's read-modify-write (its layout replicates each value across threads). A store over what the
+  same thread read in the same layout needs none; a store that a product or a copy reads follows a commit_smem (fence
+  and barrier) in both forms; `wait_smem_to_gmem` includes a barrier. Interpret mode runs one thread per warpgroup,
+  so only a GPU can show a missed barrier (as outputs that differ from the default form's). Cross-warp reductions
+  take REDUCTION_SCRATCH bytes (Pallas' default: 2 KiB), so that more columns are reduced between their barriers."""
   from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
-  params = dict(interpret=plgpu.InterpretGPUParams()) if interpreted else dict(compiler_params=plgpu.CompilerParams())
+  if explicit_barriers:
+    body = functools.partial(body, sync=plgpu.commit_smem)
+  params = dict(interpret=plgpu.InterpretGPUParams()) if interpreted else dict(compiler_params=plgpu.CompilerParams(
+      unsafe_no_auto_barriers=explicit_barriers, reduction_scratch_bytes=REDUCTION_SCRATCH))
   return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(batch, heads, size // BLOCK),
                       grid_names=("batch", "head", "block"), **params)
 
@@ -420,10 +448,11 @@ def _scratch(tiles):
           for shape, dtype in tiles]
 
 
-def _build(shape: tuple[int, int, int, int], y_dtype: str, checkpoints: bool, slots: int, interpreted: bool):
+def _build(shape: tuple[int, int, int, int], y_dtype: str, checkpoints: bool, slots: int, explicit_barriers: bool,
+           interpreted: bool):
   """The kernel for inputs [B, T, H, N] (T a multiple of CHUNK), y in `y_dtype`, with or without the chunk states'
-  output, with `slots` slots per input tile (2: double-buffered): interpreted on the CPU (Mosaic GPU interpret mode)
-  or compiled."""
+  output, with `slots` slots per input tile (2: double-buffered), barriers as `_launch` says: interpreted on the CPU
+  (Mosaic GPU interpret mode) or compiled."""
   from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
   batch, length, heads, size = shape
   inputs, work = _forward_tiles(size, y_dtype, slots)
@@ -433,11 +462,11 @@ def _build(shape: tuple[int, int, int, int], y_dtype: str, checkpoints: bool, sl
   if checkpoints:
     out_type.append(jax.ShapeDtypeStruct((batch, heads, length // CHUNK, size, size), OPERANDS))
   body = functools.partial(_kernel, num_chunks=length // CHUNK, checkpoints=checkpoints, slots=slots)
-  return _launch(body, tuple(out_type), scratch, batch, heads, size, interpreted)
+  return _launch(body, tuple(out_type), scratch, batch, heads, size, interpreted, explicit_barriers)
 
 
 def forward(r, w, k, v, a, b, state, *, interpret: bool | None = None, checkpoints: bool = False,
-            pipelined: bool | None = None):
+            pipelined: bool | None = None, explicit_barriers: bool = False):
   """WKV-7 forward: (y [B, T, H, N] in v's dtype, the final state [B, H, N, N] float32), and with `checkpoints` also
   the state entering each chunk, [B, H, ceil(T / CHUNK), N, N] bfloat16 (`backward`'s residual).
 
@@ -445,8 +474,8 @@ def forward(r, w, k, v, a, b, state, *, interpret: bool | None = None, checkpoin
   in SIZES, w >= min_log_decay() (`in_range`; stronger decays overflow the factored form). state: [B, H, N, N]
   float32. interpret: Mosaic GPU interpret mode (None: unless the default backend is a GPU). pipelined: each
   chunk's loads overlap the previous chunk's products (two slots per input tile; None: `pipelines(N)`, where they
-  fit shared memory). Not differentiable itself: the op backend (`ltm_jax.ops.wkv7.pallas_mgpu`) pairs it with
-  `backward`.
+  fit shared memory). explicit_barriers: the kernel's own barriers only (`_launch`; the same arithmetic). Not
+  differentiable itself: the op backend (`ltm_jax.ops.wkv7.pallas_mgpu`) pairs it with `backward`.
   """
   batch, length, heads, size = r.shape
   _check_size(size)
@@ -456,8 +485,8 @@ def forward(r, w, k, v, a, b, state, *, interpret: bool | None = None, checkpoin
   y_dtype = jnp.dtype(v.dtype).name
   if pipelined is None:
     pipelined = pipelines(size, y_dtype=y_dtype)
-  run = backend.mosaic_gpu_call(functools.partial(_build, r.shape, y_dtype, checkpoints, 2 if pipelined else 1),
-                                interpret)
+  run = backend.mosaic_gpu_call(functools.partial(_build, r.shape, y_dtype, checkpoints, 2 if pipelined else 1,
+                                                  explicit_barriers), interpret)
   outputs = run(*operands, g, g_exclusive, state.astype(jnp.float32))
   return (outputs[0][:, :length],) + tuple(outputs[1:])
 
@@ -465,7 +494,7 @@ def forward(r, w, k, v, a, b, state, *, interpret: bool | None = None, checkpoin
 def _backward_kernel(rh_ref, kc_ref, ah_ref, bc_ref, v_ref, dy_ref, ckpt_ref, decay_ref, ds_ref,
                      dv_ref, dr_ref, da_ref, db_ref, dk_ref, dg_ref, ds0_ref,
                      rh_s, kc_s, ah_s, bc_s, v_s, dy_s, s0_s, dsb_s, ds_s, m_ak_s, p_rb_s, p_rk_s, power_s, solve_s,
-                     x_s, u_s, out_s, row_s, decay_s, barriers, *, num_chunks, slots):
+                     x_s, u_s, out_s, row_s, decay_s, barriers, *, num_chunks, slots, sync=_no_sync):
   """One program: BV value rows of one (batch, head)'s state gradient through every chunk, last chunk first. The
   input tiles (R̂, Ǩ, Â, B̌, v, dy, S_0, e^{g_L}) have `slots` slots: with two, the next chunk's loads go to one while
   this chunk's products read the other."""
@@ -542,14 +571,14 @@ def _backward_kernel(rh_ref, kc_ref, ah_ref, bc_ref, v_ref, dy_ref, ckpt_ref, de
     m_ak_s[...] = jnp.where(strict, product(pairs, (ah_s, kc_s.T)), 0.0).astype(OPERANDS)
     p_rb_s[...] = jnp.where(incl, product(pairs, (rh_s, bc_s.T)), 0.0).astype(OPERANDS)
     p_rk_s[...] = jnp.where(incl, product(pairs, (rh_s, kc_s.T)), 0.0).astype(OPERANDS)
-    _inverse(m_ab, diagonal, power_s, solve_s)
+    _inverse(m_ab, diagonal, power_s, solve_s, sync)
     x_s[...] = product(block_shape, (ah_s, s0_s.T), (m_ak_s, v_s)).astype(OPERANDS)
     plgpu.commit_smem()
     u_s[...] = product(block_shape, (solve_s, x_s)).astype(OPERANDS)
     plgpu.commit_smem()
 
     # Value side: dU = P_rb^T dY + B̌ dS̄^T, dX = (I - M_ab)^{-T} dU (both in x_s), dV, and dS_0 into ds_s.
-    _value_adjoint(p_rb_s, dy_s, bc_s, dsb_s, solve_s, x_s)
+    _value_adjoint(p_rb_s, dy_s, bc_s, dsb_s, solve_s, x_s, sync)
     dv = product(block_shape, (p_rk_s.T, dy_s), (m_ak_s.T, x_s), (kc_s, dsb_s.T))
     dv_s[...] = dv.astype(dv_s.dtype)
     plgpu.commit_smem()
@@ -585,9 +614,11 @@ def _backward_kernel(rh_ref, kc_ref, ah_ref, bc_ref, v_ref, dy_ref, ckpt_ref, de
       emit(product(piece, (x_s, s0_s.at[cols]), (dm_ab_s, bc_s.at[cols]), (dm_ak_s, kc_s.at[cols])), da_ref, start,
            out_s)
       # The state after the chunk takes B̌ and Ǩ through U dS̄ and V dS̄; with them, g_L's gradient.
+      row = plgpu.load(row_s.at[pl.ds(start, BLOCK)], layout=row_layout)
       for side_s, key_s in ((u_s, bc_s), (v_s, kc_s)):
-        end = jnp.sum(product(piece, (side_s, dsb_s.at[cols])) * load(key_s.at[cols]), axis=0)
-        row_s[pl.ds(start, BLOCK)] = plgpu.load(row_s.at[pl.ds(start, BLOCK)], layout=row_layout) + end
+        row = row + jnp.sum(product(piece, (side_s, dsb_s.at[cols])) * load(key_s.at[cols]), axis=0)
+      sync()  # Every thread holding a copy of the row has read it.
+      row_s[pl.ds(start, BLOCK)] = row
       emit(product(piece, (dp_rb_s.T, rh_s.at[cols]), (dm_ab_s.T, ah_s.at[cols]), (u_s, dsb_s.at[cols])), db_ref,
            start, out_s)
       emit(product(piece, (dp_rk_s.T, rh_s.at[cols]), (dm_ak_s.T, ah_s.at[cols]), (v_s, dsb_s.at[cols])), dk_ref,
@@ -605,9 +636,10 @@ def _backward_kernel(rh_ref, kc_ref, ah_ref, bc_ref, v_ref, dy_ref, ckpt_ref, de
   plgpu.wait_smem_to_gmem(0)
 
 
-def _build_backward(shape: tuple[int, int, int, int], dv_dtype: str, slots: int, interpreted: bool):
+def _build_backward(shape: tuple[int, int, int, int], dv_dtype: str, slots: int, explicit_barriers: bool,
+                    interpreted: bool):
   """The backward kernel for inputs [B, T, H, N] (T a multiple of CHUNK), dv in `dv_dtype` (bfloat16 or float32),
-  `slots` slots per input tile (2: double-buffered)."""
+  `slots` slots per input tile (2: double-buffered), barriers as `_launch` says."""
   from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
   batch, length, heads, size = shape
   chunks, blocks = length // CHUNK, size // BLOCK
@@ -621,7 +653,7 @@ def _build_backward(shape: tuple[int, int, int, int], dv_dtype: str, slots: int,
               jax.ShapeDtypeStruct((blocks, batch, heads, chunks, size), jnp.float32),
               jax.ShapeDtypeStruct((batch, heads, size, size), jnp.float32))
   body = functools.partial(_backward_kernel, num_chunks=chunks, slots=slots)
-  return _launch(body, out_type, scratch, batch, heads, size, interpreted)
+  return _launch(body, out_type, scratch, batch, heads, size, interpreted, explicit_barriers)
 
 
 def _decayed(x, factor):
@@ -629,11 +661,13 @@ def _decayed(x, factor):
   return (x.astype(OPERANDS).astype(jnp.float32) * factor).astype(OPERANDS)
 
 
-def backward(r, w, k, v, a, b, checkpoints, dy, ds, *, interpret: bool | None = None, pipelined: bool | None = None):
+def backward(r, w, k, v, a, b, checkpoints, dy, ds, *, interpret: bool | None = None, pipelined: bool | None = None,
+             explicit_barriers: bool = False):
   """The gradients (dr, dw, dk, dv, da, db in the inputs' dtypes, dstate [B, H, N, N] float32) of `forward` at
   r, w, k, v, a, b [B, T, H, N], given its chunk states `checkpoints` [B, H, ceil(T / CHUNK), N, N], dy [B, T, H, N]
   (y's gradient) and ds [B, H, N, N] (the final state's gradient). Same range and sizes as `forward`. pipelined:
-  each chunk's loads overlap the previous chunk's products (None: `pipelines(N, backward=True)`)."""
+  each chunk's loads overlap the previous chunk's products (None: `pipelines(N, backward=True)`). explicit_barriers:
+  as in `forward`."""
   batch, length, heads, size = r.shape
   _check_size(size)
   r, w, k, v, a, b, dy = wkv7_chunked.pad_tokens(CHUNK, r, w, k, v, a, b, dy)
@@ -647,8 +681,8 @@ def backward(r, w, k, v, a, b, checkpoints, dy, ds, *, interpret: bool | None = 
   dv_dtype = "bfloat16" if v.dtype == jnp.bfloat16 else "float32"
   if pipelined is None:
     pipelined = pipelines(size, backward=True)
-  run = backend.mosaic_gpu_call(functools.partial(_build_backward, r.shape, dv_dtype, 2 if pipelined else 1),
-                                interpret)
+  run = backend.mosaic_gpu_call(functools.partial(_build_backward, r.shape, dv_dtype, 2 if pipelined else 1,
+                                                  explicit_barriers), interpret)
   dv, dr, da, db, dk, dg_total, dstate = run(*operands, checkpoints, decay_total, ds.astype(jnp.float32))
   # The value blocks' shares summed, and each decayed tile's gradient taken back to its input.
   dr, da = dr.sum(0) * grow, da.sum(0) * grow_before

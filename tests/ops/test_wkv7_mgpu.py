@@ -33,13 +33,15 @@ WORKER = ROOT / "tests" / "ops" / "wkv7_mgpu_worker.py"
 RTOL = 2.0**-6
 # Gradients through the op (the forward kernel with chunk states, then the backward kernel): the same bfloat16
 # operands, the chunk states stored in bfloat16 (the forward's operand itself), dU and dX rounded to bfloat16 before
-# their products, bfloat16 gradients for bfloat16 inputs. Measured over OP_GRAD_CASES and SERIAL_CASES: 1.8e-3 (the
+# their products, bfloat16 gradients for bfloat16 inputs. Measured over OP_GRAD_CASES and FORM_CASES: 1.8e-3 (the
 # state's gradient) to 8.0e-3 (bfloat16 da), the forward's tolerance holds with 1.9x to spare.
 GRAD_RTOL = RTOL
 OP_GRAD_CASES = ("op_grad_f32", "op_grad_bf16", "op_grad_bf16_n128")
 # The kernels called directly in the form that loads each chunk before its products (the default at N = 128) at
-# N = 64, where the default overlaps the loads with the previous chunk's products (the cases above at N = 64).
-SERIAL_CASES = ("grad_bf16_serial",)
+# N = 64, where the default overlaps the loads with the previous chunk's products (the cases above at N = 64); and
+# with the kernels' own barriers only (`explicit_barriers`: in interpret mode the same program, compiled on a GPU the
+# check that no barrier is missing).
+FORM_CASES = ("grad_bf16_serial", "grad_bf16_xbar")
 # The strong-decay case runs the float32 "chunked" backend both ways: float32 error only (measured 2.3e-7 to 3.8e-7).
 F32_RTOL = 1e-5
 KERNEL_CASES = ("kernel_f32_ragged", "kernel_bf16", "kernel_f32_n128", "kernel_bf16_n128")
@@ -55,6 +57,9 @@ SEGMENTED_CASES = ("op_grad_segmented_bf16",)
 # state-only kernels' most shared memory and registers).
 COMPILED_CASES = ("wkv7_mgpu_n128_f32", "wkv7_mgpu_pipe_n64_f32", "wkv7_mgpu_bwd_n128_bf16",
                   "wkv7_mgpu_pipe_bwd_n64_f32", "wkv7_mgpu_end_n128_bf16")
+# The forms with the kernels' own barriers only (`explicit_barriers`), beside their twins above.
+EXPLICIT_BARRIER_CASES = {"wkv7_mgpu_xbar_pipe_n64_f32": "wkv7_mgpu_pipe_n64_f32",
+                          "wkv7_mgpu_xbar_pipe_bwd_n64_f32": "wkv7_mgpu_pipe_bwd_n64_f32"}
 SMEM_PER_BLOCK = 232448  # Hopper's opt-in shared memory per block, 227 KiB.
 
 
@@ -165,10 +170,10 @@ def test_segmented_op_keeps_little_for_its_backward(results):
   assert inputs < kept < 2 * inputs, (kept, inputs)
 
 
-@pytest.mark.parametrize("name", SERIAL_CASES)
-def test_serial_form_values_and_gradients(results, name):
-  """`forward(pipelined=False)` with chunk states, then `backward(pipelined=False)`: y, the state and the seven
-  gradients, as through the op."""
+@pytest.mark.parametrize("name", FORM_CASES)
+def test_other_forms_values_and_gradients(results, name):
+  """`forward(..., checkpoints=True)` then `backward` in the form the case names (loads before products; own barriers
+  only): y, the state and the seven gradients, as through the op."""
   _check_op(results, name, RTOL, GRAD_RTOL)
 
 
@@ -206,20 +211,24 @@ def test_op_refuses_other_head_sizes():
 
 @pytest.mark.long
 def test_compiles_for_h100_without_spills(tmp_path):
-  """The kernels compile for sm_90a (deviceless, about 40-65 s for the five cases on 2 cores, so `make test-long`)
-  with no register spills and within Hopper's shared memory."""
+  """The kernels compile for sm_90a (deviceless, about 60-90 s for the seven cases on 2 cores, so `make test-long`)
+  with no register spills and within Hopper's shared memory; with the kernels' own barriers only, a chunk waits at
+  fewer than half the barriers of the default form (Pallas' barrier around every shared-memory store left out)."""
   if not (ROOT / ".venv-aot" / ".installed").exists():
     pytest.skip("needs .venv-aot (the CUDA plugin and ptxas; `make gpu-aot` builds it)")
   report_path = tmp_path / "mgpu.json"
-  cases = f"^({'|'.join(COMPILED_CASES)})$"
+  cases = f"^({'|'.join(COMPILED_CASES + tuple(EXPLICIT_BARRIER_CASES))})$"
   proc = subprocess.run([str(AOT_PYTHON), "benchmarks/gpu_aot.py", "--mgpu", "--cases", cases, "--jobs", "2", "--json",
                          str(report_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
   rows = json.loads(report_path.read_text())["kernels"]
-  assert sorted(r["case"] for r in rows) == sorted(COMPILED_CASES)
+  assert sorted(r["case"] for r in rows) == sorted(COMPILED_CASES + tuple(EXPLICIT_BARRIER_CASES))
   for row in rows:
     assert row["spills"] == 0 and row["stack"] == 0, row
     assert 0 < row["registers"] <= 255 and 0 < row["smem"] <= SMEM_PER_BLOCK, row
+  barriers = {r["case"]: r["loop_barriers"] for r in rows}
+  for explicit, default in EXPLICIT_BARRIER_CASES.items():
+    assert 0 < 2 * barriers[explicit] < barriers[default], barriers
 
 
 # Compiles the op's gradient for an H100 without one (the CUDA plugin, sm_90a) with the kernels compiled

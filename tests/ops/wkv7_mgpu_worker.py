@@ -20,6 +20,8 @@ products (`wkv7_mgpu.pipelines`), at N = 128 they do not:
                        "chunked" runs both ways)
   grad_bf16_serial:    [1, 150, 1, 64] bfloat16, the kernels called directly with pipelined=False (each chunk's loads
                        before its products, as at N = 128): y, state and the seven gradients
+  grad_bf16_xbar:      [1, 150, 1, 64] bfloat16, the same with the loads overlapped and explicit_barriers=True (the
+                       kernels' own barriers only: compiled on a GPU, where a missing one would show)
   states_f32_ragged:   [1, 100, 2, 64] float32, the state-only kernels: `end_states` from the random state (saved as
                        y = nothing, state = the end state), from the identity without values (the transition,
                        `transition`) and `state_gradients` of random dy and ds (`state_grad`)
@@ -36,6 +38,7 @@ Log-decays are drawn per channel from [min_log_decay() = -0.9375, -1e-6] unless 
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 
@@ -58,6 +61,7 @@ CASES = {
     "op_grad_bf16_n128": ((1, 100, 1, 128), "bfloat16"),
     "op_strong_decay_f32": ((1, 40, 1, 64), "float32"),
     "grad_bf16_serial": ((1, 150, 1, 64), "bfloat16"),
+    "grad_bf16_xbar": ((1, 150, 1, 64), "bfloat16"),
     "states_f32_ragged": ((1, 100, 2, 64), "float32"),
     "states_bf16_n128": ((1, 128, 1, 128), "bfloat16"),
     "op_grad_segmented_bf16": ((1, 256, 1, 64), "bfloat16"),
@@ -97,11 +101,12 @@ def main(path: str, compiled: bool = False) -> None:
       lambda a, c: op_and_pullback(a, c, w_min))(args, cot)).count("reduce_min[axes=(0, 1, 2, 3)"))
   op_and_pullback = jax.jit(op_and_pullback, static_argnames="w_min")
 
-  @jax.jit
-  def serial_and_gradients(args, cot):
-    """The kernels' (y, state) and gradients as the op composes them, each chunk's loads before its products."""
-    y, state, chunk_states = wkv7_mgpu.forward(*args, interpret=not compiled, checkpoints=True, pipelined=False)
-    grads = wkv7_mgpu.backward(*args[:6], chunk_states, *cot, interpret=not compiled, pipelined=False)
+  @functools.partial(jax.jit, static_argnames=("pipelined", "explicit_barriers"))
+  def kernels_and_gradients(args, cot, pipelined, explicit_barriers):
+    """The kernels' (y, state) and gradients as the op composes them, in the form the flags name."""
+    form = dict(interpret=not compiled, pipelined=pipelined, explicit_barriers=explicit_barriers)
+    y, state, chunk_states = wkv7_mgpu.forward(*args, checkpoints=True, **form)
+    grads = wkv7_mgpu.backward(*args[:6], chunk_states, *cot, **form)
     return (y, state), grads
 
   @jax.jit
@@ -137,8 +142,9 @@ def main(path: str, compiled: bool = False) -> None:
       rng = np.random.default_rng(100 + seed)
       # y's cotangent in y's dtype (as autodiff hands it to the op), the state's in float32.
       cot = (jnp.asarray(rng.normal(size=shape), dtype), jnp.asarray(rng.normal(size=x[6].shape), jnp.float32))
-      if name.endswith("serial"):
-        (y, state), grads = serial_and_gradients(args, cot)
+      if name.startswith("grad"):
+        xbar = name.endswith("xbar")
+        (y, state), grads = kernels_and_gradients(args, cot, pipelined=xbar, explicit_barriers=xbar)
       else:
         w_min = wkv7_mgpu.min_log_decay() if name in BOUNDED else None
         (y, state), grads = op_and_pullback(args, cot, w_min)
