@@ -41,8 +41,10 @@ from ltm_jax.ops.wkv7 import wkv7
 # Official x070 constants. The decay is e^w with w = -e^{-1/2} sigmoid(.), so every step keeps between
 # e^{-0.61} = 0.545 and 1 of the state; the group norm of the WKV output uses eps = 64e-5 (not the usual 1e-5).
 MAX_LOG_DECAY = math.exp(-0.5)
-# A bound on every log-decay the layer passes WKV-7 (its w_min), with room for float32 rounding of -0.61.
-LOG_DECAY_BOUND = -1.0
+# A bound on every log-decay the layer passes WKV-7 (its w_min): room for any float dtype's rounding of -e^{-1/2}
+# (bfloat16: -0.609), and within every chunked kernel's exact range (the Mosaic GPU kernels' chunks of 64 take
+# w >= -0.9375), so that none of them reads w to check it at run time.
+LOG_DECAY_BOUND = -0.75
 GROUP_NORM_EPS = 64e-5
 NORMALIZE_EPS = 1e-12  # torch.nn.functional.normalize's floor on the key norm.
 

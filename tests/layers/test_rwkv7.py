@@ -208,3 +208,31 @@ def test_initialisation_follows_the_official_schedule():
   assert np.abs(p["key"]["kernel"]).max() <= 0.05 / math.sqrt(C)
   # The official suggested LoRA widths of RWKV-7 0.1B (C = 768): 64, 64, 32, 128.
   assert ModelConfig(d_model=768).rwkv7_lora_dims() == {"decay": 64, "iclr": 64, "value": 32, "gate": 128}
+
+
+def test_the_decay_bound_holds_and_lets_every_chunked_kernel_run_unchecked(monkeypatch, dtype="bfloat16"):
+  """The log-decays the layer hands WKV-7 stay above the w_min it declares, even with the decay's pre-activation far
+  past saturation (a decay_base of +40: sigmoid rounds to 1), in bfloat16 compute (w itself is float32 in every
+  dtype); and that bound lies
+  within the exact range of every chunked kernel (Triton chunks of 16 and 32, Mosaic GPU chunks of 64), so none of
+  them reads w to check it at run time."""
+  from ltm_jax.layers import rwkv7 as rwkv7_layer  # pylint: disable=g-import-not-at-top
+  from ltm_pallas import wkv7_chunked, wkv7_mgpu  # pylint: disable=g-import-not-at-top
+  original, seen = rwkv7_layer.wkv7, []
+
+  def spy(r, w, k, v, a, b, state, *, impl, w_min):
+    seen.append((float(jnp.min(w)), w_min))
+    return original(r, w, k, v, a, b, state, impl="scan")
+
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.normal(0, 1, (B, T, C)), dtype)
+  layer = _layer(True, dtype=dtype)
+  params = _random_params(layer, x, _random_state(4), None)
+  params["decay_base"] = jnp.full_like(params["decay_base"], 40.0)
+  monkeypatch.setattr(rwkv7_layer, "wkv7", spy)
+  layer.apply({"params": params}, x, _random_state(4), None)
+  (smallest, bound), = seen
+  assert bound == rwkv7_layer.LOG_DECAY_BOUND and smallest >= bound
+  assert smallest < -0.6  # Saturated: the strongest decay the layer can produce.
+  assert wkv7_mgpu.bounded(bound) and wkv7_chunked.bounded(bound, 16) and wkv7_chunked.bounded(bound, 32)
+  assert not wkv7_mgpu.bounded(-1.0)  # The range check itself still refuses a bound the kernels cannot take.

@@ -112,7 +112,7 @@ def wkv7(
     state: [B, H, N, N] float32 state before the first token (S[b, h, i, j], i = value index, j = key index), or
       None for zeros.
     impl: "auto" (the platform's fastest, see AUTO), or one of AVAILABLE.
-    w_min: a static bound the caller guarantees, w >= w_min everywhere, or None (RWKV-7 layers pass -1: their w lies
+    w_min: a static bound the caller guarantees, w >= w_min everywhere, or None (RWKV-7 layers pass -0.75: their w lies
       in (-e^{-1/2}, 0) by construction). The chunked kernels' backends ("pallas_chunked", "pallas_segmented",
       "pallas_mgpu") are exact for w down to a limit; with a bound at or above it they run their kernels without
       reading w to check it at run time (and without the conditional that check feeds). A w below a given bound
