@@ -148,14 +148,22 @@ def test_the_op_through_the_kernels_matches_the_float64_reference(results, case,
     _assert_close(results[f"{name}/out{i}"], want, OP_RTOL, f"{name}: {label}")
 
 
-def test_the_two_forms_give_the_same_bits(results):
+def test_the_two_forms_agree(results):
   """The warp-specialised form splits each tile's rows between two warpgroups but multiplies and rounds as the
-  pipelined form does: every kernel and op output is bit-identical."""
+  pipelined form does: compiled on a GPU, every kernel and op output is bit-identical. In interpret mode each
+  warpgroup's product is a CPU dot of its own row count, which some CPUs sum in an order that depends on it: there an
+  element of z may differ by one bfloat16 rounding and the activations made from it by a few (within 2^-5 of the
+  element, or 1e-6 near zero; outputs are O(1); a wrong row split would differ by O(1))."""
   names = [k for k in results if "/out" in k and "_ws/" not in k and not k.startswith("model/")]
   assert len(names) >= 12
+  compiled = str(results["device"]) != "cpu"
   for name in names:
     case, out = name.split("/")
-    np.testing.assert_array_equal(results[f"{case}_ws/{out}"], results[name], err_msg=name)
+    split, whole = results[f"{case}_ws/{out}"], results[name]
+    if compiled:
+      np.testing.assert_array_equal(split, whole, err_msg=name)
+    else:
+      np.testing.assert_allclose(split, whole, rtol=2.0**-5, atol=1e-6, err_msg=name)
 
 
 @pytest.mark.long
