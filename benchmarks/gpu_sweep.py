@@ -299,6 +299,13 @@ def _headline(path: pathlib.Path) -> dict[str, Any]:
     payload = json.loads(path.read_text())
   except (OSError, ValueError) as e:
     return {"headline": f"unreadable results: {e}"}
+  total = payload.get("total")
+  if isinstance(total, dict) and "predicted_ms" in total:  # A step budget (step_budget.py): no rows.
+    measured = payload.get("measured_step_ms")
+    headline = f"predicted {total['predicted_ms']:.1f} ms" + (f", measured {measured:.1f}" if measured else "")
+    if payload.get("run_error"):
+      headline += f"; run error: {str(payload['run_error'])[:120]}"
+    return {"predicted_ms": total["predicted_ms"], "measured_step_ms": measured, "headline": headline}
   rows = payload.get("results", [])
   bad = sum(1 for r in rows if isinstance(r, dict) and ("error" in r or "skipped" in r))
   out: dict[str, Any] = {"rows": len(rows), "rows_failed_or_skipped": bad}
@@ -307,16 +314,7 @@ def _headline(path: pathlib.Path) -> dict[str, Any]:
   if mfu:
     out["mfu"] = mfu
     parts.append("mfu " + ", ".join(f"{m:.3f}" for m in mfu))
-  total = payload.get("total")
-  if isinstance(total, dict) and "predicted_ms" in total:  # A step budget (step_budget.py).
-    out["predicted_ms"], out["measured_step_ms"] = total["predicted_ms"], payload.get("measured_step_ms")
-    measured = out["measured_step_ms"]
-    parts = [f"predicted {total['predicted_ms']:.1f} ms" + (f", measured {measured:.1f}" if measured else "")]
-    if payload.get("run_error"):
-      parts.append(f"run error: {str(payload['run_error'])[:120]}")
   config = payload.get("config", {})
-  if not isinstance(config, dict):
-    config = {}
   found = config.get("peers_found", config.get("peers_run"))
   if found is not None:
     parts.append(f"peers: {', '.join(found) or 'none'}")
@@ -426,10 +424,15 @@ def print_table(summary: dict[str, Any], names: list[str]) -> None:
       print("  ".join("-" * width for width in widths))
 
 
+def ordered(plan: str | None) -> list[Bench]:
+  """--plan's benchmarks in its order, or every benchmark in the default order."""
+  return [BY_NAME[name] for name in PLANS[plan]] if plan else list(BENCHMARKS)
+
+
 def select(args) -> list[Bench]:
-  """The benchmarks a command runs: --plan's in its order, else the default order; narrowed by --only and --part."""
-  pool = [BY_NAME[name] for name in PLANS[args.plan]] if args.plan else list(BENCHMARKS)
-  return [b for b in pool if (args.only is None or b.name in args.only) and (args.part is None or b.part == args.part)]
+  """The benchmarks a command runs: `ordered(args.plan)` narrowed by --only and --part."""
+  return [b for b in ordered(args.plan)
+          if (args.only is None or b.name in args.only) and (args.part is None or b.part == args.part)]
 
 
 def _resumable(entry: dict[str, Any] | None) -> bool:
@@ -580,7 +583,7 @@ def main(argv=None) -> int:
     save()
   save()
 
-  order = [BY_NAME[n] for n in PLANS[args.plan]] if args.plan else BENCHMARKS
+  order = ordered(args.plan)
   names = [b.name for b in order if b.name in summary["runs"] or b in chosen]
   print(f"\n== gpu sweep on {device}: {summary_path}" + (f", archive {args.archive}" if args.archive else ""))
   print(f"ceilings: {summary.get('ceilings')}; versions: {summary['versions']}")

@@ -136,8 +136,9 @@ def _with_backward(backward, **static):
     return outputs, (*args, stats)  # The statistics as the forward computed them (also what XLA's fusion wants).
 
   def derivative(residuals, cotangents):
-    dres, dxn, dmixes = jax.tree.map(_instantiate, cotangents, is_leaf=_is_zero)
-    dxn = None if _is_zero(cotangents[1]) else dxn
+    dres, dxn, dmixes = cotangents
+    dxn = None if _is_zero(dxn) else dxn
+    dres, dmixes = jax.tree.map(_instantiate, (dres, dmixes), is_leaf=_is_zero)
     residuals, (dres, dxn, dmixes) = first_order_only(_SECOND_ORDER, residuals, (dres, dxn, dmixes))
     return tuple(backward(*residuals, dres, dxn, tuple(dmixes), **static))
 
