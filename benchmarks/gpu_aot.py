@@ -441,8 +441,11 @@ def _mgpu_worker(name: str, kernel_file: str) -> int:
     elif entry == "state_gradients":  # r, w, a, b, dy and the leaving state's gradient.
       fn = lambda r, w, a, b, dy, ds: kernel.state_gradients(r, w, a, b, dy, ds, interpret=False)
       _compile(mesh, fn, (*inputs[:2], *inputs[4:6], inputs[0], state), result)
-    elif entry == "backward":  # Inputs, the chunk states, dy and the final state's gradient.
+    elif entry == "backward":  # Inputs, the forward's residuals (or chunk states), dy and the final state's gradient.
       ckpt = abstract((batch, channels // size, length // kernel.CHUNK, size, size), jnp.bfloat16)
+      if hasattr(kernel, "Residuals"):
+        tokens = (batch, length, channels // size, size)
+        ckpt = kernel.Residuals(ckpt, *(abstract(tokens, jnp.bfloat16) for _ in range(4)), abstract(tokens, jnp.float32))
       fn = lambda r, w, k, v, a, b, c, dy, ds: kernel.backward(r, w, k, v, a, b, c, dy, ds, interpret=False, **form)
       _compile(mesh, fn, (*inputs, ckpt, inputs[0], state), result)
     else:

@@ -386,7 +386,7 @@ def mgpu_forms(args, platform: str) -> None:
         backward = jax.jit(lambda *x, f=form: wkv7_mgpu.backward(*x, **f))
         y, final, states = forward(r, w, k, v, a, b, state)
         grads = backward(r, w, k, v, a, b, states, dy, final)
-        outputs = (y, final, states, *grads)
+        outputs = (y, final, *states, *grads)
         row = dict(size=size, shape=f"{batch}x{length}x{channels}x{size}", dtype="bfloat16", pipelined=pipelined,
                    explicit_barriers=explicit)
         if on_gpu:

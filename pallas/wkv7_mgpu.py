@@ -15,9 +15,8 @@ The last line is `wkv7_chunked`'s S_0 diag(e^{g_L}) + U^T B̄ + V^T K̄ with the
 products: B̄ and K̄ need no tiles of their own, and the state's accumulator gets the decay once per chunk.
 
 Layout. Grid (B, H, N / BV), one warpgroup (128 threads) per program: a program owns BV = 64 value rows of one
-head's state (rows never interact), walks the chunks in order and keeps its [BV, N] float32 block of S in registers
-(the wgmma accumulator layout) between chunks, and in g⁻'s shared-memory tile during a chunk's products. Each
-chunk's r, k, a, b, g, g⁻ tiles [L, N] and v tile [L, BV] come in by TMA; the decayed tiles overwrite r, a, b, k
+head's state (rows never interact), walks the chunks in order and keeps its [BV, N] float32 block of S in a
+shared-memory tile from chunk to chunk. Each chunk's r, k, a, b, w tiles [L, N] and v tile [L, BV] come in by TMA; the decayed tiles overwrite r, a, b, k
 in shared memory as bfloat16 wgmma operands. Every product is a wgmma with M = 64 rows (Hopper's instruction
 height, hence L = 64 and BV = 64): the [L, L] pair matrices and the [L, BV] value tiles accumulate in float32, and
 the [L, L] ones are stored to shared memory as bfloat16 to enter later products from there (every wgmma operand is
@@ -34,8 +33,13 @@ take of Hopper's 232,448, so there each chunk's loads come before its products (
 64 too). Both forms run the same products on the same operands.
 
 Operands. Every product takes bfloat16 operands (the decayed keys, the state, U, the pair matrices), float32 inputs
-included: Hopper's float32 wgmma (TF32) needs both operands K-major, which the V, U and U^T products are not. The
-chunk's cumulative log-decays g and g⁻ are float32 inputs, computed by XLA beside the kernel (`chunk_log_decays`).
+included: Hopper's float32 wgmma (TF32) needs both operands K-major, which the V, U and U^T products are not.
+
+Log-decays. The forward takes w in float32 and sums it along each chunk itself (`_log_decays`): Mosaic GPU has no
+cumulative sum, so g = incl(1) w is a product, [L, L] ones times w split into three bfloat16 parts (8 significant bits
+each, float32's 24), the exact products summed in float32: within 2 float32 ulps of g's running sum (|g| <= 60 in
+the tests). g⁻ = g - w, float32. Three products per [L, 64] column piece of g, against XLA's cumulative sum and two
+float32 tiles in, written and read back, beside the kernel.
 
 Range. As in `wkv7_chunked`, factoring e^{g_t - g_s} = e^{g_t} e^{-g_s} needs every factor finite: exact while
 w >= min_log_decay() = -LOG_RANGE / 64 = -0.9375 (RWKV-7's layers keep w >= -0.61); `in_range` checks it.
@@ -45,20 +49,23 @@ within ptxas' 255. Two choices keep the chunk loop from spilling: (1) every work
 [1, ...] buffer, indexed in the loop body by a zero the compiler cannot see through (`one_chunk`; the input tiles at
 that zero plus the chunk's slot), so that LLVM
 does not hoist the tiles' element addresses out of the loop and hold them in registers across it (in the PTX at
-N = 128, 168 64-bit values defined before the loop are used in it without the slot, 20 with it); (2) once Â is
-made, the float32 state waits in g⁻'s tile through the chunk's products instead of in registers. The decays are
-applied in [64, 64] column pieces, reading g from shared memory at each use (3 to 4 registers fewer at N = 128).
+N = 128, 168 64-bit values defined before the loop are used in it without the slot, 20 with it); (2) the float32
+state is held in a shared-memory tile from chunk to chunk, not in registers. The decays are made and applied in
+[64, 64] column pieces, reading g from shared memory at each use but Â's; the matrix of ones is made in the loop
+from the opaque zero (as a loop invariant it was held in registers across the loop).
 
-Checkpoints. With `checkpoints`, the forward also writes the state entering each chunk, [B, H, T / L, N, N] in
-bfloat16, by TMA from the S_0 operand tile: the backward's residual. bfloat16 because the backward reads S_0 only as
-a product operand (and in one column sum, below), and the forward's products read it in bfloat16 too: the backward
-recomputes U from exactly the forward's operands, at half the bytes of float32 (1 GiB at B 8, T 4096, C 4096, N 128).
+Residuals. With `checkpoints`, the forward also writes what the backward reads (`Residuals`), each by TMA from
+the shared-memory tile its own products read: the state entering each chunk, [B, H, T / L, N, N] in bfloat16 from
+the S_0 operand tile, and (from the programs of value block 0) the decayed operands R̂, Ǩ, Â, B̌ [B, T, H, N] in
+bfloat16 and g in float32. bfloat16 states because the backward reads S_0 only as a product operand (and in one
+column sum, below), and the forward's products read it in bfloat16 too: the backward recomputes U from exactly the
+forward's operands, at half the bytes of float32 (1 GiB at B 8, T 4096, C 4096, N 128).
 
 Backward (`backward`). Chunks in reverse, same grid and warpgroup; a program carries its [BV, N] float32 block of dS
 (the gradient of the state leaving the chunk) in a shared-memory tile. Its inputs per chunk, by TMA: the decayed
-tiles R̂, Ǩ, Â, B̌ [L, N] in bfloat16 (made by XLA beside the kernel, rounded as the forward rounds them: g and g⁻
-as float32 tiles in the kernel would take another 64 KiB at N = 128, beyond Hopper's 227 KiB), v and dy [L, BV], the
-chunk's S_0 block [BV, N] and e^{g_L} [N]. With dS̄ = dS diag(e^{g_L}) (the only form in which the
+tiles R̂, Ǩ, Â, B̌ [L, N] in bfloat16 (the forward's own, from its residuals: w and g as float32 tiles in the
+kernel would take another 64 KiB at N = 128, beyond Hopper's 227 KiB), v and dy [L, BV], the chunk's S_0 block
+[BV, N] and e^{g_L} [N] (from the forward's g). With dS̄ = dS diag(e^{g_L}) (the only form in which the
 chunk uses dS), the adjoint of the equations above is
 
   U as in the forward; dU = P_rb^T dY + B̌ dS̄^T; dX = (I - M_ab)^{-T} dU
@@ -79,13 +86,16 @@ dU and dX and the [L, L] gradients included.
 
 Compiled for an H100 without one (sm_90a; `benchmarks/gpu_aot.py --mgpu` reads ptxas' report and the launch from
 Mosaic GPU's dump; benchmarks/results/gpu-aot-h100-wkv7-mgpu.json; shared memory is the launch's, REDUCTION_SCRATCH
-included). Forward, loads before products: 145,473 B at N = 64 (bfloat16), 219,201 B at N = 128 (bfloat16) and
-227,393 B at N = 128 (float32 y); 188, 227 and 232 registers a thread (228 at N = 128 bfloat16 with checkpoints), no
-spills. Forward, loads overlapped (N = 64): 219,257 B (bfloat16 y) or 227,449 B (float32 y), 184 registers (189 with
-checkpoints), no spills. Backward, loads before products: 163,913 B and 239 registers at N = 64, 229,449 B and 243
-(bfloat16) or 244 (float32 dv) registers at N = 128; loads overlapped (N = 64): 221,321 B and 236 (bfloat16) or 240
-(float32 dv) registers; no spills. A chunk waits at 94 warpgroup barriers in the forward and 132 in the backward,
-32 and 52 with `explicit_barriers` (`_launch`; 242 / 243 registers in that backward). The barriers of the
+included). Forward, loads before products: 145,465 B at N = 64 (bfloat16), 219,193 B at N = 128 (bfloat16) and
+227,385 B at N = 128 (float32 y); 206, 236 and 244 registers a thread (238 at N = 128 bfloat16 with residuals), no
+spills. Forward, loads overlapped (N = 64): 202,857 B (bfloat16 y) or 211,049 B (float32 y), 211 / 209 registers
+(200 with residuals), no spills. Backward, loads before products: 163,913 B and 239 registers at N = 64, 229,449 B
+and 243 (bfloat16) or 244 (float32 dv) registers at N = 128; loads overlapped (N = 64): 221,321 B and 236 (bfloat16)
+or 240 (float32 dv) registers; no spills. A chunk waits at 104 warpgroup barriers in the forward (112 at N = 128)
+and 132 in the backward, 34 and 52 with `explicit_barriers` (`_launch`; 242 / 243 registers in that backward). The
+forward holds its float32 state in shared memory between chunks and reads g from there for all but Â: with the
+state or g in registers through the cumulative sums' products it spilled (255 registers, 16 to 272 B) at N = 128
+float32. The barriers of the
 overlapped loads are indexed by the chunk's slot number without the opaque zero (the other form's by constants):
 indexed at the tiles' opaque slot, the backward took 247 registers instead of 239 at N = 128 and 245 instead of 236
 overlapped (float32 dv), with Pallas' default reduction scratch. What keeps the backward from
@@ -97,7 +107,7 @@ leave one at a time through their one tile. Nothing here has run on a GPU: wheth
 State-only kernels (`end_states`, `state_gradients`), the extra passes of the segmented form (`wkv7_segmented`):
 same grid, warpgroup and chunks, each chunk's loads before its products, and only the tiles the state or its
 gradient needs. `end_states` walks the chunks keeping U and the state (a float32 [BV, N] block in shared memory, its
-bfloat16 copy the operand): Â, B̌, Ǩ decayed in the kernel from g, g⁻ as in the forward, M_ab and M_ak, the
+bfloat16 copy the operand): Â, B̌, Ǩ decayed in the kernel from g, g⁻ (XLA's, `chunk_log_decays`), M_ab and M_ak, the
 inverse, X and U, then S_L = (S_0 + U^T B̌ + V^T Ǩ) diag(e^{g_L}) in [BV, 64] column pieces; no R̂, P matrices or
 y. Without values (k, v None) it skips k, v, Ǩ, M_ak and their products: from the identity, the transition A with
 S_end = S_start A. `state_gradients` walks the chunks in reverse carrying dS: the backward's value side alone on
@@ -111,6 +121,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -171,11 +182,12 @@ def _tile_bytes(shapes_dtypes) -> int:
 
 def _forward_tiles(size: int, y_dtype, slots: int) -> tuple[list, list]:
   """(inputs, working tiles) of the forward as (shape, dtype) pairs; each input [slots, ...]: r, k, a, b (then R̂,
-  Ǩ, Â, B̌), g, g⁻, v; working tiles: S_0, X then U, M_ak, P_rb, P_rk, M^(2^i), the inverse, y."""
-  inputs = [((slots, CHUNK, size), OPERANDS)] * 4 + [((slots, CHUNK, size), jnp.float32)] * 2
+  Ǩ, Â, B̌), w (then g), v; working tiles: the float32 state, S_0, X then U, M_ak, P_rb, P_rk, M^(2^i), the
+  inverse, y."""
+  inputs = [((slots, CHUNK, size), OPERANDS)] * 4 + [((slots, CHUNK, size), jnp.float32)]
   inputs.append(((slots, CHUNK, BLOCK), OPERANDS))
-  work = [((1, BLOCK, size), OPERANDS), ((1, CHUNK, BLOCK), OPERANDS)] + [((1, CHUNK, CHUNK), OPERANDS)] * 5
-  work.append(((1, CHUNK, BLOCK), y_dtype))
+  work = [((1, CHUNK, size), jnp.float32), ((1, BLOCK, size), OPERANDS), ((1, CHUNK, BLOCK), OPERANDS)]
+  work += [((1, CHUNK, CHUNK), OPERANDS)] * 5 + [((1, CHUNK, BLOCK), y_dtype)]
   return inputs, work
 
 
@@ -251,16 +263,47 @@ def _inverse(m_ab, diagonal, power_s, solve_s, sync=_no_sync):
 
 
 def _decay(size, g_s, gp_s, a_s, b_s, r_s=None, k_s=None):
-  """Â = a e^{g⁻}, R̂ = r e^{g}, B̌ = b e^{-g}, Ǩ = k e^{-g} in place as bfloat16 operands (r, k: where given), in
+  """Â = a e^{g⁻}, R̂ = r e^{g}, B̌ = b e^{-g}, Ǩ = k e^{-g} in place as bfloat16 operands (a, r, k: where given), in
   [64, 64] column pieces (fewer float32 values live at once), reading g from shared memory at each use."""
   for start in range(0, size, BLOCK):
     cols = (slice(None), pl.ds(start, BLOCK))
-    a_s[cols] = (_load(a_s.at[cols]) * jnp.exp(_load(gp_s.at[cols]))).astype(OPERANDS)
+    if a_s is not None:
+      a_s[cols] = (_load(a_s.at[cols]) * jnp.exp(_load(gp_s.at[cols]))).astype(OPERANDS)
     if r_s is not None:
       r_s[cols] = (_load(r_s.at[cols]) * jnp.exp(_load(g_s.at[cols]))).astype(OPERANDS)
     b_s[cols] = (_load(b_s.at[cols]) * jnp.exp(-_load(g_s.at[cols]))).astype(OPERANDS)
     if k_s is not None:
       k_s[cols] = (_load(k_s.at[cols]) * jnp.exp(-_load(g_s.at[cols]))).astype(OPERANDS)
+
+
+def _split(x):
+  """float32 x as three bfloat16 parts whose float32 sum is x (8 significant bits each: float32's 24)."""
+  high = x.astype(OPERANDS)
+  rest = x - high.astype(jnp.float32)
+  middle = rest.astype(OPERANDS)
+  return high, middle, (rest - middle.astype(jnp.float32)).astype(OPERANDS)
+
+
+def _log_decays(size, w_s, inclusive_s, parts, a_s, sync=_no_sync):
+  """The chunk's cumulative log-decays g [L, N] (g_t the sum of w for s <= t) in place of w in w_s, float32, and
+  Â = a e^{g⁻} in place of a (a bfloat16 operand), with g⁻ = g - w. In [L, 64] column pieces: each piece of w is
+  split into three bfloat16 parts (`_split`) that enter one product with the inclusive lower-triangular matrix of
+  ones `inclusive_s` [L, L] bfloat16: exact products summed in float32, as a float32 running sum (Mosaic GPU has no
+  cumulative sum). parts: three [L, 64] bfloat16 tiles."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+
+  def piece(j, carry):
+    cols = (slice(None), pl.ds(pl.multiple_of(j * BLOCK, BLOCK), BLOCK))
+    for part_s, part in zip(parts, _split(_load(w_s.at[cols]))):
+      part_s[...] = part
+    plgpu.commit_smem()
+    g = _product((CHUNK, BLOCK), *((inclusive_s, part_s) for part_s in parts))
+    sync()  # Every warp's share of the product has read the parts (overwritten next).
+    a_s[cols] = (_load(a_s.at[cols]) * jnp.exp(g - _load(w_s.at[cols]))).astype(OPERANDS)
+    w_s[cols] = g
+    return carry
+
+  lax.fori_loop(0, size // BLOCK, piece, 0)
 
 
 def _scale_gradient(ds_s, dsb_s, decay_s, size, s0_s=None, row_s=None):
@@ -307,13 +350,14 @@ def _state_gradient(ds_s, dy_s, rh_s, x_s, ah_s, size):
   lax.fori_loop(0, size // BLOCK, state_piece, 0)
 
 
-def _kernel(r_ref, k_ref, a_ref, b_ref, v_ref, g_ref, gp_ref, s0_ref, y_ref, s_ref, *refs, num_chunks, checkpoints,
-            slots, sync=_no_sync):
-  """One program: BV value rows of one (batch, head)'s state through every chunk; with `checkpoints`, the first of
-  `refs` is the output [B, H, T / L, N, N] of the (bfloat16) state entering each chunk. The input tiles have `slots`
-  slots: with two, chunk c + 1's loads go to one while chunk c's products read the other."""
-  ckpt_ref, refs = (refs[0], refs[1:]) if checkpoints else (None, refs)
-  r_s, k_s, a_s, b_s, g_s, gp_s, v_s, state_s, x_s, m_ak_s, p_rb_s, p_rk_s, power_s, solve_s, y_s, barriers = refs
+def _kernel(r_ref, k_ref, a_ref, b_ref, v_ref, w_ref, s0_ref, y_ref, s_ref, *refs, num_chunks, residuals, slots,
+            sync=_no_sync):
+  """One program: BV value rows of one (batch, head)'s state through every chunk; with `residuals`, the first six of
+  `refs` are the backward's residual outputs (`Residuals`: the bfloat16 state entering each chunk, R̂, Ǩ, Â, B̌ and
+  g, the last four from the programs of value block 0). The input tiles have `slots` slots: with two, chunk c + 1's
+  loads go to one while chunk c's products read the other."""
+  out_refs, refs = (refs[:6], refs[6:]) if residuals else (None, refs)
+  r_s, k_s, a_s, b_s, w_s, v_s, held_s, state_s, x_s, m_ak_s, p_rb_s, p_rk_s, power_s, solve_s, y_s, barriers = refs
   from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
   wgmma_layout = plgpu.Layout.WGMMA
   batch, head, block = lax.axis_index("batch"), lax.axis_index("head"), lax.axis_index("block")
@@ -326,36 +370,36 @@ def _kernel(r_ref, k_ref, a_ref, b_ref, v_ref, g_ref, gp_ref, s0_ref, y_ref, s_r
   cols_iota = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1, layout=wgmma_layout)
   strict, incl = rows_iota > cols_iota, rows_iota >= cols_iota
 
-  inputs = (r_s, k_s, a_s, b_s, g_s, gp_s, v_s)
-  work = (state_s, x_s, m_ak_s, p_rb_s, p_rk_s, power_s, solve_s, y_s)
-  entry = len(inputs) * slots  # The barrier of the state's entry; barriers [7 s, 7 s + 7) track slot s's loads.
+  inputs = (r_s, k_s, a_s, b_s, w_s, v_s)
+  work = (held_s, state_s, x_s, m_ak_s, p_rb_s, p_rk_s, power_s, solve_s, y_s)
+  entry = len(inputs) * slots  # The barrier of the state's entry; barriers [6 s, 6 s + 6) track slot s's loads.
 
   def fetch(c, slot, parity):
     """Starts chunk c's loads into input slot `slot`, which is `parity` (a Python int where known) plus an opaque
     zero, tracked by that slot's barriers."""
     tokens = pl.ds(c * CHUNK, CHUNK)
-    sources = (r_ref, k_ref, a_ref, b_ref, g_ref, gp_ref)
+    sources = (r_ref, k_ref, a_ref, b_ref, w_ref)
     for i, (src, dst) in enumerate(zip(sources, inputs)):
       plgpu.copy_gmem_to_smem(src.at[batch, tokens, head], dst.at[slot], barriers.at[parity * len(inputs) + i])
     plgpu.copy_gmem_to_smem(v_ref.at[batch, tokens, head, values], v_s.at[slot],
-                            barriers.at[parity * len(inputs) + 6])
+                            barriers.at[parity * len(inputs) + 5])
 
   if slots == 2:
     fetch(0, 0, 0)
-  # The state block enters through g's last slot (both [64, N] float32), which chunk 0 does not load.
-  plgpu.copy_gmem_to_smem(s0_ref.at[batch, head, values], g_s.at[slots - 1], barriers.at[entry])
+  # The float32 state block is held in shared memory from chunk to chunk (not in registers: a chunk's products and
+  # cumulative sums need them).
+  plgpu.copy_gmem_to_smem(s0_ref.at[batch, head, values], held_s.at[0], barriers.at[entry])
   plgpu.barrier_wait(barriers.at[entry])
-  state = plgpu.load(g_s.at[slots - 1], layout=wgmma_layout)
 
-  def one_chunk(c, state):
+  def one_chunk(c, carry):
     # Each working tile is the only slot of a [1, ...] buffer, taken at an index that is 0 but opaque to the
     # compiler: the tiles' addresses then stay in the loop body instead of being hoisted out of it and held in
     # registers across it. The input tiles are taken at the same zero plus the chunk's slot.
     slot = lax.optimization_barrier(c) - c
     parity = lax.rem(c, slots) if slots > 1 else 0
     here = slot + parity if slots > 1 else slot
-    r_s, k_s, a_s, b_s, g_s, gp_s, v_s = (tile.at[here] for tile in inputs)
-    state_s, x_s, m_ak_s, p_rb_s, p_rk_s, power_s, solve_s, y_s = (tile.at[slot] for tile in work)
+    r_s, k_s, a_s, b_s, w_s, v_s = (tile.at[here] for tile in inputs)
+    held_s, state_s, x_s, m_ak_s, p_rb_s, p_rk_s, power_s, solve_s, y_s = (tile.at[slot] for tile in work)
     tokens = pl.ds(c * CHUNK, CHUNK)
     plgpu.commit_smem()  # Every thread is done with the input slot loaded next (the previous chunk's).
     if slots == 1:
@@ -364,15 +408,24 @@ def _kernel(r_ref, k_ref, a_ref, b_ref, v_ref, g_ref, gp_ref, s0_ref, y_ref, s_r
       @pl.when(c + 1 < num_chunks)
       def _():
         fetch(c + 1, slot + 1 - parity, 1 - parity)
+    # The cumulative sums' ones until P_rb is made, from the opaque zero (not a constant held across the loop).
+    p_rb_s[...] = jnp.where(rows_iota + slot >= cols_iota, 1.0, 0.0).astype(OPERANDS)
+    state_s[...] = load(held_s).astype(OPERANDS)
     for i in range(len(inputs)):
       plgpu.barrier_wait(barriers.at[parity * len(inputs) + i])
 
-    _decay(size, g_s, gp_s, a_s, b_s, r_s, k_s)
-    state_s[...] = state.astype(OPERANDS)
-    gp_s[...] = state  # g⁻ is spent: the state waits there in float32 through the chunk's products.
+    _log_decays(size, w_s, p_rb_s, (m_ak_s, power_s, solve_s), a_s, sync)
+    g_s = w_s  # w is spent: its tile holds g.
+    _decay(size, g_s, None, None, b_s, r_s, k_s)
     plgpu.commit_smem()
-    if ckpt_ref is not None:  # The backward's residual: the operand S_0 itself (read before y_s is next written).
+    if out_refs is not None:  # The backward's residuals: the operands themselves (read before they are next written).
+      ckpt_ref, decayed_refs, g_ref = out_refs[0], out_refs[1:5], out_refs[5]
       plgpu.copy_smem_to_gmem(state_s, ckpt_ref.at[batch, head, c, values])
+
+      @pl.when(block == 0)
+      def _():
+        for tile, ref in zip((r_s, k_s, a_s, b_s, g_s), (*decayed_refs, g_ref)):
+          plgpu.copy_smem_to_gmem(tile, ref.at[batch, tokens, head])
 
     pairs = (CHUNK, CHUNK)
     m_ab = jnp.where(strict, product(pairs, (a_s, b_s.T)), 0.0)
@@ -390,20 +443,20 @@ def _kernel(r_ref, k_ref, a_ref, b_ref, v_ref, g_ref, gp_ref, s0_ref, y_ref, s_r
     x_s[...] = u.astype(OPERANDS)
     plgpu.commit_smem()
     y = product(block_shape, (r_s, state_s.T), (p_rb_s, x_s), (p_rk_s, v_s))
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # The previous chunk's y has left y_s.
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # The previous chunk's y (and this chunk's residuals) left.
     y_s[...] = y.astype(y_s.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(y_s, y_ref.at[batch, tokens, head, values])
 
-    state = plgpu.load(gp_s, layout=wgmma_layout) + product((BLOCK, size), (x_s.T, b_s), (v_s.T, k_s))
+    state = load(held_s) + product((BLOCK, size), (x_s.T, b_s), (v_s.T, k_s))
     decay_total = jnp.exp(jnp.min(load(g_s), axis=0))  # e^{g_L}: g falls along the chunk (w <= 0).
-    return state * lax.broadcast_in_dim(decay_total, state.shape, [1])
+    held_s[...] = state * lax.broadcast_in_dim(decay_total, state.shape, [1])
+    return carry
 
-  state = lax.fori_loop(0, num_chunks, one_chunk, state)
+  lax.fori_loop(0, num_chunks, one_chunk, 0)
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-  g_s[0] = state
   plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(g_s.at[0], s_ref.at[batch, head, values])
+  plgpu.copy_smem_to_gmem(held_s.at[0], s_ref.at[batch, head, values])
   plgpu.wait_smem_to_gmem(0)
 
 
@@ -448,27 +501,40 @@ def _scratch(tiles):
           for shape, dtype in tiles]
 
 
-def _build(shape: tuple[int, int, int, int], y_dtype: str, checkpoints: bool, slots: int, explicit_barriers: bool,
+class Residuals(NamedTuple):
+  """What `forward(..., checkpoints=True)` keeps for `backward`, the operands as the forward's products took them:
+  the state entering each chunk [B, H, T / L, N, N] bfloat16, the decayed R̂, Ǩ, Â, B̌ [B, T, H, N] bfloat16 and the
+  chunks' cumulative log-decays g [B, T, H, N] float32 (T padded to a multiple of CHUNK)."""
+  states: jax.Array
+  r_hat: jax.Array
+  k_check: jax.Array
+  a_hat: jax.Array
+  b_check: jax.Array
+  g: jax.Array
+
+
+def _build(shape: tuple[int, int, int, int], y_dtype: str, residuals: bool, slots: int, explicit_barriers: bool,
            interpreted: bool):
-  """The kernel for inputs [B, T, H, N] (T a multiple of CHUNK), y in `y_dtype`, with or without the chunk states'
-  output, with `slots` slots per input tile (2: double-buffered), barriers as `_launch` says: interpreted on the CPU
-  (Mosaic GPU interpret mode) or compiled."""
+  """The kernel for inputs [B, T, H, N] (T a multiple of CHUNK), y in `y_dtype`, with or without the backward's
+  residuals (`Residuals`), with `slots` slots per input tile (2: double-buffered), barriers as `_launch` says:
+  interpreted on the CPU (Mosaic GPU interpret mode) or compiled."""
   from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
   batch, length, heads, size = shape
   inputs, work = _forward_tiles(size, y_dtype, slots)
   scratch = _scratch(inputs + work)
   scratch.append(plgpu.Barrier(num_barriers=len(inputs) * slots + 1))
   out_type = [jax.ShapeDtypeStruct(shape, y_dtype), jax.ShapeDtypeStruct((batch, heads, size, size), jnp.float32)]
-  if checkpoints:
+  if residuals:
     out_type.append(jax.ShapeDtypeStruct((batch, heads, length // CHUNK, size, size), OPERANDS))
-  body = functools.partial(_kernel, num_chunks=length // CHUNK, checkpoints=checkpoints, slots=slots)
+    out_type += [jax.ShapeDtypeStruct(shape, OPERANDS)] * 4 + [jax.ShapeDtypeStruct(shape, jnp.float32)]
+  body = functools.partial(_kernel, num_chunks=length // CHUNK, residuals=residuals, slots=slots)
   return _launch(body, tuple(out_type), scratch, batch, heads, size, interpreted, explicit_barriers)
 
 
 def forward(r, w, k, v, a, b, state, *, interpret: bool | None = None, checkpoints: bool = False,
             pipelined: bool | None = None, explicit_barriers: bool = False):
   """WKV-7 forward: (y [B, T, H, N] in v's dtype, the final state [B, H, N, N] float32), and with `checkpoints` also
-  the state entering each chunk, [B, H, ceil(T / CHUNK), N, N] bfloat16 (`backward`'s residual).
+  `backward`'s residuals (`Residuals`: the state entering each chunk and the chunks' decayed operands).
 
   r, w, k, v, a, b: [B, T, H, N], any float dtype and any T (padded to a multiple of CHUNK with identity tokens), N
   in SIZES, w >= min_log_decay() (`in_range`; stronger decays overflow the factored form). state: [B, H, N, N]
@@ -480,15 +546,15 @@ def forward(r, w, k, v, a, b, state, *, interpret: bool | None = None, checkpoin
   batch, length, heads, size = r.shape
   _check_size(size)
   r, w, k, v, a, b = wkv7_chunked.pad_tokens(CHUNK, r, w, k, v, a, b)
-  g, g_exclusive = chunk_log_decays(w)
   operands = [x.astype(OPERANDS) for x in (r, k, a, b, v)]
   y_dtype = jnp.dtype(v.dtype).name
   if pipelined is None:
     pipelined = pipelines(size, y_dtype=y_dtype)
   run = backend.mosaic_gpu_call(functools.partial(_build, r.shape, y_dtype, checkpoints, 2 if pipelined else 1,
                                                   explicit_barriers), interpret)
-  outputs = run(*operands, g, g_exclusive, state.astype(jnp.float32))
-  return (outputs[0][:, :length],) + tuple(outputs[1:])
+  outputs = run(*operands, w.astype(jnp.float32), state.astype(jnp.float32))
+  y, final = outputs[0][:, :length], outputs[1]
+  return (y, final, Residuals(*outputs[2:])) if checkpoints else (y, final)
 
 
 def _backward_kernel(rh_ref, kc_ref, ah_ref, bc_ref, v_ref, dy_ref, ckpt_ref, decay_ref, ds_ref,
@@ -661,29 +727,28 @@ def _decayed(x, factor):
   return (x.astype(OPERANDS).astype(jnp.float32) * factor).astype(OPERANDS)
 
 
-def backward(r, w, k, v, a, b, checkpoints, dy, ds, *, interpret: bool | None = None, pipelined: bool | None = None,
-             explicit_barriers: bool = False):
+def backward(r, w, k, v, a, b, residuals: Residuals, dy, ds, *, interpret: bool | None = None,
+             pipelined: bool | None = None, explicit_barriers: bool = False):
   """The gradients (dr, dw, dk, dv, da, db in the inputs' dtypes, dstate [B, H, N, N] float32) of `forward` at
-  r, w, k, v, a, b [B, T, H, N], given its chunk states `checkpoints` [B, H, ceil(T / CHUNK), N, N], dy [B, T, H, N]
-  (y's gradient) and ds [B, H, N, N] (the final state's gradient). Same range and sizes as `forward`. pipelined:
-  each chunk's loads overlap the previous chunk's products (None: `pipelines(N, backward=True)`). explicit_barriers:
-  as in `forward`."""
+  r, w, k, v, a, b [B, T, H, N], given its `residuals` (`forward(..., checkpoints=True)`), dy [B, T, H, N] (y's
+  gradient) and ds [B, H, N, N] (the final state's gradient). Same range and sizes as `forward`. pipelined: each
+  chunk's loads overlap the previous chunk's products (None: `pipelines(N, backward=True)`). explicit_barriers: as
+  in `forward`."""
   batch, length, heads, size = r.shape
   _check_size(size)
   r, w, k, v, a, b, dy = wkv7_chunked.pad_tokens(CHUNK, r, w, k, v, a, b, dy)
   padded = r.shape[1]
-  g, g_exclusive = chunk_log_decays(w)
-  grow, shrink, grow_before = jnp.exp(g), jnp.exp(-g), jnp.exp(g_exclusive)
-
-  operands = [_decayed(r, grow), _decayed(k, shrink), _decayed(a, grow_before), _decayed(b, shrink),
-              v.astype(OPERANDS), dy.astype(OPERANDS)]
+  g = residuals.g
+  grow, shrink, grow_before = jnp.exp(g), jnp.exp(-g), jnp.exp(g - w.astype(jnp.float32))
+  operands = [residuals.r_hat, residuals.k_check, residuals.a_hat, residuals.b_check, v.astype(OPERANDS),
+              dy.astype(OPERANDS)]
   decay_total = _chunk_end_decay(grow)
   dv_dtype = "bfloat16" if v.dtype == jnp.bfloat16 else "float32"
   if pipelined is None:
     pipelined = pipelines(size, backward=True)
   run = backend.mosaic_gpu_call(functools.partial(_build_backward, r.shape, dv_dtype, 2 if pipelined else 1,
                                                   explicit_barriers), interpret)
-  dv, dr, da, db, dk, dg_total, dstate = run(*operands, checkpoints, decay_total, ds.astype(jnp.float32))
+  dv, dr, da, db, dk, dg_total, dstate = run(*operands, residuals.states, decay_total, ds.astype(jnp.float32))
   # The value blocks' shares summed, and each decayed tile's gradient taken back to its input.
   dr, da = dr.sum(0) * grow, da.sum(0) * grow_before
   db, dk = db.sum(0) * shrink, dk.sum(0) * shrink
@@ -694,7 +759,7 @@ def backward(r, w, k, v, a, b, checkpoints, dy, ds, *, interpret: bool | None = 
   dgp = da * f32(a)
   by_chunk = lambda x: x.reshape(batch, padded // CHUNK, CHUNK, heads, size)
   both = by_chunk(dg + dgp)
-  suffix = jnp.flip(jnp.cumsum(jnp.flip(both, 2), 2), 2)
+  suffix = lax.cumsum(both, axis=2, reverse=True)
   dw = suffix - by_chunk(dgp) + jnp.swapaxes(dg_total.sum(0), 1, 2)[:, :, None]
   dw = dw.reshape(r.shape)
   grads = [x[:, :length].astype(y.dtype) for x, y in zip((dr, dw, dk, dv, da, db), (r, w, k, v, a, b))]

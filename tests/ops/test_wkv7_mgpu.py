@@ -162,12 +162,14 @@ def test_segmented_op_values_and_gradients(results, name):
 
 
 def test_segmented_op_keeps_little_for_its_backward(results):
-  """Differentiated, the segmented op keeps its inputs and the kernels' chunk and segment states (a little over the
-  inputs' bytes), not the XLA fallback's per-chunk intermediates: a lax.cond keeps both branches' residuals, the
-  branch taken writing zeros for the other's (48x the inputs here when the fallback is not rematerialised)."""
+  """Differentiated, the segmented op keeps its inputs, the kernels' chunk and segment states and the forward's
+  decayed operands and cumulative log-decays (`wkv7_mgpu.Residuals`: 12 bytes a token and channel, as many as the
+  six bfloat16 inputs), 2.2x the inputs' bytes here; not the XLA fallback's per-chunk intermediates: a lax.cond
+  keeps both branches' residuals, the branch taken writing zeros for the other's (48x the inputs here when the
+  fallback is not rematerialised)."""
   name = SEGMENTED_CASES[0]
   kept, inputs = int(results[f"{name}/residual_bytes"]), int(results[f"{name}/input_bytes"])
-  assert inputs < kept < 2 * inputs, (kept, inputs)
+  assert 2 * inputs < kept < 3 * inputs, (kept, inputs)
 
 
 @pytest.mark.parametrize("name", FORM_CASES)

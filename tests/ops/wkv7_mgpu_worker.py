@@ -105,8 +105,8 @@ def main(path: str, compiled: bool = False) -> None:
   def kernels_and_gradients(args, cot, pipelined, explicit_barriers):
     """The kernels' (y, state) and gradients as the op composes them, in the form the flags name."""
     form = dict(interpret=not compiled, pipelined=pipelined, explicit_barriers=explicit_barriers)
-    y, state, chunk_states = wkv7_mgpu.forward(*args, checkpoints=True, **form)
-    grads = wkv7_mgpu.backward(*args[:6], chunk_states, *cot, **form)
+    y, state, residuals = wkv7_mgpu.forward(*args, checkpoints=True, **form)
+    grads = wkv7_mgpu.backward(*args[:6], residuals, *cot, **form)
     return (y, state), grads
 
   @jax.jit

@@ -1,10 +1,10 @@
 """Mosaic GPU backend of the RWKV-7 WKV op (Hopper, sm_90 and newer): the chunked forward and backward kernels of
 `pallas/wkv7_mgpu.py`, run in Mosaic GPU interpret mode off GPU (which needs jax >= 0.11, as the kernels do).
 
-The primal runs the forward kernel alone. Under differentiation the forward kernel also writes the state entering
-each chunk, [B, H, ceil(T / 64), N, N] in bfloat16 (the operand the forward's products read, so the backward's
-products see the same S_0; half the bytes of float32), and the backward kernel takes those with the inputs and the
-cotangents to all seven gradients. A call with a decay beyond the kernels' range (w < `wkv7_mgpu.min_log_decay()`,
+The primal runs the forward kernel alone. Under differentiation the forward kernel also writes what the backward
+kernel reads as the forward's products read it (`wkv7_mgpu.Residuals`): the state entering each chunk, [B, H,
+ceil(T / 64), N, N] in bfloat16, the decayed operands R̂, Ǩ, Â, B̌ in bfloat16 and the chunks' cumulative log-decays
+g in float32; the backward kernel takes those with the inputs and the cotangents to all seven gradients. A call with a decay beyond the kernels' range (w < `wkv7_mgpu.min_log_decay()`,
 checked once at run time; the backward follows the forward's choice) runs the "chunked" backend (pure JAX, exact)
 instead, its derivative included; a caller's static bound `w_min` within the range leaves the check out.
 Head sizes other than `wkv7_mgpu.SIZES` raise ValueError, as does a GPU older than sm_90 (NotImplementedError).
@@ -86,14 +86,13 @@ def _differentiable(interpret: bool | None, checked: bool):
 
   def run_fwd(*inputs):
     inputs = kernel_backend.first_order_only(_SECOND_ORDER, *inputs)
-    batch, length, heads, size = inputs[0].shape
-    chunks = -(-length // wkv7_mgpu.CHUNK)
+    with_states = functools.partial(forward, checkpoints=True)
 
     def beyond_range(*x):
       y, final = chunked.wkv7(*x)
-      return y, final, jnp.zeros((batch, heads, chunks, size, size), wkv7_mgpu.OPERANDS)
+      residuals = jax.eval_shape(with_states, *x)[2]
+      return y, final, jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), residuals)
 
-    with_states = functools.partial(forward, checkpoints=True)
     if not checked:
       y, final, states = with_states(*inputs)
       return (y, final), (inputs, states, None)
