@@ -179,6 +179,26 @@ def test_other_forms_values_and_gradients(results, name):
   _check_op(results, name, RTOL, GRAD_RTOL)
 
 
+@pytest.mark.parametrize("name", FORM_CASES)
+def test_the_forward_hands_the_backward_its_log_decays_and_decayed_operands(results, name):
+  """The forward's residuals against float64: g, each chunk's running sum of w (the kernel's product of w's three
+  bfloat16 parts with the ones below the diagonal), within 4 float32 ulps of max |g| (measured: under 1; w's high
+  part alone misses by ~2^-9 |g|), and R̂ = r e^g, Ǩ = k e^-g, Â = a e^(g - w), B̌ = b e^-g each within a bfloat16
+  rounding of its own value (2^-8 relative: the operand's and the product's roundings)."""
+  r, w, k, _, a, b, _ = (np.asarray(x, np.float64) for x in _case(results, name)[0])
+  g = results[f"{name}/residual_g"]
+  padded, chunk = g.shape[1], 64
+  pad = lambda x: np.pad(x, ((0, 0), (0, padded - x.shape[1]), (0, 0), (0, 0)))
+  r, w, k, a, b = (pad(x) for x in (r, w, k, a, b))
+  g_ref = np.cumsum(w.reshape(w.shape[0], -1, chunk, *w.shape[2:]), axis=2).reshape(w.shape)
+  np.testing.assert_allclose(g, g_ref, rtol=0, atol=4 * 2.0**-23 * np.max(np.abs(g_ref)), err_msg=f"{name}: g")
+  expected = {"r_hat": r * np.exp(g_ref), "k_check": k * np.exp(-g_ref), "a_hat": a * np.exp(g_ref - w),
+              "b_check": b * np.exp(-g_ref)}
+  for field, value in expected.items():
+    np.testing.assert_allclose(results[f"{name}/residual_{field}"], value, rtol=2.0**-8, atol=0,
+                               err_msg=f"{name}: {field}")
+
+
 def test_the_gradient_tolerance_separates_the_kernel_from_a_wrong_result(results):
   """The gradient check can fail: the backward's w gradient against the reference's for the y cotangent scaled by
   1.05 (every gradient but the state's own share is linear in it) is out of tolerance."""

@@ -19,7 +19,8 @@ products (`wkv7_mgpu.pipelines`), at N = 128 they do not:
   op_strong_decay_f32: [1, 40, 1, 64] float32, the same with w = -2 in one channel (beyond the kernels' range:
                        "chunked" runs both ways)
   grad_bf16_serial:    [1, 150, 1, 64] bfloat16, the kernels called directly with pipelined=False (each chunk's loads
-                       before its products, as at N = 128): y, state and the seven gradients
+                       before its products, as at N = 128): y, state and the seven gradients, and the forward's
+                       residuals for the backward (`residual_<field>`: R̂, Ǩ, Â, B̌ and g, padded to 192 tokens)
   grad_bf16_xbar:      [1, 150, 1, 64] bfloat16, the same with the loads overlapped and explicit_barriers=True (the
                        kernels' own barriers only: compiled on a GPU, where a missing one would show)
   states_f32_ragged:   [1, 100, 2, 64] float32, the state-only kernels: `end_states` from the random state (saved as
@@ -107,7 +108,7 @@ def main(path: str, compiled: bool = False) -> None:
     form = dict(interpret=not compiled, pipelined=pipelined, explicit_barriers=explicit_barriers)
     y, state, residuals = wkv7_mgpu.forward(*args, checkpoints=True, **form)
     grads = wkv7_mgpu.backward(*args[:6], residuals, *cot, **form)
-    return (y, state), grads
+    return (y, state), grads, residuals
 
   @jax.jit
   def state_kernels(args, cot):
@@ -144,7 +145,9 @@ def main(path: str, compiled: bool = False) -> None:
       cot = (jnp.asarray(rng.normal(size=shape), dtype), jnp.asarray(rng.normal(size=x[6].shape), jnp.float32))
       if name.startswith("grad"):
         xbar = name.endswith("xbar")
-        (y, state), grads = kernels_and_gradients(args, cot, pipelined=xbar, explicit_barriers=xbar)
+        (y, state), grads, residuals = kernels_and_gradients(args, cot, pipelined=xbar, explicit_barriers=xbar)
+        saved.update({f"{name}/residual_{field}": np.asarray(getattr(residuals, field), np.float32)
+                      for field in ("r_hat", "k_check", "a_hat", "b_check", "g")})
       else:
         w_min = wkv7_mgpu.min_log_decay() if name in BOUNDED else None
         (y, state), grads = op_and_pullback(args, cot, w_min)
