@@ -438,6 +438,13 @@ def _mgpu_worker(name: str, kernel_file: str) -> int:
       fn = lambda w, k, v, a, b, s: kernel.end_states(w, k if values else None, v if values else None, a, b, s,
                                                       interpret=False)
       _compile(mesh, fn, (*inputs[1:], state), result)
+    elif entry == "state_gradients" and hasattr(kernel, "Residuals"):  # The forward's residuals, dy, ds.
+      tokens = (batch, length, channels // size, size)
+      residuals = kernel.Residuals(abstract((batch, channels // size, length // kernel.CHUNK, size, size),
+                                            jnp.bfloat16), *(abstract(tokens, jnp.bfloat16) for _ in range(4)),
+                                   abstract(tokens, jnp.float32))
+      fn = lambda residuals, dy, ds: kernel.state_gradients(residuals, dy, ds, interpret=False)
+      _compile(mesh, fn, (residuals, inputs[0], state), result)
     elif entry == "state_gradients":  # r, w, a, b, dy and the leaving state's gradient.
       fn = lambda r, w, a, b, dy, ds: kernel.state_gradients(r, w, a, b, dy, ds, interpret=False)
       _compile(mesh, fn, (*inputs[:2], *inputs[4:6], inputs[0], state), result)

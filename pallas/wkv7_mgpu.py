@@ -107,14 +107,15 @@ leave one at a time through their one tile. Nothing here has run on a GPU: wheth
 State-only kernels (`end_states`, `state_gradients`), the extra passes of the segmented form (`wkv7_segmented`):
 same grid, warpgroup and chunks, each chunk's loads before its products, and only the tiles the state or its
 gradient needs. `end_states` walks the chunks keeping U and the state (a float32 [BV, N] block in shared memory, its
-bfloat16 copy the operand): Â, B̌, Ǩ decayed in the kernel from g, g⁻ (XLA's, `chunk_log_decays`), M_ab and M_ak, the
+bfloat16 copy the operand): g, Â, B̌, Ǩ made in the kernel from w as in the forward, M_ab and M_ak, the
 inverse, X and U, then S_L = (S_0 + U^T B̌ + V^T Ǩ) diag(e^{g_L}) in [BV, 64] column pieces; no R̂, P matrices or
 y. Without values (k, v None) it skips k, v, Ǩ, M_ak and their products: from the identity, the transition A with
 S_end = S_start A. `state_gradients` walks the chunks in reverse carrying dS: the backward's value side alone on
-R̂, Â, B̌, dy and e^{g_L} (M_ab, P_rb, the inverse, dU, dX, dS_0), no S_0, v or k. The tile code shared with the
-forward and backward (the decays, the series inverse, dS̄, dU and dX, dS_0) is in the module's helpers. Compiled
-(sm_90a, B 8, T 4096, C 4096, bfloat16): end states 174 / 199 registers and 129,081 / 211,001 B at N = 64 / 128,
-transitions 172 / 196 and 104,489 / 178,217 B, state gradients 149 / 174 and 91,185 / 140,337 B; no spills.
+the forward's residuals R̂, Â, B̌ and e^{g_L} and on dy (M_ab, P_rb, the inverse, dU, dX, dS_0), no S_0, v or k. The
+tile code shared with the forward and backward (the log-decays, the decays, the series inverse, dS̄, dU and dX,
+dS_0) is in the module's helpers. No Mosaic GPU kernel here needs XLA to sum or apply the log-decays for it.
+Compiled (sm_90a, B 8, T 4096, C 4096, bfloat16): end states 192 / 198 registers and 120,881 / 186,417 B at N = 64 /
+128, transitions 192 / 198 and 96,289 / 153,633 B, state gradients 149 / 174 and 91,185 / 140,337 B; no spills.
 """
 
 from __future__ import annotations
@@ -156,16 +157,6 @@ def bounded(w_min: float | None) -> bool:
 def supported(size: int) -> bool:
   """Whether the kernel takes head size `size`."""
   return size in SIZES
-
-
-def chunk_log_decays(w: jax.Array, chunk: int = CHUNK) -> tuple[jax.Array, jax.Array]:
-  """(g, g⁻) float32 [B, T, H, N] from w [B, T, H, N], T a multiple of `chunk`: g the cumulative sum of w from each
-  chunk's start (inclusive), g⁻ the same through the token before (g shifted by one token, 0 first: exactly the
-  previous token's g, where g - w would round)."""
-  batch, length, heads, size = w.shape
-  g = jnp.cumsum(w.astype(jnp.float32).reshape(batch, length // chunk, chunk, heads, size), axis=2)
-  g_before = jnp.pad(g[:, :, :-1], ((0, 0), (0, 0), (1, 0), (0, 0), (0, 0)))
-  return g.reshape(batch, length, heads, size), g_before.reshape(batch, length, heads, size)
 
 
 def _smem(shape, dtype, slots: int = 1):
@@ -722,11 +713,6 @@ def _build_backward(shape: tuple[int, int, int, int], dv_dtype: str, slots: int,
   return _launch(body, out_type, scratch, batch, heads, size, interpreted, explicit_barriers)
 
 
-def _decayed(x, factor):
-  """A decayed operand as the forward rounds it: x as the operand (bfloat16), times the factor, rounded again."""
-  return (x.astype(OPERANDS).astype(jnp.float32) * factor).astype(OPERANDS)
-
-
 def backward(r, w, k, v, a, b, residuals: Residuals, dy, ds, *, interpret: bool | None = None,
              pipelined: bool | None = None, explicit_barriers: bool = False):
   """The gradients (dr, dw, dk, dv, da, db in the inputs' dtypes, dstate [B, H, N, N] float32) of `forward` at
@@ -773,22 +759,22 @@ def backward(r, w, k, v, a, b, residuals: Residuals, dy, ds, *, interpret: bool 
 
 def _end_state_kernel(*refs, num_chunks, values):
   """One program: BV rows of one (batch, head)'s state through every chunk, no y. With `values` the inputs are k, v,
-  a, b, g, g⁻ and the state; without, a, b, g, g⁻ and the state (v = 0: the chunks' transition applied to it).
+  a, b, w and the state; without, a, b, w and the state (v = 0: the chunks' transition applied to it).
 
-  Per chunk: Â, B̌ (and Ǩ) decayed in place from g, g⁻ as in the forward; M_ab (and M_ak), the inverse,
+  Per chunk: g (in place of w), Â, B̌ (and Ǩ) as in the forward; M_ab (and M_ak), the inverse,
   U = (I - M_ab)^{-1} (Â S_0^T + M_ak V) and S_L = (S_0 + U^T B̌ + V^T Ǩ) diag(e^{g_L}). The float32 state stays in
   shared memory from the first chunk to the last (updated in [BV, 64] column pieces), its bfloat16 copy the
   products' operand."""
   from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
   if values:
-    (k_ref, v_ref, a_ref, b_ref, g_ref, gp_ref, s0_ref, s_ref,
-     k_s, v_s, a_s, b_s, g_s, gp_s, held_s, state_s, x_s, m_ak_s, power_s, solve_s, barriers) = refs
-    sources, inputs = (k_ref, a_ref, b_ref, g_ref, gp_ref), (k_s, a_s, b_s, g_s, gp_s)
+    (k_ref, v_ref, a_ref, b_ref, w_ref, s0_ref, s_ref,
+     k_s, v_s, a_s, b_s, w_s, held_s, state_s, x_s, ones_s, m_ak_s, power_s, solve_s, barriers) = refs
+    sources, inputs = (k_ref, a_ref, b_ref, w_ref), (k_s, a_s, b_s, w_s)
     work = (held_s, state_s, x_s, m_ak_s, power_s, solve_s)
   else:
-    (a_ref, b_ref, g_ref, gp_ref, s0_ref, s_ref,
-     a_s, b_s, g_s, gp_s, held_s, state_s, x_s, power_s, solve_s, barriers) = refs
-    sources, inputs = (a_ref, b_ref, g_ref, gp_ref), (a_s, b_s, g_s, gp_s)
+    (a_ref, b_ref, w_ref, s0_ref, s_ref, a_s, b_s, w_s, held_s, state_s, x_s, ones_s, power_s, solve_s,
+     barriers) = refs
+    sources, inputs = (a_ref, b_ref, w_ref), (a_s, b_s, w_s)
     work = (held_s, state_s, x_s, power_s, solve_s)
   wgmma_layout = plgpu.Layout.WGMMA
   batch, head, block = lax.axis_index("batch"), lax.axis_index("head"), lax.axis_index("block")
@@ -797,13 +783,16 @@ def _end_state_kernel(*refs, num_chunks, values):
   loads = len(inputs) + values  # v is loaded too, with values.
   v_tile = v_s if values else None
   plgpu.copy_gmem_to_smem(s0_ref.at[batch, head, values_block], held_s.at[0], barriers.at[loads])
+  rows_iota = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0, layout=wgmma_layout)
+  cols_iota = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1, layout=wgmma_layout)
+  ones_s[0] = jnp.where(rows_iota >= cols_iota, 1.0, 0.0).astype(OPERANDS)  # The cumulative sums' ones.
   plgpu.barrier_wait(barriers.at[loads])
 
   def one_chunk(c, carry):
     slot = lax.optimization_barrier(c) - c  # As in the forward: tile addresses stay in the loop body.
     if values:
       k_s, v_s = inputs[0].at[slot], v_tile.at[slot]
-    a_s, b_s, g_s, gp_s = (tile.at[slot] for tile in inputs[-4:])
+    a_s, b_s, w_s = (tile.at[slot] for tile in inputs[-3:])
     held_s, state_s, x_s, *rest = (tile.at[slot] for tile in work)
     m_ak_s, power_s, solve_s = rest if values else (None, *rest)
     tokens = pl.ds(c * CHUNK, CHUNK)
@@ -815,7 +804,9 @@ def _end_state_kernel(*refs, num_chunks, values):
     for i in range(loads):
       plgpu.barrier_wait(barriers.at[i])
 
-    _decay(size, g_s, gp_s, a_s, b_s, k_s=k_s if values else None)
+    _log_decays(size, w_s, ones_s.at[slot], (x_s, power_s, solve_s), a_s)
+    g_s = w_s  # w is spent: its tile holds g.
+    _decay(size, g_s, None, None, b_s, k_s=k_s if values else None)
     state_s[...] = _load(held_s).astype(OPERANDS)
     plgpu.commit_smem()
     rows_iota = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0, layout=wgmma_layout) + slot
@@ -850,13 +841,13 @@ def _end_state_kernel(*refs, num_chunks, values):
 
 
 def _state_tiles(size: int, values: bool) -> list:
-  """The end-state kernel's tiles as (shape, dtype) pairs, in its order: (k,) (v,) a, b, g, g⁻; the float32 state,
-  its bfloat16 operand, X then U, (M_ak,) M^(2^i), the inverse."""
+  """The end-state kernel's tiles as (shape, dtype) pairs, in its order: (k,) (v,) a, b, w (then g); the float32
+  state, its bfloat16 operand, X then U, the cumulative sums' ones, (M_ak,) M^(2^i), the inverse."""
   keys = [((1, CHUNK, size), OPERANDS)]
   tiles = (keys + [((1, CHUNK, BLOCK), OPERANDS)] if values else []) + keys * 2
-  tiles += [((1, CHUNK, size), jnp.float32)] * 2
+  tiles += [((1, CHUNK, size), jnp.float32)]
   tiles += [((1, BLOCK, size), jnp.float32), ((1, BLOCK, size), OPERANDS), ((1, CHUNK, BLOCK), OPERANDS)]
-  return tiles + [((1, CHUNK, CHUNK), OPERANDS)] * (3 if values else 2)
+  return tiles + [((1, CHUNK, CHUNK), OPERANDS)] * (4 if values else 3)
 
 
 def _build_end_state(shape: tuple[int, int, int, int], values: bool, interpreted: bool):
@@ -864,7 +855,7 @@ def _build_end_state(shape: tuple[int, int, int, int], values: bool, interpreted
   from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
   batch, length, heads, size = shape
   scratch = _scratch(_state_tiles(size, values))
-  scratch.append(plgpu.Barrier(num_barriers=(6 if values else 4) + 1))
+  scratch.append(plgpu.Barrier(num_barriers=(5 if values else 3) + 1))
   body = functools.partial(_end_state_kernel, num_chunks=length // CHUNK, values=values)
   return _launch(body, jax.ShapeDtypeStruct((batch, heads, size, size), jnp.float32), scratch, batch, heads, size,
                  interpreted)
@@ -880,17 +871,16 @@ def end_states(w, k, v, a, b, state, *, interpret: bool | None = None):
   values = v is not None
   keys = (k, v, a, b) if values else (a, b)
   w, *keys = wkv7_chunked.pad_tokens(CHUNK, w, *keys)
-  g, g_exclusive = chunk_log_decays(w)
   operands = [x.astype(OPERANDS) for x in keys]
   run = backend.mosaic_gpu_call(functools.partial(_build_end_state, w.shape, values), interpret)
-  return run(*operands, g, g_exclusive, state.astype(jnp.float32))
+  return run(*operands, w.astype(jnp.float32), state.astype(jnp.float32))
 
 
 def _state_gradient_kernel(rh_ref, ah_ref, bc_ref, dy_ref, decay_ref, ds_ref, ds0_ref,
                            rh_s, ah_s, bc_s, dy_s, decay_s, ds_s, dsb_s, p_rb_s, power_s, solve_s, x_s, barriers, *,
                            num_chunks):
   """One program: BV rows of one (batch, head)'s state gradient through every chunk, last chunk first, without the
-  inputs' gradients. Per chunk, the backward's value side on R̂, Â, B̌ (bfloat16, decayed by XLA as for `backward`),
+  inputs' gradients. Per chunk, the backward's value side on R̂, Â, B̌ (bfloat16, the forward's as for `backward`),
   dy and e^{g_L}: dS̄ = dS diag(e^{g_L}), M_ab, P_rb, the inverse, dU = P_rb^T dY + B̌ dS̄^T,
   dX = (I - M_ab)^{-T} dU and dS_0 = dY^T R̂ + dX^T Â + dS̄ (float32 in shared memory from the last chunk to the
   first)."""
@@ -952,17 +942,14 @@ def _build_state_gradient(shape: tuple[int, int, int, int], interpreted: bool):
                  interpreted)
 
 
-def state_gradients(r, w, a, b, dy, ds, *, interpret: bool | None = None):
-  """The gradient of the state before each sequence [B, H, N, N] float32, given dy [B, T, H, N] (y's gradient) and ds
-  [B, H, N, N] (the gradient of the state after it), without the inputs' gradients. r, w, a, b: [B, T, H, N], any
-  float dtype and T (padded with identity tokens). Same range and sizes as `forward`; the decayed operands are
-  `backward`'s (XLA shares them where both run on the same inputs)."""
-  size = r.shape[-1]
+def state_gradients(residuals: Residuals, dy, ds, *, interpret: bool | None = None):
+  """The gradient of the state before each sequence [B, H, N, N] float32, given the forward's `residuals`
+  (`forward(..., checkpoints=True)`: its decayed operands and g), dy [B, T, H, N] (y's gradient, T the forward's
+  inputs' length) and ds [B, H, N, N] (the gradient of the state after it), without the inputs' gradients. Same range
+  and sizes as `forward`; the operands are `backward`'s."""
+  size = dy.shape[-1]
   _check_size(size)
-  r, w, a, b, dy = wkv7_chunked.pad_tokens(CHUNK, r, w, a, b, dy)
-  g, g_exclusive = chunk_log_decays(w)
-  grow = jnp.exp(g)
-  operands = [_decayed(r, grow), _decayed(a, jnp.exp(g_exclusive)), _decayed(b, jnp.exp(-g)), dy.astype(OPERANDS)]
-  decay_total = _chunk_end_decay(grow)
-  run = backend.mosaic_gpu_call(functools.partial(_build_state_gradient, r.shape), interpret)
-  return run(*operands, decay_total, ds.astype(jnp.float32))
+  (dy,) = wkv7_chunked.pad_tokens(CHUNK, dy)
+  operands = [residuals.r_hat, residuals.a_hat, residuals.b_check, dy.astype(OPERANDS)]
+  run = backend.mosaic_gpu_call(functools.partial(_build_state_gradient, dy.shape), interpret)
+  return run(*operands, _chunk_end_decay(jnp.exp(residuals.g)), ds.astype(jnp.float32))

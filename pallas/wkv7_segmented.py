@@ -111,9 +111,11 @@ class Kernels:
 
     end_states(w, k, v, a, b, state) -> the state after each row [B·S, H, N, N] from `state` before it; with k and v
       None, the rows' transitions applied to `state`;
-    state_gradients(r, w, a, b, dy, ds) -> the gradient of the state before each row, given ds after it;
-    forward(r, w, k, v, a, b, state, checkpoints) -> (y, the chunk states or None, the final states);
-    backward(r, w, k, v, a, b, chunk_states, dy, ds) -> the gradients of r, w, k, v, a, b and the entering state.
+    state_gradients(r, w, a, b, dy, ds, checkpoints) -> the gradient of the state before each row, given ds after
+      it and the forward's checkpoints;
+    forward(r, w, k, v, a, b, state, checkpoints) -> (y, the checkpoints (the backward's residuals) or None, the
+      final states);
+    backward(r, w, k, v, a, b, checkpoints, dy, ds) -> the gradients of r, w, k, v, a, b and the entering state.
 
   One instance per static configuration (`chunked_kernels`, `mgpu_kernels`): `_fused` caches on it."""
   chunk: int
@@ -135,10 +137,13 @@ def chunked_kernels(chunk: int, forward_block: int, backward_block: int, backwar
   def forward(r, w, k, v, a, b, state, checkpoints):
     return chunked.forward(r, w, k, v, a, b, state, checkpoints=checkpoints, **settings)
 
+  def state_gradients(r, w, a, b, dy, ds, checkpoints):
+    del checkpoints  # The state: the kernel makes its decays and pair matrices from r, w, a, b.
+    return chunked.state_gradients(r, w, a, b, dy, ds, **settings)
+
   backward = functools.partial(chunked.backward, chunk=chunk, block=backward_block, loop=backward_loop,
                                warps=backward_warps, operands=operands, interpret=interpret)
-  return Kernels(chunk, functools.partial(chunked.end_states, **settings),
-                 functools.partial(chunked.state_gradients, **settings), forward, backward)
+  return Kernels(chunk, functools.partial(chunked.end_states, **settings), state_gradients, forward, backward)
 
 
 _MGPU_SECOND_ORDER = ("wkv7: impl='pallas_mgpu' (a Mosaic GPU kernel) has no second derivative; impl='scan' and "
@@ -154,8 +159,11 @@ def mgpu_kernels(interpret: bool | None) -> Kernels:
     out = mgpu.forward(r, w, k, v, a, b, state, checkpoints=checkpoints, interpret=interpret)
     return out[0], out[2] if checkpoints else None, out[1]
 
-  return Kernels(mgpu.CHUNK, functools.partial(mgpu.end_states, interpret=interpret),
-                 functools.partial(mgpu.state_gradients, interpret=interpret), forward,
+  def state_gradients(r, w, a, b, dy, ds, residuals):
+    del r, w, a, b  # The forward's residuals hold the decayed operands and log-decays.
+    return mgpu.state_gradients(residuals, dy, ds, interpret=interpret)
+
+  return Kernels(mgpu.CHUNK, functools.partial(mgpu.end_states, interpret=interpret), state_gradients, forward,
                  functools.partial(mgpu.backward, interpret=interpret), _MGPU_SECOND_ORDER)
 
 
@@ -198,7 +206,7 @@ def _fused(segments: int, kernels: Kernels, optimize_remat: bool):
     r, w, k, v, a, b = (_fold(x, segments) for x in inputs)
     batch, heads, size = ds_final.shape[0], ds_final.shape[1], ds_final.shape[-1]
     ends = jnp.zeros((batch, segments, heads, size, size), jnp.float32).at[:, -1].set(ds_final)
-    starts = kernels.state_gradients(r, w, a, b, dy, ends.reshape(-1, heads, size, size))
+    starts = kernels.state_gradients(r, w, a, b, dy, ends.reshape(-1, heads, size, size), ckpt)
     ds_out = outgoing_gradients(ds_final, _by_segment(starts, segments), transitions)
     *grads, ds0 = kernels.backward(r, w, k, v, a, b, ckpt, dy, _by_row(ds_out))
     return (*(_unfold(g, segments) for g in grads), _by_segment(ds0, segments)[0])

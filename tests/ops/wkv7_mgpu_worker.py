@@ -25,7 +25,7 @@ products (`wkv7_mgpu.pipelines`), at N = 128 they do not:
                        kernels' own barriers only: compiled on a GPU, where a missing one would show)
   states_f32_ragged:   [1, 100, 2, 64] float32, the state-only kernels: `end_states` from the random state (saved as
                        y = nothing, state = the end state), from the identity without values (the transition,
-                       `transition`) and `state_gradients` of random dy and ds (`state_grad`)
+                       `transition`) and `state_gradients` of random dy and ds from the forward's residuals (`state_grad`)
   states_bf16_n128:    [1, 128, 1, 128] bfloat16, the same, two value blocks per head
   op_grad_segmented_bf16: [1, 256, 1, 64] bfloat16 through ops.wkv7(impl="pallas_mgpu") with
                        pallas_segmented.MIN_BOUNDED = ("op_grad_bf16",)  # Run with the op's w_min = min_log_decay().
@@ -117,7 +117,8 @@ def main(path: str, compiled: bool = False) -> None:
     ends = wkv7_mgpu.end_states(w, k, v, a, b, state, interpret=not compiled)
     identity = jnp.broadcast_to(jnp.eye(state.shape[-1], dtype=jnp.float32), state.shape)
     transition = wkv7_mgpu.end_states(w, None, None, a, b, identity, interpret=not compiled)
-    return ends, transition, wkv7_mgpu.state_gradients(r, w, a, b, *cot, interpret=not compiled)
+    residuals = wkv7_mgpu.forward(*args, checkpoints=True, interpret=not compiled)[2]
+    return ends, transition, wkv7_mgpu.state_gradients(residuals, *cot, interpret=not compiled)
 
   for seed, (name, (shape, dtype)) in enumerate(CASES.items()):
     x = inputs(seed, shape, strong_decay=name == "op_strong_decay_f32")
