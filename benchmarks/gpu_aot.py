@@ -452,7 +452,8 @@ def _mgpu_worker(name: str, kernel_file: str) -> int:
       ckpt = abstract((batch, channels // size, length // kernel.CHUNK, size, size), jnp.bfloat16)
       if hasattr(kernel, "Residuals"):
         tokens = (batch, length, channels // size, size)
-        ckpt = kernel.Residuals(ckpt, *(abstract(tokens, jnp.bfloat16) for _ in range(4)), abstract(tokens, jnp.float32))
+        decayed = (abstract(tokens, jnp.bfloat16) for _ in range(4))
+        ckpt = kernel.Residuals(ckpt, *decayed, abstract(tokens, jnp.float32))
       fn = lambda r, w, k, v, a, b, c, dy, ds: kernel.backward(r, w, k, v, a, b, c, dy, ds, interpret=False, **form)
       _compile(mesh, fn, (*inputs, ckpt, inputs[0], state), result)
     else:

@@ -16,10 +16,10 @@ products: B̄ and K̄ need no tiles of their own, and the state's accumulator ge
 
 Layout. Grid (B, H, N / BV), one warpgroup (128 threads) per program: a program owns BV = 64 value rows of one
 head's state (rows never interact), walks the chunks in order and keeps its [BV, N] float32 block of S in a
-shared-memory tile from chunk to chunk. Each chunk's r, k, a, b, w tiles [L, N] and v tile [L, BV] come in by TMA; the decayed tiles overwrite r, a, b, k
-in shared memory as bfloat16 wgmma operands. Every product is a wgmma with M = 64 rows (Hopper's instruction
-height, hence L = 64 and BV = 64): the [L, L] pair matrices and the [L, BV] value tiles accumulate in float32, and
-the [L, L] ones are stored to shared memory as bfloat16 to enter later products from there (every wgmma operand is
+shared-memory tile from chunk to chunk. Each chunk's r, k, a, b, w tiles [L, N] and v tile [L, BV] come in by
+TMA; the decayed tiles overwrite r, a, b, k in shared memory as bfloat16 wgmma operands. Every product is a wgmma
+with M = 64 rows (Hopper's instruction height, hence L = 64 and BV = 64): the [L, L] pair matrices and the [L, BV]
+value tiles accumulate in float32, and the [L, L] matrices are stored to shared memory as bfloat16 to enter later products from there (every wgmma operand is
 a shared-memory tile: Mosaic GPU interpret mode takes no register operand, and one kernel serves both). The inverse
 of the unit lower-triangular I - M_ab is the finite series (I + M)(I + M^2)(I + M^4)(I + M^8)(I + M^16)(I + M^32),
 exact since M^64 = 0, on bfloat16 operands with float32 accumulation. y leaves by TMA from shared memory.
@@ -28,7 +28,7 @@ Overlapped loads (`pipelined`, default `pipelines(N)`). Where two slots of every
 memory (N = 64), each input tile has two, each with its own TMA barriers: before chunk c's products the program
 starts chunk c + 1's loads (chunk c - 1's in the backward) into the other slot, whose last reader was chunk c - 1, so
 those loads run during chunk c's products and chunk c + 1 waits only for what is left of them. At N = 128 a second
-slot of the inputs would take 136 KiB (forward) or 96 KiB (backward) beyond the 215,104 B and 225,352 B the kernels
+slot of the inputs would take 104 KiB (forward) or 96 KiB (backward) beyond the 219,193 B and 229,449 B the kernels
 take of Hopper's 232,448, so there each chunk's loads come before its products (one slot; `pipelined=False` at N =
 64 too). Both forms run the same products on the same operands.
 
@@ -36,10 +36,14 @@ Operands. Every product takes bfloat16 operands (the decayed keys, the state, U,
 included: Hopper's float32 wgmma (TF32) needs both operands K-major, which the V, U and U^T products are not.
 
 Log-decays. The forward takes w in float32 and sums it along each chunk itself (`_log_decays`): Mosaic GPU has no
-cumulative sum, so g = incl(1) w is a product, [L, L] ones times w split into three bfloat16 parts (8 significant bits
-each, float32's 24), the exact products summed in float32: within 2 float32 ulps of g's running sum (|g| <= 60 in
-the tests). g⁻ = g - w, float32. Three products per [L, 64] column piece of g, against XLA's cumulative sum and two
-float32 tiles in, written and read back, beside the kernel.
+cumulative sum, so g = incl(1) w is a product, [L, L] ones times w split into three bfloat16 parts (8 significant
+bits each, float32's 24), the exact products summed in float32: in interpret mode 1.4e-6 at most from the float64
+running sum at |g| <= 60 (a fifth of a float32 ulp of 60); a tensor core's float32 accumulation may round differently, a few ulps
+at most, far below the operands' bfloat16 rounding, and the backward reads the forward's g, so the two agree. g⁻ =
+g - w, float32. Three products per [L, 64] column piece of g, against XLA's cumulative sum and two float32 tiles
+in, written and read back, beside the kernel. e^{g_L} is taken as e^{min_t g_t} (g falls along the chunk): where
+rounding left g_{L-1} a few ulps above g_{L-2} (w_{L-1} that small), the minimum is the row before, a relative
+difference of that size in the state's decay.
 
 Range. As in `wkv7_chunked`, factoring e^{g_t - g_s} = e^{g_t} e^{-g_s} needs every factor finite: exact while
 w >= min_log_decay() = -LOG_RANGE / 64 = -0.9375 (RWKV-7's layers keep w >= -0.61); `in_range` checks it.
@@ -113,7 +117,8 @@ y. Without values (k, v None) it skips k, v, Ǩ, M_ak and their products: from t
 S_end = S_start A. `state_gradients` walks the chunks in reverse carrying dS: the backward's value side alone on
 the forward's residuals R̂, Â, B̌ and e^{g_L} and on dy (M_ab, P_rb, the inverse, dU, dX, dS_0), no S_0, v or k. The
 tile code shared with the forward and backward (the log-decays, the decays, the series inverse, dS̄, dU and dX,
-dS_0) is in the module's helpers. No Mosaic GPU kernel here needs XLA to sum or apply the log-decays for it.
+dS_0) is in the module's helpers. No Mosaic GPU kernel here needs XLA to sum w (the backward and the state
+gradients take e^{g}-factors and e^{g_L} from the forward's g).
 Compiled (sm_90a, B 8, T 4096, C 4096, bfloat16): end states 192 / 198 registers and 120,881 / 186,417 B at N = 64 /
 128, transitions 192 / 198 and 96,289 / 153,633 B, state gradients 149 / 174 and 91,185 / 140,337 B; no spills.
 """
@@ -345,7 +350,7 @@ def _kernel(r_ref, k_ref, a_ref, b_ref, v_ref, w_ref, s0_ref, y_ref, s_ref, *ref
             sync=_no_sync):
   """One program: BV value rows of one (batch, head)'s state through every chunk; with `residuals`, the first six of
   `refs` are the backward's residual outputs (`Residuals`: the bfloat16 state entering each chunk, R̂, Ǩ, Â, B̌ and
-  g, the last four from the programs of value block 0). The input tiles have `slots` slots: with two, chunk c + 1's
+  g, the last five from the programs of value block 0). The input tiles have `slots` slots: with two, chunk c + 1's
   loads go to one while chunk c's products read the other."""
   out_refs, refs = (refs[:6], refs[6:]) if residuals else (None, refs)
   r_s, k_s, a_s, b_s, w_s, v_s, held_s, state_s, x_s, m_ak_s, p_rb_s, p_rk_s, power_s, solve_s, y_s, barriers = refs
@@ -465,7 +470,8 @@ def _launch(body, out_type, scratch, batch: int, heads: int, size: int, interpre
   thread overwrites what another still reads and every thread then reads what the others wrote. With
   `explicit_barriers` Pallas adds none (`unsafe_no_auto_barriers`) and `body` gets `sync`, a warpgroup barrier, for
   the places where the kernels' own commits do not already separate a read from a later overwrite by another
-  thread: a product's operand tile overwritten by its result (another warp's share of the wgmma may still read it)
+  thread: a product's operand tile overwritten by its result or by the next piece's operands (another warp's share
+  of the wgmma may still read it: X -> U, dU -> dX, the inverse's tiles, the log-decays' parts)
   and the log-decay row's read-modify-write (its layout replicates each value across threads). A store over what the
   same thread read in the same layout needs none; a store that a product or a copy reads follows a commit_smem (fence
   and barrier) in both forms; `wait_smem_to_gmem` includes a barrier. Interpret mode runs one thread per warpgroup,
@@ -525,7 +531,7 @@ def _build(shape: tuple[int, int, int, int], y_dtype: str, residuals: bool, slot
 def forward(r, w, k, v, a, b, state, *, interpret: bool | None = None, checkpoints: bool = False,
             pipelined: bool | None = None, explicit_barriers: bool = False):
   """WKV-7 forward: (y [B, T, H, N] in v's dtype, the final state [B, H, N, N] float32), and with `checkpoints` also
-  `backward`'s residuals (`Residuals`: the state entering each chunk and the chunks' decayed operands).
+  `backward`'s residuals (`Residuals`: the state entering each chunk, the chunks' decayed operands and g).
 
   r, w, k, v, a, b: [B, T, H, N], any float dtype and any T (padded to a multiple of CHUNK with identity tokens), N
   in SIZES, w >= min_log_decay() (`in_range`; stronger decays overflow the factored form). state: [B, H, N, N]

@@ -138,7 +138,7 @@ def chunked_kernels(chunk: int, forward_block: int, backward_block: int, backwar
     return chunked.forward(r, w, k, v, a, b, state, checkpoints=checkpoints, **settings)
 
   def state_gradients(r, w, a, b, dy, ds, checkpoints):
-    del checkpoints  # The state: the kernel makes its decays and pair matrices from r, w, a, b.
+    del checkpoints  # These kernels make their decays and pair matrices from r, w, a, b themselves.
     return chunked.state_gradients(r, w, a, b, dy, ds, **settings)
 
   backward = functools.partial(chunked.backward, chunk=chunk, block=backward_block, loop=backward_loop,

@@ -25,11 +25,11 @@ products (`wkv7_mgpu.pipelines`), at N = 128 they do not:
                        kernels' own barriers only: compiled on a GPU, where a missing one would show)
   states_f32_ragged:   [1, 100, 2, 64] float32, the state-only kernels: `end_states` from the random state (saved as
                        y = nothing, state = the end state), from the identity without values (the transition,
-                       `transition`) and `state_gradients` of random dy and ds from the forward's residuals (`state_grad`)
+                       `transition`) and `state_gradients` of random dy and ds
+                       from the forward's residuals (`state_grad`)
   states_bf16_n128:    [1, 128, 1, 128] bfloat16, the same, two value blocks per head
   op_grad_segmented_bf16: [1, 256, 1, 64] bfloat16 through ops.wkv7(impl="pallas_mgpu") with
-                       pallas_segmented.MIN_BOUNDED = ("op_grad_bf16",)  # Run with the op's w_min = min_log_decay().
-SEGMENT = 128, so that the op runs two segments of 128 tokens
+                       pallas_segmented.MIN_SEGMENT = SEGMENT = 128, so that the op runs two segments of 128 tokens
                        (`wkv7_segmented` with the Mosaic GPU kernels): y, state and the seven gradients, and
                        the bytes of what the differentiated op keeps for its backward
 For every op case, the run-time range checks of w in the jaxpr of the op and its pullback as it ran (`range_checks`),

@@ -3,8 +3,9 @@
 
 The primal runs the forward kernel alone. Under differentiation the forward kernel also writes what the backward
 kernel reads as the forward's products read it (`wkv7_mgpu.Residuals`): the state entering each chunk, [B, H,
-ceil(T / 64), N, N] in bfloat16, the decayed operands R̂, Ǩ, Â, B̌ in bfloat16 and the chunks' cumulative log-decays
-g in float32; the backward kernel takes those with the inputs and the cotangents to all seven gradients. A call with a decay beyond the kernels' range (w < `wkv7_mgpu.min_log_decay()`,
+ceil(T / 64), N, N] in bfloat16, the decayed operands R̂, Ǩ, Â, B̌ in bfloat16 and the chunks' cumulative
+log-decays g in float32; the backward kernel takes those with the inputs and the cotangents to all seven
+gradients. A call with a decay beyond the kernels' range (w < `wkv7_mgpu.min_log_decay()`,
 checked once at run time; the backward follows the forward's choice) runs the "chunked" backend (pure JAX, exact)
 instead, its derivative included; a caller's static bound `w_min` within the range leaves the check out.
 Head sizes other than `wkv7_mgpu.SIZES` raise ValueError, as does a GPU older than sm_90 (NotImplementedError).
