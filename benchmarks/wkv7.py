@@ -353,6 +353,14 @@ def backward_layouts(args, platform: str) -> None:
   print(common.write_results(args.name or "wkv7-chunked-backward", rows))
 
 
+def _chunked_outputs(r, w, k, v, a, b, state, dy, ds):
+  """y, the final state and the seven gradients (cotangents dy and ds) of XLA's float32 "chunked" form at the
+  kernels' (bfloat16) inputs: the reference the Mosaic GPU forms' rows are measured against."""
+  primals = [x.astype(jnp.float32) for x in (r, w, k, v, a, b)] + [state]
+  (y, final), pullback = jax.vjp(jax.jit(lambda *p: wkv7(*p, impl="chunked")), *primals)
+  return (y, final, *pullback((dy.astype(jnp.float32), ds)))
+
+
 def mgpu_forms(args, platform: str) -> None:
   """The Mosaic GPU kernels' forms (`ltm_pallas.wkv7_mgpu`) timed apart: each chunk's loads serial with its products
   or overlapped with the previous chunk's (`pipelined`, where shared memory holds two slots: N = 64), each with
@@ -360,7 +368,9 @@ def mgpu_forms(args, platform: str) -> None:
 
   Per head size in SIZES at --shape's B, T, C (bfloat16): the forward with chunk states and the backward, each a
   jitted call with the XLA work beside the kernel, median ms; and the largest difference of every output from the
-  serial form's with Pallas' barriers (the same arithmetic: 0 expected; on a GPU anything else is a race). On CPU the
+  serial form's with Pallas' barriers (the same arithmetic: 0 expected; on a GPU anything else is a race); and each
+  form's largest error against XLA's float32 chunked form (`err_vs_chunked`, relative to max |expected| of the output
+  named `worst_vs_chunked`, over y, the final state and the seven gradients; the tests' tolerance is 2^-6). On CPU the
   kernels run in Mosaic GPU interpret mode (jax >= 0.11), numerics only; with an older jax the rows say skipped.
   Writes benchmarks/results/<--name, default wkv7-mgpu-forms>-<device>.json.
   """
@@ -395,10 +405,15 @@ def mgpu_forms(args, platform: str) -> None:
           row.update(fwd_ms=row["fwd"]["median_ms"], bwd_ms=row["bwd"]["median_ms"])
         if reference is None:
           reference = outputs
+          exact = _chunked_outputs(r, w, k, v, a, b, state, dy, final)
         else:
           diffs = (jnp.abs(jnp.asarray(x, jnp.float32) - jnp.asarray(z, jnp.float32))
                    for x, z in zip(outputs, reference))
           row["max_diff_from_serial"] = max(float(jnp.max(d)) for d in diffs)
+        errors = {label: float(jnp.max(jnp.abs(jnp.asarray(x, jnp.float32) - e)) / float(jnp.max(jnp.abs(e))))
+                  for label, x, e in zip(("y", "final", *(f"d{g}" for g in GRADIENTS)), (y, final, *grads), exact)}
+        worst = max(errors, key=errors.get)
+        row.update(err_vs_chunked=errors[worst], worst_vs_chunked=worst)
         rows.append(row)
         print({key: val for key, val in row.items() if key not in ("fwd", "bwd")}, flush=True)
   print(common.write_results(name, rows))

@@ -121,3 +121,14 @@ def test_headline_reads_a_step_budget(tmp_path):
   out = sweep._headline(path)
   assert out["predicted_ms"] == 34.42 and out["measured_step_ms"] == 38.2
   assert out["headline"] == "predicted 34.4 ms, measured 38.2"
+
+
+def test_headline_gives_the_largest_error_of_the_kernel_forms(tmp_path):
+  sweep = _load_sweep()
+  path = tmp_path / "wkv7-mgpu-forms-cpu.json"
+  rows = [{"size": 64, "err_vs_chunked": 4.1e-3}, {"size": 64, "err_vs_chunked": 7.5e-3, "max_diff_from_serial": 0.0},
+          {"size": 128, "err_vs_chunked": 5.0e-3}]
+  path.write_text(json.dumps({"results": rows}))
+  out = sweep._headline(path)
+  assert out["err_vs_chunked"] == 7.5e-3
+  assert out["headline"] == "3 rows; largest error vs chunked 7.50e-03"
