@@ -428,6 +428,16 @@ def _mgpu_worker(name: str, kernel_file: str) -> int:
     state = abstract((batch, channels // size, size, size), jnp.float32)
     result["stage"] = "build"
     entry = _mgpu_entry(name)
+
+    def chunk_residuals(residuals_type):
+      """The forward's residuals as `residuals_type` (`Residuals`) builds them, or (a baseline without them) the
+      chunk states alone."""
+      states = abstract((batch, channels // size, length // kernel.CHUNK, size, size), jnp.bfloat16)
+      if residuals_type is None:
+        return states
+      decayed = (abstract(inputs[0].shape, jnp.bfloat16) for _ in range(4))
+      return residuals_type(states, *decayed, abstract(inputs[0].shape, jnp.float32))
+
     # The form the case names, where the file has both (an older one has only the loads before the products).
     text = pathlib.Path(kernel_file).read_text()
     form = {"pipelined": "_pipe_" in name} if "pipelined: bool" in text else {}
@@ -439,21 +449,13 @@ def _mgpu_worker(name: str, kernel_file: str) -> int:
                                                       interpret=False)
       _compile(mesh, fn, (*inputs[1:], state), result)
     elif entry == "state_gradients" and hasattr(kernel, "Residuals"):  # The forward's residuals, dy, ds.
-      tokens = (batch, length, channels // size, size)
-      residuals = kernel.Residuals(abstract((batch, channels // size, length // kernel.CHUNK, size, size),
-                                            jnp.bfloat16), *(abstract(tokens, jnp.bfloat16) for _ in range(4)),
-                                   abstract(tokens, jnp.float32))
       fn = lambda residuals, dy, ds: kernel.state_gradients(residuals, dy, ds, interpret=False)
-      _compile(mesh, fn, (residuals, inputs[0], state), result)
+      _compile(mesh, fn, (chunk_residuals(kernel.Residuals), inputs[0], state), result)
     elif entry == "state_gradients":  # r, w, a, b, dy and the leaving state's gradient.
       fn = lambda r, w, a, b, dy, ds: kernel.state_gradients(r, w, a, b, dy, ds, interpret=False)
       _compile(mesh, fn, (*inputs[:2], *inputs[4:6], inputs[0], state), result)
     elif entry == "backward":  # Inputs, the forward's residuals (or chunk states), dy and the final state's gradient.
-      ckpt = abstract((batch, channels // size, length // kernel.CHUNK, size, size), jnp.bfloat16)
-      if hasattr(kernel, "Residuals"):
-        tokens = (batch, length, channels // size, size)
-        decayed = (abstract(tokens, jnp.bfloat16) for _ in range(4))
-        ckpt = kernel.Residuals(ckpt, *decayed, abstract(tokens, jnp.float32))
+      ckpt = chunk_residuals(getattr(kernel, "Residuals", None))
       fn = lambda r, w, k, v, a, b, c, dy, ds: kernel.backward(r, w, k, v, a, b, c, dy, ds, interpret=False, **form)
       _compile(mesh, fn, (*inputs, ckpt, inputs[0], state), result)
     else:

@@ -258,13 +258,12 @@ def _inverse(m_ab, diagonal, power_s, solve_s, sync=_no_sync):
   plgpu.commit_smem()
 
 
-def _decay(size, g_s, gp_s, a_s, b_s, r_s=None, k_s=None):
-  """Â = a e^{g⁻}, R̂ = r e^{g}, B̌ = b e^{-g}, Ǩ = k e^{-g} in place as bfloat16 operands (a, r, k: where given), in
-  [64, 64] column pieces (fewer float32 values live at once), reading g from shared memory at each use."""
+def _decay(size, g_s, b_s, r_s=None, k_s=None):
+  """R̂ = r e^{g}, B̌ = b e^{-g}, Ǩ = k e^{-g} in place as bfloat16 operands (r, k: where given; Â is made with g in
+  `_log_decays`), in [64, 64] column pieces (fewer float32 values live at once), reading g from shared memory at
+  each use."""
   for start in range(0, size, BLOCK):
     cols = (slice(None), pl.ds(start, BLOCK))
-    if a_s is not None:
-      a_s[cols] = (_load(a_s.at[cols]) * jnp.exp(_load(gp_s.at[cols]))).astype(OPERANDS)
     if r_s is not None:
       r_s[cols] = (_load(r_s.at[cols]) * jnp.exp(_load(g_s.at[cols]))).astype(OPERANDS)
     b_s[cols] = (_load(b_s.at[cols]) * jnp.exp(-_load(g_s.at[cols]))).astype(OPERANDS)
@@ -282,10 +281,10 @@ def _split(x):
 
 def _log_decays(size, w_s, inclusive_s, parts, a_s, sync=_no_sync):
   """The chunk's cumulative log-decays g [L, N] (g_t the sum of w for s <= t) in place of w in w_s, float32, and
-  Â = a e^{g⁻} in place of a (a bfloat16 operand), with g⁻ = g - w. In [L, 64] column pieces: each piece of w is
-  split into three bfloat16 parts (`_split`) that enter one product with the inclusive lower-triangular matrix of
-  ones `inclusive_s` [L, L] bfloat16: exact products summed in float32, as a float32 running sum (Mosaic GPU has no
-  cumulative sum). parts: three [L, 64] bfloat16 tiles."""
+  Â = a e^{g⁻} in place of a (a bfloat16 operand), with g⁻ = g - w (`_decay` makes the other operands). In [L, 64]
+  column pieces: each piece of w is split into three bfloat16 parts (`_split`) that enter one product with the
+  inclusive lower-triangular matrix of ones `inclusive_s` [L, L] bfloat16: exact products summed in float32, as a
+  float32 running sum (Mosaic GPU has no cumulative sum). parts: three [L, 64] bfloat16 tiles."""
   from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
 
   def piece(j, carry):
@@ -412,7 +411,7 @@ def _kernel(r_ref, k_ref, a_ref, b_ref, v_ref, w_ref, s0_ref, y_ref, s_ref, *ref
 
     _log_decays(size, w_s, p_rb_s, (m_ak_s, power_s, solve_s), a_s, sync)
     g_s = w_s  # w is spent: its tile holds g.
-    _decay(size, g_s, None, None, b_s, r_s, k_s)
+    _decay(size, g_s, b_s, r_s, k_s)
     plgpu.commit_smem()
     if out_refs is not None:  # The backward's residuals: the operands themselves (read before they are next written).
       ckpt_ref, decayed_refs, g_ref = out_refs[0], out_refs[1:5], out_refs[5]
@@ -812,7 +811,7 @@ def _end_state_kernel(*refs, num_chunks, values):
 
     _log_decays(size, w_s, ones_s.at[slot], (x_s, power_s, solve_s), a_s)
     g_s = w_s  # w is spent: its tile holds g.
-    _decay(size, g_s, None, None, b_s, k_s=k_s if values else None)
+    _decay(size, g_s, b_s, k_s=k_s if values else None)
     state_s[...] = _load(held_s).astype(OPERANDS)
     plgpu.commit_smem()
     rows_iota = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0, layout=wgmma_layout) + slot
