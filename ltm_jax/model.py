@@ -114,8 +114,13 @@ class Block(nn.Module):
   """x + mixer(norm(x)), then x + cross_attention(norm(x), z_l) when latents are on, then x + ffn(norm(x));
   x: [B, T, d_model], z_l: [B, n_per_layer, d_model], positions: [B, T] (only for latent RoPE).
 
-  Returns (x, state, v_first): v_first [B, T, d_model] is the first RWKV-7 layer's values, made by that layer and
-  read by every later RWKV-7 layer (value residual); other blocks pass it through."""
+  The last residual add is left to the caller: the block returns the stream as (x, d) with d the FFN's output, and
+  the next block takes d as `pending` and adds it with its first norm as one op (`AddNorm`), as it does between its
+  own sub-layers; `pending` None means x is the whole stream.
+
+  Returns (x, d, state, v_first): the stream after the block is x + d; v_first [B, T, d_model] is the first RWKV-7
+  layer's values, made by that layer and read by every later RWKV-7 layer (value residual); other blocks pass it
+  through."""
   cfg: ModelConfig
   layer: int
   latent: LatentConfig | None = None
@@ -129,7 +134,8 @@ class Block(nn.Module):
     return cls
 
   @nn.compact
-  def __call__(self, x, state: BlockState | None = None, z=None, positions=None, v_first=None, valid=None):
+  def __call__(self, x, state: BlockState | None = None, z=None, positions=None, v_first=None, valid=None,
+               pending=None):
     cfg, mixer_kind = self.cfg, self.cfg.mixers[self.layer]
     std, out_std = _std(cfg)
     site = sublayers.Site(cfg, self.layer, std, out_std, cache_capacity(cfg, self.capacity))
@@ -141,9 +147,11 @@ class Block(nn.Module):
     ffn = self._sublayer(ffn_cls, "ffn")(**ffn_args, name="ffn")
     mixer_state, ffn_state = (None, None) if state is None else state
     if mixer_entry.normalizes_input:  # The mixer normalises the stream with its own input stage (one op).
+      x = _added(x, pending)
       h, mixer_kw = x, dict(norm=NormParameters(cfg.norm, name="mixer_norm")(x.shape[-1]))
     else:
-      h, mixer_kw = norm(cfg.norm, cfg.norm_eps, cfg.dtype, "mixer_norm")(x), {}
+      x, h = _add_norm(cfg, "mixer_norm", x, pending, token_shifted=mixer_entry.token_shift)
+      mixer_kw = {}
     if mixer_entry.value_residual:
       h, mixer_state, v_first, *stream = mixer(h, mixer_state, v_first, valid, **mixer_kw)
     else:
@@ -158,15 +166,34 @@ class Block(nn.Module):
           n_heads=cfg.n_heads, head_dim=cfg.head_dim, std=std, out_std=out_std,
           rope_span=self.latent.rope_span if self.latent.rope else None, rope_theta=cfg.rope_theta,
           impl=cfg.attention_impl, dtype=cfg.dtype, fp8=cfg.fp8, name="cross_attention")
-      x, h = AddNorm(cfg.norm, cfg.norm_eps, cfg.dtype, name="cross_norm")(x, h)
+      x, h = _add_norm(cfg, "cross_norm", x, h)
       h = cross(h, z, positions)
     if ffn_entry.normalizes_input:  # As the mixer's: the FFN normalises the stream and hands it back.
-      x = x + h.astype(x.dtype)
+      x = _added(x, h)
       h, ffn_state, x = ffn(x, ffn_state, valid, norm=NormParameters(cfg.norm, name="ffn_norm")(x.shape[-1]))
     else:
-      x, h = AddNorm(cfg.norm, cfg.norm_eps, cfg.dtype, token_shifted=ffn_entry.token_shift, name="ffn_norm")(x, h)
+      x, h = _add_norm(cfg, "ffn_norm", x, h, token_shifted=ffn_entry.token_shift)
       h, ffn_state = ffn(h, ffn_state, valid)
-    return x + h.astype(x.dtype), BlockState(mixer_state, ffn_state), v_first
+    return x, h, BlockState(mixer_state, ffn_state), v_first
+
+
+def _added(x, pending):
+  """The residual stream x + pending in x's dtype (x where nothing is pending)."""
+  return x if pending is None else x + pending.astype(x.dtype)
+
+
+def _add_norm(cfg: ModelConfig, name: str, x, d, token_shifted: bool = False, impl: str = "auto"):
+  """(x + d, norm(x + d)) as one `AddNorm` op named `name` (`impl` its backend); d None: (x, norm(x)) by the norm
+  module, whose parameters are the same. The norm's output is in the compute dtype."""
+  if d is None:
+    return x, norm(cfg.norm, cfg.norm_eps, cfg.dtype, name)(x)
+  return AddNorm(cfg.norm, cfg.norm_eps, cfg.dtype, impl=impl, token_shifted=token_shifted, name=name)(x, d)
+
+
+def defers_residual_add(cfg: ModelConfig) -> bool:
+  """Whether a block's last residual add joins the next block's first norm. Not under whole-block remat: a block
+  keeps its inputs for the backward pass, and x and a pending d would be two streams to keep where one is now."""
+  return remat_plan(cfg.remat).block_policy is None
 
 
 def _block_class(cfg: ModelConfig, scanned: bool) -> type[Block]:
@@ -198,7 +225,8 @@ def scan_layout(cfg: ModelConfig) -> ScanLayout:
 
 
 class _Unit(nn.Module):
-  """One repeat of the layer pattern's unit: the body of the layer scan. carry: (x [B, T, d_model], v_first);
+  """One repeat of the layer pattern's unit: the body of the layer scan. carry: (x [B, T, d_model], v_first), x the
+  whole stream (the unit adds its last block's output);
   per repeat: states (one BlockState per block of the unit, or None) and z [B, period, n_per_layer, d_model] (or
   None); positions are shared by every repeat."""
   cfg: ModelConfig
@@ -209,13 +237,15 @@ class _Unit(nn.Module):
   @nn.compact
   def __call__(self, carry, states, z, positions, valid):
     x, v_first = carry
-    block_cls, new_states = _block_class(self.cfg, scanned=True), []
+    block_cls, new_states, pending = _block_class(self.cfg, scanned=True), [], None
     for j in range(scan_layout(self.cfg).period):
-      x, block_state, v_first = block_cls(self.cfg, self.first_layer + j, self.latent, scanned=True,
-                                          capacity=self.capacity, name=f"block_{j}")(
-          x, None if states is None else states[j], None if z is None else z[:, j], positions, v_first, valid)
+      x, pending, block_state, v_first = block_cls(self.cfg, self.first_layer + j, self.latent, scanned=True,
+                                                   capacity=self.capacity, name=f"block_{j}")(
+          x, None if states is None else states[j], None if z is None else z[:, j], positions, v_first, valid, pending)
+      if not defers_residual_add(self.cfg):
+        x, pending = _added(x, pending), None
       new_states.append(block_state)
-    return (x, v_first), tuple(new_states)
+    return (_added(x, pending), v_first), tuple(new_states)
 
 
 class LM(nn.Module):
@@ -273,20 +303,24 @@ class LM(nn.Module):
     embed = nn.Embed(cfg.padded_vocab_size, cfg.d_model, dtype=jnp.float32, param_dtype=jnp.float32,
                      embedding_init=init(cfg.init_std, ("vocab", "embed")), name="embed")
     if trunk is not None:
-      x, new_state, _ = _run_blocks(cfg, trunk.x, None, latent, latents, positions, valid, self.cache_capacity,
-                                    first, None, trunk.v_first)
+      x, pending, new_state, _ = _run_blocks(cfg, trunk.x, None, latent, latents, positions, valid,
+                                             self.cache_capacity, first, None, trunk.v_first)
     else:
       x = embed(tokens)
       if cfg.ln0:  # In float32: it feeds the residual stream.
         x = norm(cfg.norm, cfg.norm_eps, jnp.float32, "embed_norm")(x)
       x = x.astype(cfg.residual_dtype)  # Every block adds its sub-layers' outputs in this dtype.
       if trunk_only:
-        x, _, v_first = _run_blocks(cfg, x, None, latent, None, positions, valid, self.cache_capacity, 0, first)
-        return Trunk(x, v_first)
-      x, new_state, _ = _run_blocks(cfg, x, state, latent, latents, positions, valid, self.cache_capacity, 0, None)
+        x, pending, _, v_first = _run_blocks(cfg, x, None, latent, None, positions, valid, self.cache_capacity, 0,
+                                             first)
+        return Trunk(_added(x, pending), v_first)
+      x, pending, new_state, _ = _run_blocks(cfg, x, state, latent, latents, positions, valid, self.cache_capacity,
+                                             0, None)
     if last_only:  # A prefill needs the next token's logits only: skip the [B, T, vocab] head product.
-      x = x[:, -1:]
-    x = norm(cfg.norm, cfg.norm_eps, cfg.dtype, "final_norm")(x)
+      x, pending = x[:, -1:], None if pending is None else pending[:, -1:]
+    # Nothing reads the final stream: XLA's form drops its sum and fuses the add into the norm, where the kernels
+    # would write the sum and read back a zero gradient for it.
+    _, x = _add_norm(cfg, "final_norm", x, pending, impl="xla")
     # The head multiplies in the compute dtype and accumulates into float32 logits: rounding them to bfloat16 would
     # cost every logit (and the loss's softmax) 8 mantissa bits.
     if cfg.tie_embeddings:
@@ -327,32 +361,37 @@ def run_blocks(cfg: ModelConfig, x, state: tuple[BlockState, ...] | None = None,
   Called inside a compact method, the blocks become the caller's submodules (`block_{i}`, and `blocks` when
   scanned), so a model with its own input embedding and head (ltm_jax/timeseries) runs the same layers with the same
   parameter layout, state API and padding rules as the decoder."""
-  x, new_state, _ = _run_blocks(cfg, x, state, latent, latents, positions, valid, capacity, 0, None)
-  return x, new_state
+  x, pending, new_state, _ = _run_blocks(cfg, x, state, latent, latents, positions, valid, capacity, 0, None)
+  return _added(x, pending), new_state
 
 
 def _run_blocks(cfg: ModelConfig, x, state, latent, latents, positions, valid, capacity, start: int,
                 stop: int | None, v_first=None):
-  """Layers start..stop-1 (stop None: to the last) from x and v_first -> (x, new state of those layers, v_first).
+  """Layers start..stop-1 (stop None: to the last) from x and v_first -> (x, pending, new state of those layers,
+  v_first): the stream after them is x + pending (`Block`; pending None where nothing is left to add).
   The blocks from `first_latent_layer` on read latents[:, layer - first_latent_layer]; the layer scan runs only when
   the range reaches the end and starts at or before the scanned repeats (a latent model that scans has no trunk)."""
   layout = scan_layout(cfg)
   first = first_latent_layer(cfg, latent)
   stop = cfg.n_layers if stop is None else stop
-  block_cls, new_state = _block_class(cfg, scanned=False), []
+  block_cls, new_state, pending = _block_class(cfg, scanned=False), [], None
   for i in range(start, min(stop, layout.prefix_layers)):
     reads = latent is not None and i >= first
     z = None if not reads else (
         latents.layer(i - first) if isinstance(latents, SplitLatents) else latents[:, i - first])
-    x, block_state, v_first = block_cls(cfg, i, latent if reads else None, capacity=capacity, name=f"block_{i}")(
-        x, None if state is None else state[i], z, positions, v_first, valid)
+    x, pending, block_state, v_first = block_cls(cfg, i, latent if reads else None, capacity=capacity,
+                                                 name=f"block_{i}")(
+        x, None if state is None else state[i], z, positions, v_first, valid, pending)
+    if not defers_residual_add(cfg):
+      x, pending = _added(x, pending), None
     new_state.append(block_state)
   if layout.scanned_units and stop == cfg.n_layers:
     if start > layout.prefix_layers or (latent is not None and first):
       raise ValueError("the layer scan runs every scanned repeat, each reading z: it cannot start part-way")
+    x, pending = _added(x, pending), None
     x, v_first, scanned_state = _scanned(cfg, latent, capacity, layout, x, v_first, state, latents, positions, valid)
     new_state.extend(scanned_state)
-  return x, tuple(new_state), v_first
+  return x, pending, tuple(new_state), v_first
 
 
 def _scanned(cfg: ModelConfig, latent, capacity, layout: ScanLayout, x, v_first, state, latents, positions, valid):

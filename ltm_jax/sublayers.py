@@ -34,6 +34,7 @@ class Mixer(NamedTuple):
   build: Build
   empty_state: EmptyState
   value_residual: bool = False  # Takes and returns v_first, the first RWKV-7 layer's values.
+  token_shift: bool = False  # Its input is token-shifted (each position also reads the previous one's).
   # Takes the residual stream and the parameters of the norm before it (`norm=(scale, bias)`), normalises the stream
   # itself and returns it last, for the residual add; its build sets norm_kind and norm_eps.
   normalizes_input: bool = False
@@ -108,7 +109,7 @@ def _titans_state(cfg: ModelConfig, batch: int, capacity: int) -> TitansState:
 
 MIXER_KINDS: dict[str, Mixer] = {
     "attention": Mixer(_attention, _kv_cache),
-    "rwkv4": Mixer(_rwkv4, lambda cfg, batch, capacity: TimeMixState.empty(batch, cfg.d_model)),
+    "rwkv4": Mixer(_rwkv4, lambda cfg, batch, capacity: TimeMixState.empty(batch, cfg.d_model), token_shift=True),
     "rwkv7": Mixer(_rwkv7, lambda cfg, batch, capacity: TimeMix7State.empty(batch, cfg.d_model, cfg.rwkv7_head_size),
                    value_residual=True, normalizes_input=True),
     "titans_mal": Mixer(_titans_mal, _titans_state),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import chex
 import flax.linen as nn
 import jax
@@ -84,6 +86,26 @@ def test_state_none_equals_initial_state():
   a, _ = model.apply({"params": params}, tokens)
   b, _ = model.apply({"params": params}, tokens, model_lib.init_state(cfg, 3))
   np.testing.assert_allclose(a, b, atol=FLOAT32_ATOL, rtol=0)
+
+
+def test_each_block_adds_its_last_output_with_the_next_norm():
+  """Between blocks the residual add joins the next block's first norm (and the last block's the final norm) as one
+  AddNorm op; under whole-block remat each block adds its own. The logits agree either way, and a block that drops
+  the pending output (or adds it twice) would not."""
+  cfg, model, params = _setup("hybrid")
+  tokens = _tokens(jax.random.key(6), 2, 9, cfg)
+  joined = lambda m, _: m.name in ("mixer_norm", "final_norm")
+  outputs = {}
+  for remat in ("none", "full"):
+    lm = model_lib.LM(dataclasses.replace(cfg, remat=remat))
+    logits, captured = lm.apply({"params": params}, tokens, capture_intermediates=joined, mutable=["intermediates"])
+    found = captured["intermediates"]
+    joins = lambda calls: isinstance(calls["__call__"][0], tuple)  # AddNorm returns (stream, its norm).
+    kinds = [joins(found["block_0"]["mixer_norm"]), joins(found["block_1"]["mixer_norm"]), joins(found["final_norm"])]
+    assert kinds == ([False, True, True] if remat == "none" else [False, False, False]), (remat, kinds)
+    outputs[remat] = np.asarray(logits[0])
+  scale = np.abs(outputs["full"]).max()
+  np.testing.assert_allclose(outputs["none"], outputs["full"], atol=FLOAT32_ATOL * scale, rtol=0)
 
 
 def test_bfloat16_compute_keeps_float32_params_and_logits():
@@ -225,7 +247,8 @@ def test_bfloat16_model_keeps_float32_logits(tie):
   model = model_lib.LM(cfg.model)
   (logits, _), captured = model.apply({"params": params}, tokens, capture_intermediates=lambda m, _: m.name == "final_norm",
                                       mutable=["intermediates"])
-  hidden = np.asarray(captured["intermediates"]["final_norm"]["__call__"][0], np.float64)
+  _, hidden = captured["intermediates"]["final_norm"]["__call__"][0]  # (stream, its norm): the last block's add.
+  hidden = np.asarray(hidden, np.float64)
   weight = params["embed"]["embedding"].T if tie else params["head"]["kernel"]
   weight = np.asarray(jnp.asarray(weight).astype(jnp.bfloat16), np.float64)
   expected = (hidden @ weight)[..., :cfg.model.vocab_size]
