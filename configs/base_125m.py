@@ -1,7 +1,11 @@
 """A GPT-style 125M-class attention model (12 layers, d_model 768, GQA 12/4) for one or more GPUs, bfloat16 compute.
 The residual stream is bfloat16 too (model.residual_dtype; the library's default is float32): its adds and norms
 move half the bytes; in a small RWKV-7 run on the CPU (8 layers, d_model 128, 400 steps) it trained as the float32
-stream did, within seed noise (benchmarks/results/rwkv7-bf16-residual-train-cpu.json; docs/kernels.md)."""
+stream did, within seed noise (benchmarks/results/rwkv7-bf16-residual-train-cpu.json; docs/kernels.md).
+The loss takes the whole [B, T, vocab] logits at once (model.loss_chunk=0): with the byte vocabulary (259 ids,
+padded to 384) they are 201 MB float32 at 64 x 2048, and chunking them cost launches and a recomputation for
+nothing (deviceless sm_90a step budget, predicted: 232.5 -> 230.7 ms; docs/kernels.md). With a large vocabulary
+set model.loss_chunk (e.g. 256) to hold [B, loss_chunk, vocab] at a time."""
 
 from ltm_jax.config import Config, DataConfig, ModelConfig, TrainConfig
 
@@ -11,7 +15,7 @@ def get_config() -> Config:
       name="base_125m",
       model=ModelConfig(d_model=768, n_layers=12, n_heads=12, n_kv_heads=4, mlp_dim=3584, layer_pattern="A",
                         max_seq_len=2048, dtype="bfloat16",
-                        residual_dtype="bfloat16"),
+                        residual_dtype="bfloat16", loss_chunk=0),
       data=DataConfig(source="embedded"),
       train=TrainConfig(steps=50_000, batch_size=64, seq_len=2048, lr=6e-4, warmup_steps=2000, eval_every=1000,
                         checkpoint_every=2000, log_every=50),
