@@ -343,7 +343,7 @@ def backward_layouts(args, platform: str) -> None:
     row = dict(layout=name, shape="x".join(map(str, shape)), dtype="bfloat16", reference_rows=rows_ref, **chosen)
     for label, g, g_ref in zip(GRADIENTS, grads, reference):
       g, g_ref = jnp.asarray(g[:rows_ref], jnp.float32), jnp.asarray(g_ref, jnp.float32)
-      row[f"err_{label}"] = float(jnp.max(jnp.abs(g - g_ref)) / jnp.max(jnp.abs(g_ref)))
+      row[f"err_{label}"] = _rel_err(g, g_ref)
     if on_gpu:
       row["fwd_bwd"] = common.time_fn(fn, *primals, max_runs=args.runs)
       row["fwd_bwd_ms"] = row["fwd_bwd"]["median_ms"]
@@ -410,7 +410,7 @@ def mgpu_forms(args, platform: str) -> None:
           diffs = (jnp.abs(jnp.asarray(x, jnp.float32) - jnp.asarray(z, jnp.float32))
                    for x, z in zip(outputs, reference))
           row["max_diff_from_serial"] = max(float(jnp.max(d)) for d in diffs)
-        errors = {label: float(jnp.max(jnp.abs(jnp.asarray(x, jnp.float32) - e)) / float(jnp.max(jnp.abs(e))))
+        errors = {label: _rel_err(x, e)
                   for label, x, e in zip(("y", "final", *(f"d{g}" for g in GRADIENTS)), (y, final, *grads), exact)}
         worst = max(errors, key=errors.get)
         row.update(err_vs_chunked=errors[worst], worst_vs_chunked=worst)

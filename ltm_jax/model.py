@@ -190,7 +190,7 @@ def _add_norm(cfg: ModelConfig, name: str, x, d, token_shifted: bool = False, im
   return AddNorm(cfg.norm, cfg.norm_eps, cfg.dtype, impl=impl, token_shifted=token_shifted, name=name)(x, d)
 
 
-def defers_residual_add(cfg: ModelConfig) -> bool:
+def _defers_residual_add(cfg: ModelConfig) -> bool:
   """Whether a block's last residual add joins the next block's first norm. Not under whole-block remat: a block
   keeps its inputs for the backward pass, and x and a pending d would be two streams to keep where one is now."""
   return remat_plan(cfg.remat).block_policy is None
@@ -242,7 +242,7 @@ class _Unit(nn.Module):
       x, pending, block_state, v_first = block_cls(self.cfg, self.first_layer + j, self.latent, scanned=True,
                                                    capacity=self.capacity, name=f"block_{j}")(
           x, None if states is None else states[j], None if z is None else z[:, j], positions, v_first, valid, pending)
-      if not defers_residual_add(self.cfg):
+      if not _defers_residual_add(self.cfg):
         x, pending = _added(x, pending), None
       new_states.append(block_state)
     return (_added(x, pending), v_first), tuple(new_states)
@@ -382,7 +382,7 @@ def _run_blocks(cfg: ModelConfig, x, state, latent, latents, positions, valid, c
     x, pending, block_state, v_first = block_cls(cfg, i, latent if reads else None, capacity=capacity,
                                                  name=f"block_{i}")(
         x, None if state is None else state[i], z, positions, v_first, valid, pending)
-    if not defers_residual_add(cfg):
+    if not _defers_residual_add(cfg):
       x, pending = _added(x, pending), None
     new_state.append(block_state)
   if layout.scanned_units and stop == cfg.n_layers:
