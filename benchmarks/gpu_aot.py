@@ -102,6 +102,12 @@ runtime_version {
 device_description_str: "NVIDIA H100 80GB HBM3"
 """
 TARGET = "NVIDIA H100 80GB HBM3 (sm_90a)"
+# An H200 is the same sm_90a chip with more and faster memory (141 GB of HBM3e at 4.8 TB/s): what XLA reads of it is
+# the device memory, which bounds its rematerialization of a large program, and the bandwidth.
+H200_TARGET_CONFIG = (H100_TARGET_CONFIG.replace("memory_bandwidth: 3352320000000", "memory_bandwidth: 4800000000000")
+                      .replace("device_memory_size: 84929347584", "device_memory_size: 150754820096")
+                      .replace('"NVIDIA H100 80GB HBM3"', '"NVIDIA H200"'))
+H200_TARGET = "NVIDIA H200 (sm_90a)"
 
 # Per-SM limits of sm_90 for the occupancy estimate. Registers are allocated per warp in units of 256; the CUDA
 # runtime reserves 1 KiB of shared memory per resident block.

@@ -20,15 +20,19 @@ Each kernel's roofline time is max(FLOPs / compute ceiling, bytes / copy bandwid
 --matmul-tflops, float32 dots at XLA's default precision (TF32 on tensor cores) against --tf32-matmul-tflops, those
 at full float32 precision against --f32-matmul-tflops, everything else against --vector-tflops, bytes against
 --copy-tbps (read + write). The WKV-7 kernels also get a time scaled by their element count from the kernel
-benchmark's measured H100 rows (--wkv-fwd-ns, --wkv-bwd-ns); the prediction takes the larger of the two. Each
-kernel launch adds --launch-us (an assumption, not a measurement). Kernels fall into categories: matmul, WKV kernel,
-attention kernel, elementwise/fusion, reductions/norms (with the Pallas kernels of the RWKV-7 output stage, key side,
-block norm and time-mix input stage, priced by their bytes, a buffer given twice read once), copies/transposes,
-optimizer (the AdamW update: instructions whose source is optax or ltm_jax/train), other.
+benchmark's measured rows (--wkv-fwd-ns, --wkv-bwd-ns); the prediction takes the larger of the two. Each kernel
+launch adds --launch-us (an assumption, not a measurement). The ceilings default to those measured on one H100, or
+on one H200 for --target h200-aot or on an H200 (MACHINES); a flag overrides one. Kernels fall into categories:
+matmul, WKV kernel, attention kernel, elementwise/fusion, reductions/norms (with the Pallas kernels of the RWKV-7
+output stage, key side, block norm and time-mix input stage, priced by their bytes, a buffer given twice read once),
+copies/transposes, optimizer (the AdamW update: instructions whose source is optax or ltm_jax/train), other.
+Attention kernels are priced by their bytes too: their FLOPs are not counted.
 
 Where it compiles: with the CUDA plugin installed and no GPU, for an H100 without a device (benchmarks/gpu_aot.py's
-target description); on a machine with a GPU, for that GPU, and then it also times the step; elsewhere for the host
-CPU (the budget is then of the CPU program, with the same ceilings: a dry run of the script).
+target description), or for an H200 with --target h200-aot (the same sm_90a chip; XLA sees its 141 GB, which bounds
+how much of a large step it rematerializes, and its bandwidth); on a machine with a GPU, for that GPU, and then it
+also times the step; elsewhere for the host CPU (the budget is then of the CPU program, with the same ceilings: a dry
+run of the script).
 
 With --profile N on a device, N more steps run under jax.profiler and every kernel row gets its measured time beside
 the prediction (benchmarks/kernel_profile.py: the trace's events summed by HLO instruction), as do the categories
@@ -78,6 +82,14 @@ DEFAULTS = {"matmul_tflops": 642.0, "copy_tbps": 2.18, "f32_matmul_tflops": 67.0
             "wkv_fwd_ns": 2.36e6 / (8 * 4096 * 4096), "wkv_bwd_ns": (12.27 - 2.36) * 1e6 / (8 * 4096 * 4096),
             "wkv_seq_fwd_ns": 10.67e6 / (8 * 4096 * 4096), "wkv_seq_bwd_ns": (75.64 - 10.67) * 1e6 / (8 * 4096 * 4096),
             "launch_us": 2.0}
+# One H200 (shared gpu-results of 2026-11-27: `train.py --mfu` for three configs, each process measuring its own
+# ceilings; the WKV-7 kernel benchmark): bf16 matmul 611-630 TFLOP/s and copy 2.80-3.23 TB/s, the medians taken;
+# the chunked WKV-7 kernels at (8, 4096, 4096, 64) bf16 2.40 ms forward, 12.47 forward + backward (as the H100's: not
+# bound by memory). The rest as the H100's: the same SMs and clocks (the datasheets' fp32 rates agree); the sequential
+# WKV-7 kernels were not measured there.
+H200 = dict(DEFAULTS, matmul_tflops=626.0, copy_tbps=3.02, tf32_matmul_tflops=313.0,
+            wkv_fwd_ns=2.40e6 / (8 * 4096 * 4096), wkv_bwd_ns=(12.47 - 2.40) * 1e6 / (8 * 4096 * 4096))
+MACHINES = {"h100": DEFAULTS, "h200": H200}
 
 _DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4, "s64": 8,
                 "u64": 8, "bf16": 2, "f16": 2, "f32": 4, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1,
@@ -547,12 +559,19 @@ def _gpu_present() -> bool:
 
 
 def choose_target(requested: str) -> str:
-  """'device' (the local accelerator), 'h100-aot' (deviceless H100) or 'host'; call before importing jax."""
+  """'device' (the local accelerator), 'h100-aot' or 'h200-aot' (deviceless) or 'host'; call before importing
+  jax."""
   if requested != "auto":
     return requested
   if _has_cuda_plugin() and not _gpu_present() and os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":
     return "h100-aot"
   return "device"
+
+
+def machine(target: str, device_kind: str) -> str:
+  """Whose measured rates price the kernels: the H200's for its deviceless target or on one (device_kind as jax
+  names it), the H100's elsewhere."""
+  return "h200" if target == "h200-aot" or (target == "device" and "H200" in device_kind) else "h100"
 
 
 def load(args):
@@ -571,11 +590,11 @@ def load(args):
 
 def compile_step(cfg, target: str):
   """(compiled, state, batch): the train step compiled for the device with its initial state and a random batch, or
-  for a deviceless H100 (state and batch None)."""
+  for a deviceless H100 or H200 (state and batch None)."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
-  if target != "h100-aot":
+  if not target.endswith("-aot"):
     import common  # pylint: disable=g-import-not-at-top
     compiled, state, batch, _ = common.compiled_train_step(cfg)
     return compiled, state, batch
@@ -588,10 +607,11 @@ def compile_step(cfg, target: str):
   t = cfg.train
   optimizer = make_optimizer(t)
   step = make_train_step(model_lib.LM(cfg.model, cfg.latent), optimizer, learning_rate(t), t.grad_accum)
-  import gpu_aot  # pylint: disable=g-import-not-at-top  (benchmarks/gpu_aot.py: the H100 target description)
+  import gpu_aot  # pylint: disable=g-import-not-at-top  (benchmarks/gpu_aot.py: the targets' descriptions)
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
-  topology = topologies.get_topology_desc(platform="cuda", target_config=gpu_aot.H100_TARGET_CONFIG,
+  target_config = gpu_aot.H200_TARGET_CONFIG if target == "h200-aot" else gpu_aot.H100_TARGET_CONFIG
+  topology = topologies.get_topology_desc(platform="cuda", target_config=target_config,
                                           topology="1x1x1")
   mesh = topologies.make_mesh(topology, (1,), ("x",))
   sharding = NamedSharding(mesh, PartitionSpec())
@@ -630,35 +650,37 @@ def main(argv=None) -> int:
   parser.add_argument("--batch", type=int, default=None, help="train.batch_size (default: the config's)")
   parser.add_argument("--seq", type=int, default=None, help="train.seq_len (default: the config's)")
   parser.add_argument("--quick", action="store_true", help="the config at toy sizes (common.toy_config)")
-  parser.add_argument("--target", default="auto", choices=("auto", "device", "h100-aot"),
+  parser.add_argument("--target", default="auto", choices=("auto", "device", "h100-aot", "h200-aot"),
                       help="auto: deviceless H100 where the CUDA plugin is installed and there is no GPU, else the "
                       "default device (a GPU if there is one, else the host CPU)")
   parser.add_argument("--measured-ms", type=float, default=None, help="a measured step time to set the sum against")
   parser.add_argument("--steps", type=int, default=10, help="timed steps on a device (after 2 warm-up steps)")
   parser.add_argument("--profile", type=int, default=0, help="on a device: steps traced after the timed ones, each "
                       "kernel's measured time put beside its prediction (0: none)")
-  for key, value in DEFAULTS.items():
-    parser.add_argument("--" + key.replace("_", "-"), type=float, default=value)
+  for key in DEFAULTS:
+    parser.add_argument("--" + key.replace("_", "-"), type=float, default=None,
+                        help=f"default: the H200's {key} on an H200 or for h200-aot, else the H100's")
   parser.add_argument("--top", type=int, default=25, help="kernels and source lines printed")
   parser.add_argument("--out", default=None, help="results file (default benchmarks/results/step-budget-<config>-"
                       "<device>.json, or under LTM_BENCH_RESULTS)")
   args = parser.parse_args(argv)
 
   target = choose_target(args.target)
-  if target == "h100-aot":
+  if target.endswith("-aot"):
     os.environ["JAX_PLATFORMS"] = "cpu"
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
   import jax  # pylint: disable=g-import-not-at-top
 
   cfg = load(args)
-  if target == "h100-aot":
+  if target.endswith("-aot"):
     import gpu_aot  # pylint: disable=g-import-not-at-top
-    device = "h100-aot"
-    device_desc = gpu_aot.TARGET + ", deviceless"
+    device = target
+    device_desc = (gpu_aot.H200_TARGET if target == "h200-aot" else gpu_aot.TARGET) + ", deviceless"
   else:
     import common  # pylint: disable=g-import-not-at-top
     device, device_desc = common.device_name(), jax.devices()[0].device_kind
-  ceilings = {k: getattr(args, k) for k in DEFAULTS}
+  rates = MACHINES[machine(target, device_desc)]
+  ceilings = {k: rates[k] if getattr(args, k) is None else getattr(args, k) for k in DEFAULTS}
   print(f"# {cfg.name}: batch {cfg.train.batch_size} x {cfg.train.seq_len}, dtype {cfg.model.dtype}, remat "
         f"{cfg.model.remat}, wkv7_impl {cfg.model.wkv7_impl}; target {device_desc}", flush=True)
 
@@ -746,9 +768,9 @@ def main(argv=None) -> int:
   print("by pass: " + ", ".join(f"{g['pass']} {g['predicted_ms']:.2f} ms ({g['kernels']} launches)" for g in passes))
   from ltm_jax.info import model_info  # pylint: disable=g-import-not-at-top
   info = model_info(cfg)
-  floor = _floor(categories, total, info["flops_per_step_train"], args.matmul_tflops)
+  floor = _floor(categories, total, info["flops_per_step_train"], ceilings["matmul_tflops"])
   print(f"floor: the matmuls and the WKV and attention kernels alone take {floor['ms']:.2f} ms: with every other "
-        f"kernel free, at most {floor['max_fraction']:.3f} of the {args.matmul_tflops:g} TFLOP/s matmul rate "
+        f"kernel free, at most {floor['max_fraction']:.3f} of the {ceilings['matmul_tflops']:g} TFLOP/s matmul rate "
         f"(predicted {floor['predicted_fraction']:.3f})")
   if measured_step:
     print(f"measured step {measured_step:.2f} ms: predicted {total['predicted_ms']:.2f} ms is "
@@ -766,7 +788,7 @@ def main(argv=None) -> int:
       "config": cfg.name, "config_file": args.config, "overrides": args.overrides, "quick": args.quick,
       "device": device, "target": device_desc, "batch": f"{cfg.train.batch_size}x{cfg.train.seq_len}",
       "params": info["params"], "model_flops_per_step": info["flops_per_step_train"],
-      "ceilings": ceilings, "compile_s": round(compile_s, 1), "xla_cost_analysis": xla_cost, "memory_gib": memory,
+      "ceilings_of": machine(target, device_desc), "ceilings": ceilings, "compile_s": round(compile_s, 1), "xla_cost_analysis": xla_cost, "memory_gib": memory,
       "notes": notes, "total": total, "floor": floor, "measured_step_ms": measured_step, "step_times_ms": step_times,
       "run_error": run_error, "profile": profile_summary, "categories": categories, "passes": passes,
       "sources": by_source[:100],

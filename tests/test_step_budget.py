@@ -85,8 +85,11 @@ def test_quick_run_writes_the_budget(tmp_path):
   trace, and the categories' measured times add up to the total."""
   out = tmp_path / "budget.json"
   assert step_budget.main(["--quick", "--config", str(ROOT / "configs" / "tiny.py"), "--steps", "1",
-                           "--measured-ms", "1", "--out", str(out), "--top", "3", "--profile", "1"]) == 0
+                           "--measured-ms", "1", "--out", str(out), "--top", "3", "--profile", "1",
+                           "--launch-us", "3"]) == 0
   result = json.loads(out.read_text())
+  assert result["ceilings_of"] == "h100"
+  assert result["ceilings"] == dict(step_budget.DEFAULTS, launch_us=3.0)  # The machine's rates, one flag over them.
   names = [c["category"] for c in result["categories"]]
   assert "matmul" in names and "optimizer" in names
   assert result["total"]["predicted_ms"] == pytest.approx(sum(c["predicted_ms"] for c in result["categories"]))
@@ -102,6 +105,19 @@ def test_quick_run_writes_the_budget(tmp_path):
   assert profile["rows_measured"] >= 0.9 * profile["rows"]
   assert result["total"]["measured_ms"] == pytest.approx(sum(c["measured_ms"] for c in result["categories"]))
   assert result["total"]["measured_ms"] == pytest.approx(profile["kernels_ms"]) and profile["kernels_ms"] > 0
+
+
+def test_the_ceilings_are_the_machines():
+  assert step_budget.machine("device", "NVIDIA H200") == "h200"
+  assert step_budget.machine("device", "NVIDIA H100 80GB HBM3") == "h100"
+  assert step_budget.machine("h200-aot", "NVIDIA H200 (sm_90a), deviceless") == "h200"
+  assert step_budget.machine("h100-aot", "NVIDIA H100 80GB HBM3 (sm_90a), deviceless") == "h100"
+  assert step_budget.machine("host", "cpu") == "h100"
+  assert step_budget.H200["copy_tbps"] > step_budget.DEFAULTS["copy_tbps"]
+  import gpu_aot
+  for target in (gpu_aot.H100_TARGET_CONFIG, gpu_aot.H200_TARGET_CONFIG):  # Only the memory differs.
+    assert "core_count: 132" in target and "major: 9" in target
+  assert gpu_aot.H200_TARGET_CONFIG.count("150754820096") == 1 and "NVIDIA H200" in gpu_aot.H200_TARGET_CONFIG
 
 
 def test_kernel_profile_counts_the_instructions_of_its_module_only(tmp_path):
