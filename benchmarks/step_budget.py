@@ -82,11 +82,11 @@ DEFAULTS = {"matmul_tflops": 642.0, "copy_tbps": 2.18, "f32_matmul_tflops": 67.0
             "wkv_fwd_ns": 2.36e6 / (8 * 4096 * 4096), "wkv_bwd_ns": (12.27 - 2.36) * 1e6 / (8 * 4096 * 4096),
             "wkv_seq_fwd_ns": 10.67e6 / (8 * 4096 * 4096), "wkv_seq_bwd_ns": (75.64 - 10.67) * 1e6 / (8 * 4096 * 4096),
             "launch_us": 2.0}
-# One H200 (shared gpu-results of 2026-11-27: `train.py --mfu` for three configs, each process measuring its own
-# ceilings; the WKV-7 kernel benchmark): bf16 matmul 611-630 TFLOP/s and copy 2.80-3.23 TB/s, the medians taken;
-# the chunked WKV-7 kernels at (8, 4096, 4096, 64) bf16 2.40 ms forward, 12.47 forward + backward (as the H100's: not
-# bound by memory). The rest as the H100's: the same SMs and clocks (the datasheets' fp32 rates agree); the sequential
-# WKV-7 kernels were not measured there.
+# Measured on one H200 (`train.py --mfu` for three configs, each process measuring its own ceilings; the WKV-7 kernel
+# benchmark): bf16 matmul 611-630 TFLOP/s and copy 2.80-3.23 TB/s, the medians taken; the chunked WKV-7 kernels at
+# (8, 4096, 4096, 64) bf16 2.40 ms forward, 12.47 forward + backward (as the H100's: not bound by memory). TF32 is
+# half the bf16 rate, as for the H100; the rest as the H100's: the same SMs and clocks (the datasheets' fp32 rates
+# agree); the sequential WKV-7 kernels were not measured there.
 H200 = dict(DEFAULTS, matmul_tflops=626.0, copy_tbps=3.02, tf32_matmul_tflops=313.0,
             wkv_fwd_ns=2.40e6 / (8 * 4096 * 4096), wkv_bwd_ns=(12.47 - 2.40) * 1e6 / (8 * 4096 * 4096))
 MACHINES = {"h100": DEFAULTS, "h200": H200}
@@ -788,7 +788,8 @@ def main(argv=None) -> int:
       "config": cfg.name, "config_file": args.config, "overrides": args.overrides, "quick": args.quick,
       "device": device, "target": device_desc, "batch": f"{cfg.train.batch_size}x{cfg.train.seq_len}",
       "params": info["params"], "model_flops_per_step": info["flops_per_step_train"],
-      "ceilings_of": machine(target, device_desc), "ceilings": ceilings, "compile_s": round(compile_s, 1), "xla_cost_analysis": xla_cost, "memory_gib": memory,
+      "ceilings_of": machine(target, device_desc), "ceilings": ceilings, "compile_s": round(compile_s, 1),
+      "xla_cost_analysis": xla_cost, "memory_gib": memory,
       "notes": notes, "total": total, "floor": floor, "measured_step_ms": measured_step, "step_times_ms": step_times,
       "run_error": run_error, "profile": profile_summary, "categories": categories, "passes": passes,
       "sources": by_source[:100],
