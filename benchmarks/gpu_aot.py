@@ -108,6 +108,8 @@ H200_TARGET_CONFIG = (H100_TARGET_CONFIG.replace("memory_bandwidth: 335232000000
                       .replace("device_memory_size: 84929347584", "device_memory_size: 150754820096")
                       .replace('"NVIDIA H100 80GB HBM3"', '"NVIDIA H200"'))
 H200_TARGET = "NVIDIA H200 (sm_90a)"
+# machine -> (its description, XLA's target description of it), for deviceless compilations.
+DEVICELESS = {"h100": (TARGET, H100_TARGET_CONFIG), "h200": (H200_TARGET, H200_TARGET_CONFIG)}
 
 # Per-SM limits of sm_90 for the occupancy estimate. Registers are allocated per warp in units of 256; the CUDA
 # runtime reserves 1 KiB of shared memory per resident block.

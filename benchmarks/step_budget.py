@@ -90,6 +90,8 @@ DEFAULTS = {"matmul_tflops": 642.0, "copy_tbps": 2.18, "f32_matmul_tflops": 67.0
 H200 = dict(DEFAULTS, matmul_tflops=626.0, copy_tbps=3.02, tf32_matmul_tflops=313.0,
             wkv_fwd_ns=2.40e6 / (8 * 4096 * 4096), wkv_bwd_ns=(12.47 - 2.40) * 1e6 / (8 * 4096 * 4096))
 MACHINES = {"h100": DEFAULTS, "h200": H200}
+# --target for a deviceless compilation -> the machine it compiles for and prices at (gpu_aot.DEVICELESS).
+AOT_TARGETS = {"h100-aot": "h100", "h200-aot": "h200"}
 
 _DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4, "s64": 8,
                 "u64": 8, "bf16": 2, "f16": 2, "f32": 4, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1,
@@ -571,7 +573,9 @@ def choose_target(requested: str) -> str:
 def machine(target: str, device_kind: str) -> str:
   """Whose measured rates price the kernels: the H200's for its deviceless target or on one (device_kind as jax
   names it), the H100's elsewhere."""
-  return "h200" if target == "h200-aot" or (target == "device" and "H200" in device_kind) else "h100"
+  if target in AOT_TARGETS:
+    return AOT_TARGETS[target]
+  return "h200" if target == "device" and "H200" in device_kind else "h100"
 
 
 def load(args):
@@ -594,7 +598,7 @@ def compile_step(cfg, target: str):
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
-  if not target.endswith("-aot"):
+  if target not in AOT_TARGETS:
     import common  # pylint: disable=g-import-not-at-top
     compiled, state, batch, _ = common.compiled_train_step(cfg)
     return compiled, state, batch
@@ -610,8 +614,7 @@ def compile_step(cfg, target: str):
   import gpu_aot  # pylint: disable=g-import-not-at-top  (benchmarks/gpu_aot.py: the targets' descriptions)
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
-  target_config = gpu_aot.H200_TARGET_CONFIG if target == "h200-aot" else gpu_aot.H100_TARGET_CONFIG
-  topology = topologies.get_topology_desc(platform="cuda", target_config=target_config,
+  topology = topologies.get_topology_desc(platform="cuda", target_config=gpu_aot.DEVICELESS[AOT_TARGETS[target]][1],
                                           topology="1x1x1")
   mesh = topologies.make_mesh(topology, (1,), ("x",))
   sharding = NamedSharding(mesh, PartitionSpec())
@@ -650,7 +653,7 @@ def main(argv=None) -> int:
   parser.add_argument("--batch", type=int, default=None, help="train.batch_size (default: the config's)")
   parser.add_argument("--seq", type=int, default=None, help="train.seq_len (default: the config's)")
   parser.add_argument("--quick", action="store_true", help="the config at toy sizes (common.toy_config)")
-  parser.add_argument("--target", default="auto", choices=("auto", "device", "h100-aot", "h200-aot"),
+  parser.add_argument("--target", default="auto", choices=("auto", "device", *AOT_TARGETS),
                       help="auto: deviceless H100 where the CUDA plugin is installed and there is no GPU, else the "
                       "default device (a GPU if there is one, else the host CPU)")
   parser.add_argument("--measured-ms", type=float, default=None, help="a measured step time to set the sum against")
@@ -666,16 +669,16 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
 
   target = choose_target(args.target)
-  if target.endswith("-aot"):
+  if target in AOT_TARGETS:
     os.environ["JAX_PLATFORMS"] = "cpu"
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
   import jax  # pylint: disable=g-import-not-at-top
 
   cfg = load(args)
-  if target.endswith("-aot"):
+  if target in AOT_TARGETS:
     import gpu_aot  # pylint: disable=g-import-not-at-top
     device = target
-    device_desc = (gpu_aot.H200_TARGET if target == "h200-aot" else gpu_aot.TARGET) + ", deviceless"
+    device_desc = gpu_aot.DEVICELESS[AOT_TARGETS[target]][0] + ", deviceless"
   else:
     import common  # pylint: disable=g-import-not-at-top
     device, device_desc = common.device_name(), jax.devices()[0].device_kind
