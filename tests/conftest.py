@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import fcntl
 import os
@@ -150,27 +149,41 @@ def pytest_collection_modifyitems(config, items):
   items.sort(key=rank)  # Stable: the rest keep their order.
 
 
-@contextlib.contextmanager
-def without_expensive_passes():
-  """XLA without its expensive optimisation passes (jax_disable_most_optimizations) inside the block."""
-  previous = jax.config.read("jax_disable_most_optimizations")
-  jax.config.update("jax_disable_most_optimizations", True)
+# On the CPU every test process compiles without XLA's expensive backend passes (jax_disable_most_optimizations: LLVM
+# at -O0; the HLO passes, and so fusion, buffer assignment and cost analysis, are unchanged), and so do the processes
+# the tests start (CLI runs, notebook kernels, the .venv-aot workers), through the environment. On 2 cores compiling
+# is most of the suite's time; the numerics tests compare values with stated tolerances, which LLVM's optimisation
+# does not move past. One mode for the whole session: every program a test compares is compiled alike, and programs
+# stay cached across tests. Tests whose subject is the optimised build (register counts and spills of a deviceless
+# GPU compile) or whose time is running programs rather than compiling them opt out with
+# @pytest.mark.optimized_compile. A GPU host compiles as users do.
+_FAST_COMPILE_ENV = "JAX_DISABLE_MOST_OPTIMIZATIONS"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _compile_mode():
+  if jax.default_backend() == "cpu" and _FAST_COMPILE_ENV not in os.environ:
+    os.environ[_FAST_COMPILE_ENV] = "1"
+    jax.config.update("jax_disable_most_optimizations", True)
+  yield
+
+
+@pytest.fixture(autouse=True)
+def _optimized_compile(request, monkeypatch):
+  """Full XLA optimisation for a test marked optimized_compile, in this process and the ones it starts."""
+  if request.node.get_closest_marker("optimized_compile") is None or not jax.config.read(
+      "jax_disable_most_optimizations"):
+    yield
+    return
+  monkeypatch.delenv(_FAST_COMPILE_ENV, raising=False)
+  # The flag is not part of jit's cache key: without clearing, programs compiled in one mode would serve the other.
+  jax.clear_caches()
+  jax.config.update("jax_disable_most_optimizations", False)
   try:
     yield
   finally:
-    jax.config.update("jax_disable_most_optimizations", previous)
-    # The flag is not part of jit's cache key: a program compiled without the passes would otherwise serve later
-    # callers that compare against fully optimised numbers.
+    jax.config.update("jax_disable_most_optimizations", True)
     jax.clear_caches()
-
-
-@pytest.fixture
-def fast_compile():
-  """XLA without its expensive optimisation passes, for tests whose time is compiling many tiny programs once each
-  and whose assertions compare values two programs compute, never compiled HLO, memory or speed. A module opts in
-  with `pytestmark = pytest.mark.usefixtures("fast_compile")`."""
-  with without_expensive_passes():
-    yield
 
 
 # Latents in every block, fitted from the prior-like start on whole rows: the form that the tests of the inner loop,

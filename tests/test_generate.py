@@ -10,10 +10,6 @@ import pytest
 from conftest import micro_config
 from ltm_jax import api
 
-# Compile-bound: each test compiles its own prefill and decode programs and compares the tokens and logits they give
-# with other programs of the same model (conftest.fast_compile).
-pytestmark = pytest.mark.usefixtures("fast_compile")
-
 
 @pytest.fixture(scope="module", params=["RA", "A", "R"])
 def lm(request):

@@ -68,6 +68,7 @@ def _skip_reason() -> str | None:
 
 
 @pytest.mark.slow
+@pytest.mark.optimized_compile  # Registers and spills of the build users get.
 def test_kernels_compile_for_h100_without_spills(tmp_path):
   """The in-suite kernel cases compile for an H100 without spilling, and both controls fail as they must."""
   reason = _skip_reason()

@@ -20,10 +20,6 @@ from ltm_jax.config import ConfigError, apply_overrides, validate
 from ltm_jax.train.evaluation import CURVE_STEPS, full_evaluation
 from ltm_jax.train.step import create_train_state, make_train_step
 
-# Compile-bound: each test compiles its programs once and compares the values they compute, never compiled HLO (see
-# conftest.fast_compile).
-pytestmark = pytest.mark.usefixtures("fast_compile")
-
 # Every test fits with STEPS inner steps on [3, 16] batches where it can, so jitted inner loops are compiled once.
 STEPS = 4
 LATENT = classic_latent(n_per_layer=3, inner_steps=STEPS, inner_lr=0.3)

@@ -17,9 +17,6 @@ from ltm_jax import latent as latent_lib
 from ltm_jax import model as model_lib
 from ltm_jax.train.step import create_train_state, make_train_step
 
-# Compile-bound: many tiny programs, each compiled once; the checks compare values (see conftest.fast_compile).
-pytestmark = pytest.mark.usefixtures("fast_compile")
-
 STEPS = 2
 LATENT = classic_latent(n_per_layer=2, inner_steps=STEPS, inner_lr=0.1, encoder=True, encoder_width=32, encoder_context=3)
 B, T = 4, 24

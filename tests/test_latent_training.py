@@ -25,9 +25,6 @@ from ltm_jax.latent import continuation_masks
 from ltm_jax.layers import SplitLatents
 from ltm_jax.train.step import create_train_state, make_train_step
 
-# Compile-bound: many tiny programs, each compiled once; the checks compare values (see conftest.fast_compile).
-pytestmark = pytest.mark.usefixtures("fast_compile")
-
 STEPS = 3
 LATENT = classic_latent(n_per_layer=2, inner_steps=STEPS, inner_lr=0.3)
 

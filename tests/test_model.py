@@ -55,7 +55,6 @@ def test_future_tokens_never_change_earlier_logits(variant):
   assert not np.allclose(a[:, cut:], b[:, cut:])  # The change is visible where it should be.
 
 
-@pytest.mark.usefixtures("fast_compile")  # Compile-bound; the values of two runs are compared.
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_segments_with_carried_state_equal_whole_sequence(variant):
   cfg, model, params = _setup(variant)
@@ -190,7 +189,6 @@ def _rwkv7_setup():
   return cfg, model_lib.LM(cfg), jax.jit(draw)(jax.random.key(1))
 
 
-@pytest.mark.usefixtures("fast_compile")  # Compile-bound; the values of two runs are compared.
 def test_rwkv7_segments_with_carried_state_equal_whole_sequence():
   cfg, model, params = _rwkv7_setup()
   apply = jax.jit(model.apply)  # Faster than op-by-op here, even compiling once per segment length.
@@ -205,7 +203,6 @@ def test_rwkv7_segments_with_carried_state_equal_whole_sequence():
   chex.assert_trees_all_close(state, whole_state, atol=FLOAT32_ATOL * scale, rtol=1e-5)
 
 
-@pytest.mark.usefixtures("fast_compile")  # Compile-bound; compares the values of runs of one program.
 def test_rwkv7_future_tokens_never_change_earlier_logits_and_v_first_reaches_later_layers():
   cfg, model, params = _rwkv7_setup()
   apply = jax.jit(model.apply)

@@ -54,7 +54,6 @@ def _loss_fn(cfg, latent, inputs, targets):
 SCAN_CASES = [("RA", 4, ("full",), True), ("A", 3, ("minimal",), False), ("WA", 6, ("save_mixer", "save_ffn"), True)]
 
 
-@pytest.mark.usefixtures("fast_compile")  # Compile-bound; compares the values of two programs (conftest.fast_compile).
 @pytest.mark.parametrize("pattern, n_layers, remats, with_latents", SCAN_CASES,
                          ids=[f"{p}{n}-{'+'.join(r)}{'-latent' if z else ''}" for p, n, r, z in SCAN_CASES])
 def test_scanned_layers_give_the_same_logits_and_gradients(pattern, n_layers, remats, with_latents):
@@ -82,7 +81,6 @@ def test_scanned_layers_give_the_same_logits_and_gradients(pattern, n_layers, re
                                 rtol=1e-4)
 
 
-@pytest.mark.usefixtures("fast_compile")  # Compile-bound; compares the values of several programs.
 def test_scanned_segments_with_carried_state_equal_one_call():
   n_layers = 6  # The first unit (with the first RWKV-7 layer) separate, then two scanned repeats of "WA".
   cfg = micro_config(layer_pattern="WA", n_layers=n_layers, rwkv7_head_size=8, scan_layers=True).model

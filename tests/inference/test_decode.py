@@ -24,10 +24,6 @@ ATOL = 1e-4
 PROMPTS = ([72, 101, 108, 108, 111], [65, 66], [33, 34, 35, 36, 37, 38, 39])  # Ragged: 5, 2 and 7 tokens.
 NEW = 6  # Decoded tokens; with the 7-token prompt, 13 positions: past the 4-token window.
 
-# Compile-bound: each variant compiles its prefill, decode and forward programs and compares the logits and tokens
-# they give (conftest.fast_compile).
-pytestmark = pytest.mark.usefixtures("fast_compile")
-
 VARIANTS = {
     "attention": dict(layer_pattern="A"),
     "attention_window_gqa": dict(layer_pattern="A", window=4, n_kv_heads=2),

@@ -132,7 +132,6 @@ def test_xla_form_is_the_add_then_flax_norm_exactly(kind, stream):
     jax.tree.map(np.testing.assert_array_equal, got, want)
 
 
-@pytest.mark.usefixtures("fast_compile")  # Compares the values of two programs: XLA's expensive passes add nothing.
 def test_rwkv7_model_with_the_kernels_matches_the_xla_form(monkeypatch):
   """A float32 WWA model (two RWKV-7 blocks, one attention block) whose 'auto' takes the interpreted kernels, against
   the same model with the XLA form: logits and the gradients of every parameter, at random parameters (so that no

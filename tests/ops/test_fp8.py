@@ -156,7 +156,6 @@ def _dots(jaxpr) -> tuple[int, int]:
   return dots, float8_dots
 
 
-@pytest.mark.usefixtures("fast_compile")  # Compile-bound; compares the values of two programs.
 @pytest.mark.parametrize("pattern", ["RA", "W"])
 def test_model_fp8_rounds_the_projections_and_keeps_the_gradient_direction(pattern):
   """model.fp8 puts every block projection through the FP8 product: in the traced forward pass, the dot_generals

@@ -117,7 +117,6 @@ def test_last_row_only_gradients_match_float64(impl, kind):
                                atol=3e-5 * np.abs(np.asarray(want)).max(), err_msg=f"d{name}")
 
 
-@pytest.mark.usefixtures("fast_compile")  # Compares the values of programs: XLA's expensive passes add nothing.
 def test_rwkv7_model_normalising_in_its_mixes_is_the_model_normalising_before_them(monkeypatch):
   """A float32 WWA model (two RWKV-7 blocks, one attention block) whose time and channel mixes take the stream and
   normalise it with their token shifts (impl='xla', what the CPU runs), against the same model with the norm modules

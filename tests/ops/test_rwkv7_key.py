@@ -146,7 +146,6 @@ def _random_params(module, *args, seed):
   return jax.tree_util.tree_map_with_path(draw, shapes)
 
 
-@pytest.mark.usefixtures("fast_compile")  # Compares the values of two programs: XLA's expensive passes add nothing.
 def test_time_mix_with_the_kernels_matches_the_xla_form():
   """TimeMix7 (float32, a later layer: value residual too) with key_impl='pallas' against the same layer with the
   unfused XLA form: outputs and the gradients of every parameter, the input and v_first."""

@@ -232,6 +232,7 @@ def test_op_refuses_other_head_sizes():
 
 
 @pytest.mark.long
+@pytest.mark.optimized_compile  # Registers and spills of the build users get.
 def test_compiles_for_h100_without_spills(tmp_path):
   """The kernels compile for sm_90a (deviceless, about 60-90 s for the seven cases on 2 cores, so `make test-long`)
   with no register spills and within Hopper's shared memory; with the kernels' own barriers only, a chunk waits at

@@ -24,7 +24,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from conftest import CLASSIC_OVERRIDES, micro_config, without_expensive_passes  # noqa: E402
+from conftest import CLASSIC_OVERRIDES, micro_config  # noqa: E402
 
 from ltm_jax import config as config_lib  # noqa: E402
 from ltm_jax import model as model_lib  # noqa: E402
@@ -154,7 +154,6 @@ def _activation_gathers(hlo: str, leading: tuple[int, ...]) -> list[str]:
   return found
 
 
-@without_expensive_passes()  # Compares values only: the reference and the sharded program alike.
 def init_matches():
   """parallel.init_state (created in shards) equals create_train_state on one device."""
   cfg = _config(MESHES["mixed"])
@@ -245,7 +244,6 @@ def kernels_under_mesh():
   return out
 
 
-@without_expensive_passes()  # Compares values only: the reference and the sharded program alike.
 def scanned_latent_remat():
   """A scanned latent model whose WKV-4 runs the Pallas kernel (interpreted) under remat=full: one train step on the
   2x2x2 mesh against one device. The kernel's custom VJP runs per shard inside remat inside the layer scan and the

@@ -220,6 +220,7 @@ def np_ddpm_law(schedule, m, cov, steps):
   return mean, covariance
 
 
+@pytest.mark.optimized_compile  # Runs a long sampling loop: 10x slower unoptimised.
 def test_ddpm_matches_gaussian_marginal():
   """ddpm (float32, 1000 steps, 100k samples, d = 3) with the exact denoiser, from the exact x_1:
   - its sample mean and covariance match the exact law of the discretised chain (np_ddpm_law) within 5 Monte-Carlo

@@ -39,7 +39,6 @@ def test_decay_mask_spares_norms_vectors_and_embeddings():
   assert decay_mask(params, decay_embeddings=True)["embed"]["embedding"] is True
 
 
-@pytest.mark.usefixtures("fast_compile")  # Compile-bound; compares the values of programs.
 def test_gradient_accumulation_equals_one_big_batch():
   cfg = micro_config()
   model = model_lib.LM(cfg.model)

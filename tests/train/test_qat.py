@@ -20,7 +20,6 @@ from ltm_jax.train import loop
 from ltm_jax.train.step import create_train_state, make_train_step, token_nll
 
 
-@pytest.mark.usefixtures("fast_compile")  # Compile-bound; compares the values of programs.
 def test_qat_step_takes_the_rounded_weights_gradient_straight_to_the_float_weights():
   # int4 in groups of 8 (int8 rounds through the same plan; its rounding is tested in test_quantize.py).
   cfg = micro_config()
