@@ -251,6 +251,7 @@ COMPILED_SHAPES = (("relu2", 32768, 512, 2048), ("swiglu", 131072, 768, 3584))
 
 
 @pytest.mark.long
+@pytest.mark.optimized_compile  # Registers and spills of the build users get.
 @pytest.mark.parametrize("which", ["forward", "backward"])
 @pytest.mark.parametrize("activation, m, d, n", COMPILED_SHAPES)
 @pytest.mark.parametrize("form", ["pipelined", "warp_specialized"])
