@@ -10,11 +10,11 @@ import sys
 import jax
 import pytest
 
-from conftest import cpu_only_env
+from conftest import _FAST_COMPILE_ENV, cpu_only_env
 
 pytestmark = [
     pytest.mark.skipif(jax.default_backend() != "cpu", reason="a GPU host compiles every test optimised"),
-    pytest.mark.skipif("JAX_DISABLE_MOST_OPTIMIZATIONS" in os.environ, reason="the caller's environment sets the mode"),
+    pytest.mark.skipif(_FAST_COMPILE_ENV in os.environ, reason="the caller's environment sets the mode"),
 ]
 
 READ_FLAG = "import jax; print(jax.config.read('jax_disable_most_optimizations'))"
@@ -34,5 +34,5 @@ def test_tests_and_the_processes_they_start_skip_the_expensive_passes():
 @pytest.mark.optimized_compile
 def test_a_marked_test_and_its_processes_compile_fully_optimised():
   assert not jax.config.read("jax_disable_most_optimizations")
-  assert "JAX_DISABLE_MOST_OPTIMIZATIONS" not in os.environ
+  assert _FAST_COMPILE_ENV not in os.environ
   assert _started_process_flag() == "False"
