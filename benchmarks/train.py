@@ -79,6 +79,11 @@ def main():
   variants = args.variant if args.variant is not None else (
       CPU_VARIANTS if jax.default_backend() == "cpu" else ("",))
   rows = []
+
+  def write():  # After every variant: a later one that hangs past the caller's timeout costs only itself.
+    return common.write_results(args.name, rows, config_file=args.config, steps=args.steps, quick=args.quick,
+                                ceilings=ceilings)
+
   for variant in variants:
     cfg = config_lib.load_config(args.config, [v for v in variant.split(",") if v])
     if args.quick:
@@ -90,18 +95,18 @@ def main():
       row["error"] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
       rows.append(row)
       print(f"failed {row['config']} {row['variant']}: {row['error']}", flush=True)
+      write()
       continue
     if ceilings:
       # Model FLOPs utilisation against the matmul rate this machine reached, not a datasheet number.
       row["mfu"] = row["model_tflops"] / ceilings["matmul_tflops"]
     rows.append(row)
     print(f"measured {row['config']} {row['variant']}: {row['tokens_per_s']:.0f} tokens/s", flush=True)
+    write()
   common.print_table(rows, ["config", "variant", "params", "batch", "compile_s", "step_ms", "tokens_per_s",
                             "model_tflops"] + (["mfu"] if ceilings else []) + ["temp_mib"]
                      + (["error"] if any("error" in row for row in rows) else []))
-  path = common.write_results(args.name, rows, config_file=args.config, steps=args.steps, quick=args.quick,
-                              ceilings=ceilings)
-  print(f"wrote {path}")
+  print(f"wrote {write()}")
   return 1 if any("error" in row for row in rows) else 0
 
 
