@@ -19,7 +19,9 @@ The summary is rewritten after every benchmark and merged with the one already t
 commands (--part, --only, --resume) adds up to one summary. --resume skips what is ok or failed in it and reruns what
 never ran or was stopped by --deadline. --archive writes the summary, every results file it names and their logs
 into one .tar.gz after every benchmark, for a machine that hands back only the files of one folder; --merge unpacks
-such an archive into this checkout and merges its summary, so that the next command's --resume knows what ran.
+such an archive into this checkout and merges its summary, so that the next command's --resume knows what ran. (A
+device call that copies the checkout afresh drops the summary an earlier call wrote there: merge that call's archive
+here first, or name what is left with --only.)
 
 --wheels DIR installs the wheels of DIR (peers.py --download) into a folder of its own with pip --no-index --no-deps
 and puts it on the benchmarks' PYTHONPATH: the GPU image lacks the peers and some of ltm_jax's imports, and reaches
@@ -33,6 +35,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import gzip
 import json
 import os
 import pathlib
@@ -55,6 +58,7 @@ FORCED_FAILURE_FLAG = "--sweep-forced-failure"  # No script defines it: argparse
 # JAX takes 75% of the GPU's memory at its first allocation by default; the scripts that also run PyTorch peers in
 # the same process (or the official rwkv package in a child) need room beside it.
 SHARE_GPU = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+RESULTS_SUFFIXES = (".json", ".json.gz")  # The step budget gzips its row per kernel.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,16 +85,11 @@ class Bench:
     return self.quick_stem if quick else self.stem
 
 
-def _train(config: str, part: int, estimate_s: int, variants: tuple[str, ...] = ("",),
-           quick_variants: tuple[str, ...] | None = None) -> Bench:
-  """train.py --mfu on `config`'s variants; the dry run takes `quick_variants` (default the same): a GPU-only
-  backend fails off a GPU."""
+def _train(config: str, part: int, estimate_s: int, variants: tuple[str, ...] = ("",)) -> Bench:
+  """train.py --mfu on `config`'s variants (the dry run takes the same: each must run off a GPU too)."""
   name = f"train-{config}"
-
-  def args(chosen):
-    return ("--config", f"configs/{config}.py", "--name", name, *(a for v in chosen for a in ("--variant", v)), "--mfu")
-  quick = args(variants if quick_variants is None else quick_variants) + ("--quick",)
-  return Bench(name, "train.py", args(variants), quick, name, f"{name}-quick", part, estimate_s)
+  args = ("--config", f"configs/{config}.py", "--name", name, *(a for v in variants for a in ("--variant", v)), "--mfu")
+  return Bench(name, "train.py", args, args + ("--quick",), name, f"{name}-quick", part, estimate_s)
 
 
 def _attention(head_dim: int, part: int, estimate_s: int) -> Bench:
@@ -118,11 +117,11 @@ BENCHMARKS = (
           env=tuple(SHARE_GPU.items())),
     _attention(64, 1, 240),
     _attention(128, 2, 240),
-    _train("base_125m", 2, 150),
-    # As shipped beside the kernels `auto` does not choose yet, in one process: the WKV-7 op and the feed-forward's
-    # fused epilogues as Mosaic GPU kernels (Hopper only; a variant that fails leaves an error row, the others stand).
-    _train("small_rwkv7", 3, 170, variants=("", "model.wkv7_impl=pallas_mgpu", "model.ffn_impl=pallas_mgpu"),
-           quick_variants=("",)),
+    _train("base_125m", 2, 90),
+    # As shipped, and with the norm + token-shift mixes' backward as its Pallas kernel (`auto` took it before an H200
+    # timed it). The Mosaic GPU variants (model.wkv7_impl=pallas_mgpu, model.ffn_impl=pallas_mgpu), timed no faster on
+    # an H200, cost 40-80 s of compilation each: run them with train.py --variant when their kernels change.
+    _train("small_rwkv7", 3, 120, variants=("", "model.norm_mix_impl=pallas")),
     _train("small", 3, 100),
     # What a latent step costs against a plain step of the same decoder (configs/ltm_code.py): as shipped (z in the
     # top block, encoder + 2 inner steps) and with z in every block.
@@ -148,7 +147,11 @@ BENCHMARKS = (
     # .py). Without command buffers: the profiler then attributes every kernel to its HLO instruction.
     Bench("step-budget-small_rwkv7", "step_budget.py", ("--config", "configs/small_rwkv7.py", "--profile", "3"),
           ("--config", "configs/small_rwkv7.py", "--quick", "--profile", "1"), "step-budget-small_rwkv7",
-          "step-budget-small_rwkv7-quick", 6, 120, env=(("XLA_FLAGS", "--xla_gpu_enable_command_buffer="),)),
+          "step-budget-small_rwkv7-quick", 6, 90, env=(("XLA_FLAGS", "--xla_gpu_enable_command_buffer="),)),
+    # The same for base_125m (attention), whose measured step has been further from the budget's price.
+    Bench("step-budget-base_125m", "step_budget.py", ("--config", "configs/base_125m.py", "--profile", "2"),
+          ("--config", "configs/base_125m.py", "--quick", "--profile", "1"), "step-budget-base_125m",
+          "step-budget-base_125m-quick", 6, 100, env=(("XLA_FLAGS", "--xla_gpu_enable_command_buffer="),)),
     # The Mosaic GPU WKV-7 kernels' forms at small_rwkv7's layer shape (and N = 128): loads serial or overlapped,
     # Pallas' barriers or the kernels' own; every form's outputs against the first's (a race shows as a difference).
     Bench("wkv7-mgpu-forms", "wkv7.py",
@@ -168,11 +171,11 @@ BY_NAME = {b.name: b for b in BENCHMARKS}
 PARTS = sorted({b.part for b in BENCHMARKS})
 # Named selections for one lent device session, most valuable first (--plan; --resume --plan runs what is left).
 PLANS = {
-    # RWKV-7's and attention's training rate against the matmul rate: small_rwkv7's step (with the Mosaic GPU
-    # kernels as variants), those kernels' forms, the two other configs' steps, small_rwkv7's step kernel by kernel,
-    # then the chunked WKV-7 backward's launch settings.
-    "rwkv7-step": ("train-small_rwkv7", "wkv7-mgpu-forms", "train-base_125m_rwkv7", "step-budget-small_rwkv7",
-                   "train-base_125m", "wkv7-backward-layouts"),
+    # RWKV-7's and attention's training rate against the matmul rate: small_rwkv7's step (with a kernel variant),
+    # small_rwkv7's and base_125m's steps kernel by kernel, the two other configs' steps, the WKV-7 Mosaic GPU forms
+    # (each checked against XLA's float32 form), then the chunked WKV-7 backward's launch settings.
+    "rwkv7-step": ("train-small_rwkv7", "step-budget-small_rwkv7", "step-budget-base_125m", "train-base_125m_rwkv7",
+                   "train-base_125m", "wkv7-mgpu-forms", "wkv7-backward-layouts"),
 }
 COLUMNS = ("benchmark", "part", "status", "seconds", "results", "headline")
 
@@ -285,10 +288,11 @@ def run_one(bench: Bench, quick: bool, timeout_s: float, env: dict[str, str], lo
 
 
 def _results_file(folder: pathlib.Path, stem: str, device: str, since: float) -> pathlib.Path | None:
-  """The results file the run wrote: <stem>-<device>.json, modified after `since` (with the device unknown, after a
-  failed probe: the newest <stem>-*.json modified since)."""
-  candidates = [folder / f"{stem}-{device}.json"] if device != "unknown" else sorted(
-      folder.glob(f"{stem}-*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+  """The results file the run wrote: <stem>-<device>.json (or .json.gz), modified after `since` (with the device
+  unknown, after a failed probe: the newest <stem>-*.json(.gz) modified since)."""
+  candidates = [folder / f"{stem}-{device}{suffix}" for suffix in RESULTS_SUFFIXES] if device != "unknown" else sorted(
+      (p for suffix in RESULTS_SUFFIXES for p in folder.glob(f"{stem}-*{suffix}")), key=lambda p: p.stat().st_mtime,
+      reverse=True)
   fresh = [p for p in candidates if p.exists() and p.stat().st_mtime >= since - 1]
   return fresh[0] if fresh else None
 
@@ -297,7 +301,7 @@ def _headline(path: pathlib.Path) -> dict[str, Any]:
   """A few numbers from a results file for the summary table: rows, rows that failed or skipped, MFU and the
   largest error of a kernel form against its reference, where the rows have them."""
   try:
-    payload = json.loads(path.read_text())
+    payload = read_results(path)
   except (OSError, ValueError) as e:
     return {"headline": f"unreadable results: {e}"}
   total = payload.get("total")
@@ -353,6 +357,12 @@ def load_summary(path: pathlib.Path) -> dict[str, Any]:
     return {}
 
 
+def read_results(path: pathlib.Path) -> Any:
+  """A results file's payload: JSON, gzipped where the name ends in .gz (the step budget's)."""
+  data = path.read_bytes()
+  return json.loads(gzip.decompress(data) if path.suffix == ".gz" else data)
+
+
 def write_json(path: pathlib.Path, payload: dict[str, Any]) -> None:
   path.parent.mkdir(parents=True, exist_ok=True)
   tmp = path.with_suffix(".json.tmp")
@@ -390,7 +400,7 @@ def merge(archive: pathlib.Path, results_dir: pathlib.Path, log_dir: pathlib.Pat
     logs = {}
     for member in members:
       folder, _, name = member.name.rpartition("/")
-      if member is sweeps[0] or folder not in ("", "logs") or not name.endswith((".json", ".log")):
+      if member is sweeps[0] or folder not in ("", "logs") or not name.endswith((*RESULTS_SUFFIXES, ".log")):
         continue  # Only the flat layout write_archive makes: nothing outside the two folders.
       target = (log_dir if folder else results_dir) / name
       target.parent.mkdir(parents=True, exist_ok=True)

@@ -39,7 +39,7 @@ the prediction (benchmarks/kernel_profile.py: the trace's events summed by HLO i
 and source lines; the trace's device time that names no instruction of the step is reported as unmatched.
 
 Prints the per-category table, the top kernels and the top source lines, and writes
-benchmarks/results/step-budget-<config>-<device>.json (or --out).
+benchmarks/results/step-budget-<config>-<device>.json.gz (or --out).
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ import contextlib
 import dataclasses
 import datetime
 import glob
+import gzip
 import importlib.util
 import json
 import math
@@ -665,7 +666,7 @@ def main(argv=None) -> int:
                         help=f"default: the H200's {key} on an H200 or for h200-aot, else the H100's")
   parser.add_argument("--top", type=int, default=25, help="kernels and source lines printed")
   parser.add_argument("--out", default=None, help="results file (default benchmarks/results/step-budget-<config>-"
-                      "<device>.json, or under LTM_BENCH_RESULTS)")
+                      "<device>.json.gz, or under LTM_BENCH_RESULTS; gzipped when the name ends in .gz)")
   args = parser.parse_args(argv)
 
   target = choose_target(args.target)
@@ -802,9 +803,13 @@ def main(argv=None) -> int:
   }
   import common  # pylint: disable=g-import-not-at-top  (its RESULTS: LTM_BENCH_RESULTS or benchmarks/results)
   path = pathlib.Path(args.out or common.RESULTS / f"step-budget-{cfg.name}{'-quick' if args.quick else ''}-"
-                      f"{device}.json")
+                      f"{device}.json.gz")
   path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_text(json.dumps(result, indent=1) + "\n")
+  text = json.dumps(result, indent=1) + "\n"
+  if path.suffix == ".gz":  # A row per kernel: 0.3-1.8 MB of JSON, a fortieth of that compressed.
+    path.write_bytes(gzip.compress(text.encode(), mtime=0))
+  else:
+    path.write_text(text)
   print(f"\nwrote {path}")
   return 0
 

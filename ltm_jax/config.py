@@ -23,6 +23,7 @@ from ltm_jax.ops.attention import IMPLS as ATTENTION_BACKENDS
 from ltm_jax.ops.ffn import AVAILABLE as FFN_BACKENDS
 from ltm_jax.ops.mdi import AVAILABLE as MDI_BACKENDS
 from ltm_jax.ops.neural_memory import AVAILABLE as MEMORY_BACKENDS
+from ltm_jax.ops.norm_mix import AVAILABLE as NORM_MIX_BACKENDS
 from ltm_jax.ops.wkv4 import AVAILABLE as WKV4_BACKENDS
 from ltm_jax.ops.wkv7 import AVAILABLE as WKV7_BACKENDS
 from ltm_jax.parallel.mesh_checks import MESH_AXES, mesh_axes_of, validate_mesh
@@ -43,6 +44,7 @@ WKV_IMPLS = ("auto",) + WKV4_BACKENDS
 ATTENTION_IMPLS = ("auto",) + ATTENTION_BACKENDS
 WKV7_IMPLS = ("auto",) + WKV7_BACKENDS
 FFN_IMPLS = ("auto",) + FFN_BACKENDS
+NORM_MIX_IMPLS = ("auto",) + NORM_MIX_BACKENDS
 TOKENIZERS = ("byte", "rwkv_world")
 VOCAB_MULTIPLE = 128
 MARKOV_MAX_SYMBOLS = 62  # data.source=markov writes its symbols as the printable bytes 'A'..'~'.
@@ -85,6 +87,7 @@ class ModelConfig:
   attention_impl: str = "auto"
   wkv7_impl: str = "auto"  # Backend of the RWKV-7 (W) layers' WKV-7 op.
   ffn_impl: str = "auto"  # Backend of the SwiGLU and RWKV-7 channel-mix blocks (ltm_jax.ops.ffn).
+  norm_mix_impl: str = "auto"  # Backend of the RWKV-7 sub-layers' norm + token-shift mixes (ltm_jax.ops.norm_mix).
   ln0: bool = False  # Normalise the embeddings (model.norm kind) before the first block, as official RWKV models do.
   rwkv7_head_size: int = 64  # RWKV-7 heads of N channels, each with an N x N state; d_model must divide by it.
   # RWKV-7 low-rank widths (decay w, in-context learning rate a, value residual, output gate); None: the official
@@ -603,7 +606,7 @@ def validate(config: Config) -> Config:
        f"model.residual_dtype={m.residual_dtype!r} must be float32, or bfloat16 with model.dtype=bfloat16")
   for key, choices in (("ffn", FFNS), ("norm", NORMS), ("dtype", DTYPES), ("remat", REMAT_POLICIES),
                        ("wkv_impl", WKV_IMPLS), ("attention_impl", ATTENTION_IMPLS), ("wkv7_impl", WKV7_IMPLS),
-                       ("ffn_impl", FFN_IMPLS), ("memory_impl", MEMORY_IMPLS), ("mmrec_impl", MMREC_IMPLS),
+                       ("ffn_impl", FFN_IMPLS), ("norm_mix_impl", NORM_MIX_IMPLS), ("memory_impl", MEMORY_IMPLS), ("mmrec_impl", MMREC_IMPLS),
                        ("mmrec_remat", MMREC_REMAT)):
     need(getattr(m, key) in choices, f"model.{key}={getattr(m, key)!r} is not one of {', '.join(choices)}")
   for key in ("memory_depth", "memory_expansion", "memory_chunk"):

@@ -89,7 +89,8 @@ def _rwkv7(s: Site):
   return TimeMix7, dict(layer=s.layer, n_layers=cfg.n_layers, head_size=cfg.rwkv7_head_size,
                         decay_lora=lora["decay"], iclr_lora=lora["iclr"], value_lora=lora["value"],
                         gate_lora=lora["gate"], first=cfg.mixers.index("rwkv7") == s.layer, impl=cfg.wkv7_impl,
-                        dtype=cfg.dtype, fp8=cfg.fp8, norm_kind=cfg.norm, norm_eps=cfg.norm_eps)
+                        dtype=cfg.dtype, fp8=cfg.fp8, norm_kind=cfg.norm, norm_eps=cfg.norm_eps,
+                        norm_impl=cfg.norm_mix_impl)
 
 
 def _rwkv4(s: Site):
@@ -126,7 +127,7 @@ def _channel_mix(s: Site):
 def _channel_mix7(s: Site):
   return ChannelMix7, dict(layer=s.layer, n_layers=s.cfg.n_layers, hidden=s.cfg.ffn_dim("channel_mix7"),
                            dtype=s.cfg.dtype, fp8=s.cfg.fp8, impl=s.cfg.ffn_impl, norm_kind=s.cfg.norm,
-                           norm_eps=s.cfg.norm_eps)
+                           norm_eps=s.cfg.norm_eps, norm_impl=s.cfg.norm_mix_impl)
 
 
 def _swiglu(s: Site):

@@ -4,6 +4,7 @@ and --deadline leaves work for later."""
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
 import subprocess
@@ -108,16 +109,19 @@ def test_plans_select_in_their_own_order():
   narrowed = sweep.select(sweep.parse_args(["--plan", "rwkv7-step", "--only", plan[-1], plan[0]]))
   assert [b.name for b in narrowed] == [plan[0], plan[-1]]
   assert [b.name for b in sweep.select(sweep.parse_args([]))] == [b.name for b in sweep.BENCHMARKS]
-  # The dry run leaves out the GPU-only variants the device run times.
+  # The dry run takes the device run's variants (each runs off a GPU too).
   small = sweep.BY_NAME["train-small_rwkv7"]
-  assert "model.wkv7_impl=pallas_mgpu" in small.gpu_args and "model.wkv7_impl=pallas_mgpu" not in small.quick_args
+  assert "model.norm_mix_impl=pallas" in small.gpu_args and small.quick_args == small.gpu_args + ("--quick",)
 
 
 def test_headline_reads_a_step_budget(tmp_path):
+  """The step budget's gzipped results (what step_budget.py writes), found by the sweep and read for its headline."""
   sweep = _load_sweep()
-  path = tmp_path / "step-budget-small_rwkv7-cpu.json"
-  path.write_text(json.dumps({"config": "small_rwkv7", "total": {"predicted_ms": 34.42}, "measured_step_ms": 38.2,
-                              "run_error": None}))
+  path = tmp_path / "step-budget-small_rwkv7-cpu.json.gz"
+  path.write_bytes(gzip.compress(json.dumps({"config": "small_rwkv7", "total": {"predicted_ms": 34.42},
+                                             "measured_step_ms": 38.2, "run_error": None}).encode()))
+  assert sweep._results_file(tmp_path, "step-budget-small_rwkv7", "cpu", since=0.0) == path
+  assert sweep._results_file(tmp_path, "step-budget-small_rwkv7", "unknown", since=0.0) == path
   out = sweep._headline(path)
   assert out["predicted_ms"] == 34.42 and out["measured_step_ms"] == 38.2
   assert out["headline"] == "predicted 34.4 ms, measured 38.2"

@@ -38,7 +38,7 @@ AUTO_WITHOUT_KERNELS = {"gpu": "xla"}
 # fusion, which the kernel's output breaks (measured with the RWKV-7 channel mix then: small_rwkv7 32 x 1024,
 # deviceless sm_90a step budget: 37.11 ms with the xla form, 37.56 with the kernels; with the kernels' backward
 # writing d's gradient once and fewer partial sums, 35.37 against 35.67). Followed by a matmul (SwiGLU) the
-# kernels win at either stream: base_125m 64 x 2048 238.5 -> 235.4 ms (step-budget-base_125m-addnorm-h100-aot.json).
+# kernels win at either stream: base_125m 64 x 2048 238.5 -> 235.4 ms (step-budget-base_125m-addnorm-h100-aot.json.gz).
 AUTO_STREAMS = ("float32",)
 
 

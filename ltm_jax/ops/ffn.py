@@ -33,8 +33,8 @@ from ltm_pallas import matmul_mgpu as kernel
 
 AVAILABLE = ("xla", "pallas_mgpu")
 ACTIVATIONS = {"relu2": 1, "swiglu": 2}  # activation -> groups of W_in's columns (G).
-# Every platform takes xla: a GPU entry names pallas_mgpu where benchmarks/ffn.py measures the fused kernels faster
-# than cuBLAS and XLA's passes (the deviceless step budget can only assume their rate, docs/kernels.md).
+# Every platform takes xla: on an H200 the fused kernels made small_rwkv7's and base_125m's train steps slower
+# (40.3 against 36.7 ms, 265.0 against 258.3; benchmarks/results/train-*-nvidia-h200.json, docs/kernels.md).
 AUTO: dict[str, str] = {}
 
 

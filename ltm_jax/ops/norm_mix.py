@@ -36,9 +36,11 @@ AVAILABLE = ("xla", "pallas")
 KINDS = kernel.KINDS
 XN_ROWS = ("all", "last")  # What the op returns of xn: every row, or each sequence's last (the carried token).
 
-# cpu: xla (the kernel only runs interpreted there, to be checked). gpu: pallas, by the deviceless step budget
-# (benchmarks/step_budget.py on sm_90a, docs/kernels.md).
-AUTO = {"cpu": "xla", "gpu": "pallas"}
+# cpu: xla (the kernel only runs interpreted there, to be checked). gpu: xla, as measured on an H200: in small_rwkv7's
+# step its twelve kernels took 3.98 ms (563 GB/s; priced at 0.77 ms), while the step budget prices XLA's derivative
+# at 0.64 ms more than that price and measured XLA's fusions at 0.7-1.3 times their prices
+# (benchmarks/results/step-budget-small_rwkv7-nvidia-h200.json.gz, docs/kernels.md).
+AUTO = {"cpu": "xla", "gpu": "xla"}
 # On a GPU where this jax cannot compile the Pallas kernels (no Triton lowering, `ltm_pallas.backend.gpu_lowering`).
 AUTO_WITHOUT_KERNELS = {"gpu": "xla"}
 _SECOND_ORDER = ("norm_mix: impl='pallas' (the Pallas kernel of the norm and token-shift mixes' backward) has no "

@@ -235,9 +235,9 @@ def _sha256(path: pathlib.Path) -> str:
 
 
 # Model keys that change how the model runs, not what its parameters are or compute: free to change on resume/load.
-RUNTIME_MODEL_KEYS = ("dtype", "residual_dtype", "wkv_impl", "wkv7_impl", "ffn_impl", "attention_impl", "memory_impl",
-                      "max_seq_len", "remat", "matmul_precision", "fp8", "loss_chunk", "mmrec_impl", "mmrec_remat",
-                      "mmrec_precompute")
+RUNTIME_MODEL_KEYS = ("dtype", "residual_dtype", "wkv_impl", "wkv7_impl", "ffn_impl", "norm_mix_impl", "attention_impl",
+                      "memory_impl", "max_seq_len", "remat", "matmul_precision", "fp8", "loss_chunk", "mmrec_impl",
+                      "mmrec_remat", "mmrec_precompute")
 # Keys that mean something only to Titans memory layers (M, G).
 MEMORY_MODEL_KEYS = ("memory_depth", "memory_expansion", "memory_chunk", "memory_max_lr")
 # Keys that mean something only to MM-Rec layers (D).
