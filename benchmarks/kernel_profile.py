@@ -30,15 +30,53 @@ from collections.abc import Callable
 import jax
 
 
+GAP_BUCKETS_US = (5.0, 20.0, 100.0)  # Idle gaps by length: launch latency, launch-bound stretches, stalls.
+
+
+@dataclasses.dataclass(frozen=True)
+class Idle:
+  """When the device ran none of the module's kernels, from the first of its kernels to the last over all runs (so
+  the runs - 1 gaps between runs are in it; each shows as a largest gap from the step's last kernel to its first).
+
+  idle_ms: ms per run; buckets: per GAP_BUCKETS_US bucket ("<5us", "5-20us", "20-100us", ">=100us"), the gaps per
+  run and their ms per run; largest: the longest gaps, (us, the instruction before, the instruction after)."""
+  idle_ms: float
+  buckets: dict[str, tuple[float, float]]
+  largest: list[tuple[float, str, str]]
+
+
+def idle(intervals: list[tuple[int, int, str]], runs: int, top: int = 12) -> Idle:
+  """The Idle of kernels that ran over `intervals` (start_ns, end_ns, instruction), on any streams: the gaps of their
+  union (kernels that overlap on two streams are busy time once)."""
+  bounds = [f"<{GAP_BUCKETS_US[0]:g}us"] + [f"{a:g}-{b:g}us" for a, b in zip(GAP_BUCKETS_US, GAP_BUCKETS_US[1:])]
+  names = bounds + [f">={GAP_BUCKETS_US[-1]:g}us"]
+  counts, total_ns, gaps = [0] * len(names), [0] * len(names), []
+  end, last_op = None, ""
+  for start, stop, op in sorted(intervals):
+    if end is not None and start > end:
+      gap = start - end
+      bucket = sum(gap >= us * 1e3 for us in GAP_BUCKETS_US)
+      counts[bucket] += 1
+      total_ns[bucket] += gap
+      gaps.append((gap / 1e3, last_op, op))
+    if end is None or stop > end:
+      end, last_op = stop, op
+  largest = sorted(gaps, key=lambda g: -g[0])[:top]
+  return Idle(sum(total_ns) / runs / 1e6, {n: (c / runs, ns / runs / 1e6) for n, c, ns in zip(names, counts, total_ns)},
+              largest)
+
+
 @dataclasses.dataclass(frozen=True)
 class Profile:
   """per_op_ms: instruction name -> ms per run. source: "device" (GPU stream events) or "host". device_ms: all device
-  events' ms per run, unmatched_ms: those naming no instruction of the module (None on the host)."""
+  events' ms per run, unmatched_ms: those naming no instruction of the module, idle: when none of the module's
+  kernels ran (None on the host)."""
   per_op_ms: dict[str, float]
   source: str
   runs: int
   device_ms: float | None = None
   unmatched_ms: float | None = None
+  idle: Idle | None = None
 
 
 def module_name(hlo_text: str) -> str:
@@ -73,6 +111,7 @@ def read(path: str, module: str, runs: int) -> Profile:
   planes = device or [p for p in data.planes if p.name.startswith("/host:")]
   per_op = collections.Counter()
   total = unmatched = 0.0
+  intervals = []
   for plane in planes:
     lines = list(plane.lines)
     if device:  # Kernel executions lie on the stream lines; other lines (if any) summarise them again.
@@ -87,8 +126,10 @@ def read(path: str, module: str, runs: int) -> Profile:
           unmatched += event.duration_ns
           continue
         on_line[op] += event.duration_ns
+        intervals.append((event.start_ns, event.end_ns, op))
       for op, ns in on_line.items():
         per_op[op] = per_op[op] + ns if device else max(per_op[op], ns)
   per_run = lambda ns: ns / runs / 1e6
   return Profile({op: per_run(ns) for op, ns in per_op.items()}, "device" if device else "host", runs,
-                 per_run(total) if device else None, per_run(unmatched) if device else None)
+                 per_run(total) if device else None, per_run(unmatched) if device else None,
+                 idle(intervals, runs) if device else None)

@@ -769,6 +769,12 @@ def main(argv=None) -> int:
     print(f"profiled {profile.runs} steps: the budget's kernels measured {total['measured_ms']:.2f} ms a step, "
           f"instructions outside its rows {elsewhere:.2f} ms{device_note}; {matched} of {len(rows)} kernel "
           "instructions seen")
+    if profile.idle is not None:  # Where the step's wall time outruns its kernels: many short gaps, or a few stalls.
+      gaps = profile.idle
+      profile_summary["idle"] = dataclasses.asdict(gaps)
+      print(f"device idle between the step's kernels: {gaps.idle_ms:.2f} ms a step (the gaps between steps too); "
+            + ", ".join(f"{name} {n:.0f} gaps {ms:.2f} ms" for name, (n, ms) in gaps.buckets.items())
+            + "; longest: " + ", ".join(f"{us:.0f} us {before} -> {after}" for us, before, after in gaps.largest[:6]))
   print("by pass: " + ", ".join(f"{g['pass']} {g['predicted_ms']:.2f} ms ({g['kernels']} launches)" for g in passes))
   from ltm_jax.info import model_info  # pylint: disable=g-import-not-at-top
   info = model_info(cfg)

@@ -158,6 +158,32 @@ def test_kernel_profile_counts_the_instructions_of_its_module_only(tmp_path):
     kernel_profile.module_name("ENTRY %main () -> f32[] {}")
 
 
+def test_kernel_profile_idle_is_the_gaps_of_the_kernels_union():
+  """Gaps between kernels on a device's streams, fresh random layouts: a kernel overlapping another (a second stream)
+  closes no gap; each gap lands in its length's bucket, named by the instructions around it; per run."""
+  import numpy as np
+  import kernel_profile
+
+  rng = np.random.default_rng()
+  for _ in range(20):
+    gaps_ns = rng.choice([1_000, 3_000, 7_000, 50_000, 400_000], size=30) + rng.integers(0, 900, size=30)
+    busy_ns = rng.integers(2_000, 90_000, size=31)
+    intervals, t = [], int(rng.integers(0, 10**9))
+    for i, busy in enumerate(busy_ns):
+      intervals.append((t, t + int(busy), f"k{i}"))
+      if rng.random() < 0.3:  # A shorter kernel on another stream inside this one: no gap of its own.
+        intervals.append((t + 10, t + int(busy) // 2, f"s{i}"))
+      t += int(busy) + (int(gaps_ns[i]) if i < len(gaps_ns) else 0)
+    runs = int(rng.integers(1, 4))
+    got = kernel_profile.idle([intervals[i] for i in rng.permutation(len(intervals))], runs)
+    assert got.idle_ms == pytest.approx(gaps_ns.sum() / runs / 1e6)
+    for name, lo, hi in (("<5us", 0, 5e3), ("5-20us", 5e3, 2e4), ("20-100us", 2e4, 1e5), (">=100us", 1e5, 1e12)):
+      chosen = gaps_ns[(gaps_ns >= lo) & (gaps_ns < hi)]
+      assert got.buckets[name] == pytest.approx((len(chosen) / runs, chosen.sum() / runs / 1e6))
+    longest = int(np.argmax(gaps_ns))
+    assert got.largest[0] == (pytest.approx(gaps_ns[longest] / 1e3), f"k{longest}", f"k{longest + 1}")
+
+
 # One fusion reads a quarter of a flat buffer through an elementwise op and a slice, a whole second operand, and a
 # third operand through a broadcast (read whole); a second fusion slices half of its operand directly.
 SLICED = """HloModule m
