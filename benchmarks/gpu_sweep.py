@@ -142,7 +142,7 @@ BENCHMARKS = (
           ("--quick", "--sections", "batch", "dtype", "official"), "decode-batch-dtype-official",
           "decode-quick-batch-dtype-official", 4, 180, env=tuple(SHARE_GPU.items())),
     # The RWKV-7 step's own measurements (PLANS["rwkv7-step"] runs them with the configs' steps above).
-    _train("base_125m_rwkv7", 6, 100),
+    _train("base_125m_rwkv7", 6, 150, variants=("", "model.norm_mix_impl=pallas")),
     # Each kernel of small_rwkv7's step measured beside the deviceless budget's prediction (benchmarks/kernel_profile
     # .py). Without command buffers: the profiler then attributes every kernel to its HLO instruction.
     Bench("step-budget-small_rwkv7", "step_budget.py", ("--config", "configs/small_rwkv7.py", "--profile", "3"),

@@ -13,8 +13,8 @@ counted from the HLO's shapes: a dot 2 x output x contraction, every other arith
 element (a reduce one per input element); bytes are the kernel's operands plus its outputs (a fusion reading slices
 of an operand reads the slices; one updating a slice of a buffer in place reads and writes the update). A Pallas
 kernel's FLOPs are not counted (its HLO is one opaque call), except the fused-epilogue matmul's
-(ltm_pallas.matmul_mgpu), which is priced as a matmul at --matmul-tflops: an assumption that it runs at cuBLAS's
-rate, to be measured.
+(ltm_pallas.matmul_mgpu), which is priced as a matmul at --matmul-tflops (an assumption that it runs at cuBLAS's
+rate; an H200 measured it slower), and the attention kernels' (below).
 
 Each kernel's roofline time is max(FLOPs / compute ceiling, bytes / copy bandwidth): bf16/f16/f8 dots against
 --matmul-tflops, float32 dots at XLA's default precision (TF32 on tensor cores) against --tf32-matmul-tflops, those
@@ -26,7 +26,9 @@ on one H200 for --target h200-aot or on an H200 (MACHINES); a flag overrides one
 matmul, WKV kernel, attention kernel, elementwise/fusion, reductions/norms (with the Pallas kernels of the RWKV-7
 output stage, key side, block norm and time-mix input stage, priced by their bytes, a buffer given twice read once),
 copies/transposes, optimizer (the AdamW update: instructions whose source is optax or ltm_jax/train), other.
-Attention kernels are priced by their bytes too: their FLOPs are not counted.
+Attention kernels get FLOPs from q's and k's shapes (4 per query-key pair and head channel forward, 10 backward;
+self-attention taken as causal) and, like the WKV-7 kernels, a time from measured rows: cuDNN's, which `auto` runs
+on Hopper, whichever kernel the program holds (--attn-fwd-ns, --attn-bwd-ns, per pair and head channel).
 
 Where it compiles: with the CUDA plugin installed and no GPU, for an H100 without a device (benchmarks/gpu_aot.py's
 target description), or for an H200 with --target h200-aot (the same sm_90a chip; XLA sees its 141 GB, which bounds
@@ -77,19 +79,28 @@ CATEGORIES = ("matmul", "WKV kernel", "attention kernel", "elementwise/fusion", 
 # forward and 12.27 ms forward + backward, i.e. per element of r [B, T, H, N]: 2.36e6 / 2^27 ns and
 # (12.27 - 2.36)e6 / 2^27 ns; the sequential ones (wkv7_forward, wkv7_backward) 10.67 and 75.64 ms. float32 and
 # vector rates are the datasheet's (H100 SXM: 67 TFLOP/s fp32 non-tensor); TF32 is half the measured bf16 rate, as
-# the datasheet's dense TF32 (495) is half its bf16 (989): an assumption, not measured.
+# the datasheet's dense TF32 (495) is half its bf16 (989): an assumption, not measured. Attention kernels at cuDNN's
+# measured rate, what `auto` runs on Hopper (a deviceless compilation takes the Pallas kernels: cuDNN needs a device),
+# per query-key pair times head size: causal, D 64, (B, H, T) = (8, 32, 2048), 0.592 ms forward and 1.951 forward +
+# backward (benchmarks/results/attention-d64-nvidia-h100-80gb-hbm3.json).
+_ATTENTION_H100_UNITS = 8 * 32 * 64 * 2048 * 2049 / 2
 DEFAULTS = {"matmul_tflops": 642.0, "copy_tbps": 2.18, "f32_matmul_tflops": 67.0, "tf32_matmul_tflops": 321.0,
             "vector_tflops": 67.0,
             "wkv_fwd_ns": 2.36e6 / (8 * 4096 * 4096), "wkv_bwd_ns": (12.27 - 2.36) * 1e6 / (8 * 4096 * 4096),
             "wkv_seq_fwd_ns": 10.67e6 / (8 * 4096 * 4096), "wkv_seq_bwd_ns": (75.64 - 10.67) * 1e6 / (8 * 4096 * 4096),
+            "attn_fwd_ns": 0.592e6 / _ATTENTION_H100_UNITS, "attn_bwd_ns": (1.951 - 0.592) * 1e6 / _ATTENTION_H100_UNITS,
             "launch_us": 2.0}
 # Measured on one H200 (`train.py --mfu` for three configs, each process measuring its own ceilings; the WKV-7 kernel
 # benchmark): bf16 matmul 611-630 TFLOP/s and copy 2.80-3.23 TB/s, the medians taken; the chunked WKV-7 kernels at
 # (8, 4096, 4096, 64) bf16 2.40 ms forward, 12.47 forward + backward (as the H100's: not bound by memory). TF32 is
 # half the bf16 rate, as for the H100; the rest as the H100's: the same SMs and clocks (the datasheets' fp32 rates
-# agree); the sequential WKV-7 kernels were not measured there.
+# agree); the sequential WKV-7 kernels were not measured there. cuDNN's attention as profiled in small_rwkv7's step
+# (two causal layers, D 64, (B, H, T) = (32, 8, 1024): 0.230 ms forward, 0.737 backward;
+# benchmarks/results/step-budget-small_rwkv7-nvidia-h200.json.gz).
+_ATTENTION_H200_UNITS = 2 * 32 * 8 * 64 * 1024 * 1025 / 2
 H200 = dict(DEFAULTS, matmul_tflops=626.0, copy_tbps=3.02, tf32_matmul_tflops=313.0,
-            wkv_fwd_ns=2.40e6 / (8 * 4096 * 4096), wkv_bwd_ns=(12.47 - 2.40) * 1e6 / (8 * 4096 * 4096))
+            wkv_fwd_ns=2.40e6 / (8 * 4096 * 4096), wkv_bwd_ns=(12.47 - 2.40) * 1e6 / (8 * 4096 * 4096),
+            attn_fwd_ns=0.230e6 / _ATTENTION_H200_UNITS, attn_bwd_ns=0.737e6 / _ATTENTION_H200_UNITS)
 MACHINES = {"h100": DEFAULTS, "h200": H200}
 # --target for a deviceless compilation -> the machine it compiles for and prices at (gpu_aot.DEVICELESS).
 AOT_TARGETS = {"h100-aot": "h100", "h200-aot": "h200"}
@@ -319,6 +330,27 @@ def _kernel_name(ins: Instr, op_name: str) -> str:
   return ""
 
 
+def _attention_units(ins: Instr, cudnn: bool) -> float:
+  """Query-key pairs times head size of an attention kernel: q and k are its first two operands, [B, T, H, D] for
+  the Pallas kernels, [B, H, T, D] for cuDNN's. Self-attention (T = S) counts the causal pairs T (T + 1) / 2 (every
+  config's is causal; cuDNN's calls say so in their config, a window is priced as causal), other calls all T S."""
+  (_, q), (_, k) = ins.operands[:2]
+  if len(q) != 4 or len(k) != 4:
+    return 0.0
+  (b, h, t, d), s = (q, k[2]) if cudnn else ((q[0], q[2], q[1], q[3]), k[1])
+  causal = "CAUSAL" in ins.attrs if cudnn else t == s
+  return float(b * h * d * (t * (t + 1) / 2 if causal else t * s))
+
+
+def _attention_pass(name: str) -> str:
+  return "bwd" if any(w in name.lower() for w in ("backward", "bwd", "_dq", "_dkv")) else "fwd"
+
+
+def _attention_share(name: str) -> float:
+  """The part of the backward one kernel does: the Pallas backward is two kernels (dq, dkv), cuDNN's one."""
+  return 0.5 if any(w in name.lower() for w in ("_dq", "_dkv")) else 1.0
+
+
 def _is_optimizer(op_name: str, where: str) -> bool:
   """The optimizer update: optax's transforms (not its losses) and the train step's own update code."""
   return (where.startswith(("optax/", "ltm_jax/train/optimizer", "ltm_jax/train/step"))
@@ -342,7 +374,9 @@ def classify(comps, ins: Instr, op_name: str, where: str) -> tuple[str, float, f
     if "wkv" in lowered:
       return "WKV kernel", 0.0, 0.0, "", name or target
     if "fmha" in lowered or "attention" in lowered or "flash" in lowered:
-      return "attention kernel", 0.0, 0.0, "", name or target
+      units = _attention_units(ins, cudnn="cudnn" in lowered)
+      f = units * (4.0 if _attention_pass(name or target) == "fwd" else 10.0 * _attention_share(name or target))
+      return "attention kernel", f, f, "bf16", name or target
     if "gemm" in lowered or "matmul" in lowered:
       f = _dot_flops(ins)
       return "matmul", f, f, _dot_dtype(ins), target
@@ -517,6 +551,10 @@ def roofline(rows: list[dict], c: dict) -> list[dict]:
       kind = "bwd" if "backward" in r["detail"] else "fwd"
       ns = c[f"wkv_{kind}_ns"] if "chunked" in r["detail"] else c[f"wkv_seq_{kind}_ns"]
       r["kernel_ms"] = r["times"] * r["elements"] * ns * 1e-6
+    elif r["category"] == "attention kernel" and r["flops"]:  # At cuDNN's measured rate, whichever kernel it is.
+      kind = _attention_pass(r["detail"])
+      units = r["flops"] / (4.0 if kind == "fwd" else 10.0)
+      r["kernel_ms"] = r["times"] * units * c[f"attn_{kind}_ns"] * 1e-6
     r["predicted_ms"] = max(r["roofline_ms"], r["kernel_ms"] or 0.0) + r["times"] * c["launch_us"] * 1e-3
   return rows
 

@@ -289,6 +289,43 @@ def test_a_kernel_given_a_buffer_twice_reads_it_once():
   assert rows[0]["bytes"] == 4 * (64 + 16) + 4 * 64  # a and b read once each, then the output.
 
 
+# Attention kernels: cuDNN's forward ([B, H, T, D], causal by its config) and its backward without a mask; a Pallas
+# forward over T = S (causal) and a Pallas dq kernel attending to S = 12 keys ([B, T, H, D]).
+ATTENTION = """HloModule m
+
+ENTRY %main (q: bf16[2,4,8,16], k: bf16[2,4,8,16], p: bf16[2,8,4,16], pk: bf16[2,12,4,16]) -> bf16[2,8,4,16] {
+  %q = bf16[2,4,8,16]{3,2,1,0} parameter(0)
+  %k = bf16[2,4,8,16]{3,2,1,0} parameter(1)
+  %p = bf16[2,8,4,16]{3,2,1,0} parameter(2)
+  %pk = bf16[2,12,4,16]{3,2,1,0} parameter(3)
+  %f = (bf16[2,4,8,16]{3,2,1,0}, u8[0]{0}) custom-call(bf16[2,4,8,16]{3,2,1,0} %q, bf16[2,4,8,16]{3,2,1,0} %k, bf16[2,4,8,16]{3,2,1,0} %k), custom_call_target="__cudnn$fmhaSoftmax", backend_config={"cudnn_fmha_backend_config":{"mask_type":"CAUSAL"}}
+  %b = (bf16[2,4,8,16]{3,2,1,0}, u8[0]{0}) custom-call(bf16[2,4,8,16]{3,2,1,0} %q, bf16[2,4,8,16]{3,2,1,0} %k, bf16[2,4,8,16]{3,2,1,0} %k), custom_call_target="__cudnn$fmhaSoftmaxBackward", backend_config={"cudnn_fmha_backend_config":{"mask_type":"NO_MASK"}}
+  %g = bf16[2,8,4,16]{3,2,1,0} custom-call(bf16[2,8,4,16]{3,2,1,0} %p, bf16[2,8,4,16]{3,2,1,0} %p, bf16[2,8,4,16]{3,2,1,0} %p), custom_call_target="__gpu$xla.gpu.triton", backend_config={"name":"flash_attention_forward"}
+  ROOT %d = bf16[2,8,4,16]{3,2,1,0} custom-call(bf16[2,8,4,16]{3,2,1,0} %p, bf16[2,12,4,16]{3,2,1,0} %pk, bf16[2,12,4,16]{3,2,1,0} %pk), custom_call_target="__gpu$xla.gpu.triton", backend_config={"name":"flash_attention_dq"}
+}
+"""
+
+
+def test_attention_kernels_are_priced_by_their_pairs_at_the_measured_rates():
+  """FLOPs from the query-key pairs (causal T (T + 1) / 2 for cuDNN's causal config and for self-attention, T S
+  otherwise) times head size: 4 forward, 10 backward, half of that for each of the Pallas backward's two kernels; the
+  time from the attention rates, per pair and head channel."""
+  comps, entry, frames = step_budget.parse_hlo(ATTENTION)
+  rates = dict(step_budget.H200)
+  rows, _ = step_budget.kernels(comps, entry, frames, rates)
+  by = {r["detail"]: r for r in rows}
+  causal, full = 2 * 4 * 16 * (8 * 9 // 2), 2 * 4 * 16 * (8 * 12)
+  expected = {"__cudnn$fmhaSoftmax": (4 * causal, causal * rates["attn_fwd_ns"]),
+              "__cudnn$fmhaSoftmaxBackward": (10 * 2 * 4 * 16 * 64, 2 * 4 * 16 * 64 * rates["attn_bwd_ns"]),
+              "flash_attention_forward": (4 * causal, causal * rates["attn_fwd_ns"]),
+              "flash_attention_dq": (5 * full, full / 2 * rates["attn_bwd_ns"])}
+  assert set(by) == set(expected)
+  for detail, (flops, ns) in expected.items():
+    assert by[detail]["category"] == "attention kernel"
+    assert by[detail]["flops"] == by[detail]["dot_flops"] == flops, detail
+    assert by[detail]["kernel_ms"] == pytest.approx(ns * 1e-6), detail
+
+
 # Two float32 dots of the same shape: one at XLA's default precision (TF32 on tensor cores), one asking for full
 # float32 precision; and a bfloat16 one.
 PRECISIONS = """HloModule m
