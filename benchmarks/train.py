@@ -100,6 +100,7 @@ def main():
     if ceilings:
       # Model FLOPs utilisation against the matmul rate this machine reached, not a datasheet number.
       row["mfu"] = row["model_tflops"] / ceilings["matmul_tflops"]
+      row["mfu_sustained"] = row["model_tflops"] / ceilings["matmul_tflops_sustained"]
     rows.append(row)
     print(f"measured {row['config']} {row['variant']}: {row['tokens_per_s']:.0f} tokens/s", flush=True)
     write()
