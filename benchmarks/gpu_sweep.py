@@ -142,6 +142,10 @@ BENCHMARKS = (
           ("--quick", "--sections", "batch", "dtype", "official"), "decode-batch-dtype-official",
           "decode-quick-batch-dtype-official", 4, 180, env=tuple(SHARE_GPU.items())),
     # The RWKV-7 step's own measurements (PLANS["rwkv7-step"] runs them with the configs' steps above).
+    # The norm + token-shift mixes' backward at small_rwkv7's and base_125m_rwkv7's shapes: XLA's derivative against
+    # the Pallas kernel at its launch settings, gradients checked against XLA's.
+    Bench("norm-mix", "norm_mix.py", (), ("--shapes", "tiny"), "norm-mix", "norm-mix-quick", 7, 120,
+          env=tuple(SHARE_GPU.items())),
     _train("base_125m_rwkv7", 6, 150, variants=("", "model.norm_mix_impl=pallas")),
     # Each kernel of small_rwkv7's step measured beside the deviceless budget's prediction (benchmarks/kernel_profile
     # .py). Without command buffers: the profiler then attributes every kernel to its HLO instruction.
@@ -171,11 +175,11 @@ BY_NAME = {b.name: b for b in BENCHMARKS}
 PARTS = sorted({b.part for b in BENCHMARKS})
 # Named selections for one lent device session, most valuable first (--plan; --resume --plan runs what is left).
 PLANS = {
-    # RWKV-7's and attention's training rate against the matmul rate: small_rwkv7's step (with a kernel variant),
-    # small_rwkv7's and base_125m's steps kernel by kernel, the two other configs' steps, the WKV-7 Mosaic GPU forms
+    # RWKV-7's and attention's training rate against the matmul rate: small_rwkv7's step (with a kernel variant), the
+    # norm + mixes' backward forms, small_rwkv7's and base_125m's steps kernel by kernel, the two other configs' steps, the WKV-7 Mosaic GPU forms
     # (each checked against XLA's float32 form), then the chunked WKV-7 backward's launch settings.
-    "rwkv7-step": ("train-small_rwkv7", "step-budget-small_rwkv7", "step-budget-base_125m", "train-base_125m_rwkv7",
-                   "train-base_125m", "wkv7-mgpu-forms", "wkv7-backward-layouts"),
+    "rwkv7-step": ("train-small_rwkv7", "norm-mix", "step-budget-small_rwkv7", "step-budget-base_125m",
+                   "train-base_125m_rwkv7", "train-base_125m", "wkv7-mgpu-forms", "wkv7-backward-layouts"),
 }
 COLUMNS = ("benchmark", "part", "status", "seconds", "results", "headline")
 

@@ -56,10 +56,10 @@ def supported(rows: int) -> bool:
   return rows % STEP_ROWS == 0
 
 
-def program_steps(rows: int) -> int:
-  """Steps of STEP_ROWS rows per program: the largest power of two at most MAX_STEPS dividing R / STEP_ROWS."""
+def program_steps(rows: int, max_steps: int = MAX_STEPS) -> int:
+  """Steps of STEP_ROWS rows per program: the largest power of two at most `max_steps` dividing R / STEP_ROWS."""
   steps = 1
-  while steps * 2 <= MAX_STEPS and (rows // STEP_ROWS) % (steps * 2) == 0:
+  while steps * 2 <= max_steps and (rows // STEP_ROWS) % (steps * 2) == 0:
     steps *= 2
   return steps
 
@@ -99,7 +99,7 @@ class _Chunk:
 
 
 def _backward_kernel(x_ref, mean_ref, rstd_ref, s_ref, b_ref, dres_ref, *refs, c, kind, length, steps, mixes,
-                     xn_dtype, with_dxn):
+                     xn_dtype, with_dxn, chunk_columns):
   """One program: `steps` steps of STEP_ROWS rows, each in two passes over its column chunks (the row sums of the
   norm's backward, then dx from them). refs: dxn [P, W] when `with_dxn`; then (M of each, one ref per mix: Triton
   blocks are powers of two) mu_j [W], dm_j [P, W], dm_j's row after the program's [1, W]; then the outputs dx [P, W]
@@ -108,7 +108,7 @@ def _backward_kernel(x_ref, mean_ref, rstd_ref, s_ref, b_ref, dres_ref, *refs, c
   mu_refs, dm_refs, next_refs = refs[:mixes], refs[mixes:2 * mixes], refs[2 * mixes:3 * mixes]
   dx_ref, ds_ref, db_ref, *dmu_refs = refs[3 * mixes:]
   sums_refs = (ds_ref, db_ref, *dmu_refs)
-  width = min(CHUNK_COLUMNS, x_ref.shape[1])
+  width = min(chunk_columns, x_ref.shape[1])
   chunks = -(-c // width)  # A loop, not unrolled: each chunk's tiles die before the next one's are loaded.
   rows_here = x_ref.shape[0]
   row = lax.broadcasted_iota(jnp.int32, (STEP_ROWS, 1), 0)
@@ -176,7 +176,8 @@ def _backward_kernel(x_ref, mean_ref, rstd_ref, s_ref, b_ref, dres_ref, *refs, c
   lax.fori_loop(0, steps, step, 0)
 
 
-def backward(x, mean, rstd, scale, bias, mu, dres, dxn, dms, *, kind, length, xn_dtype, interpret=None):
+def backward(x, mean, rstd, scale, bias, mu, dres, dxn, dms, *, kind, length, xn_dtype, interpret=None,
+             max_steps=MAX_STEPS, chunk_columns=CHUNK_COLUMNS, num_warps=NUM_WARPS):
   """(dx [R, C] in x's dtype, ds [C], db [C], dmu [M, C]) float32 sums, without the sequences' first tokens' terms
   through the carried token (module docstring).
 
@@ -184,11 +185,12 @@ def backward(x, mean, rstd, scale, bias, mu, dres, dxn, dms, *, kind, length, xn
   no [R, C] array of zeros is read); mean, rstd: [R] float32, the
   forward's statistics of x's rows (mean zero for rmsnorm); scale, bias: [C] float32 (bias unread for rmsnorm); mu:
   [M, C] float32, the shift fractions as the forward used them; dms: M cotangents [R, C] of the mixes; length: T,
-  the tokens of a sequence; xn_dtype: the dtype the forward rounded xn to.
+  the tokens of a sequence; xn_dtype: the dtype the forward rounded xn to. max_steps, chunk_columns (a power of two)
+  and num_warps: the launch settings (a program's steps at most, the columns a step takes at a time, warps a program).
   """
   rows, c = x.shape
   width, mixes = padded(c), len(dms)
-  steps = program_steps(rows)
+  steps = program_steps(rows, max_steps)
   program_rows = STEP_ROWS * steps
   programs = rows // program_rows
   tile = pl.BlockSpec((program_rows, width), lambda i: (i, 0))
@@ -200,12 +202,12 @@ def backward(x, mean, rstd, scale, bias, mu, dres, dxn, dms, *, kind, length, xn
   sums = jax.ShapeDtypeStruct((programs, c), jnp.float32)
   dx, ds, db, *dmu = backend.call(
       functools.partial(_backward_kernel, c=c, kind=kind, length=length, steps=steps, mixes=mixes,
-                        xn_dtype=jnp.dtype(xn_dtype), with_dxn=dxn is not None),
+                        xn_dtype=jnp.dtype(xn_dtype), with_dxn=dxn is not None, chunk_columns=chunk_columns),
       out_shape=(jax.ShapeDtypeStruct((rows, c), x.dtype), *(sums,) * (2 + mixes)),
       grid=(programs,),
       in_specs=[tile, per_row, per_row, vector, vector, tile, *(tile,) * (dxn is not None), *(vector,) * mixes,
                 *(tile,) * mixes, *(after,) * mixes],
       out_specs=(tile, *(partial,) * (2 + mixes)),
-      num_warps=NUM_WARPS, interpret=interpret, name="norm_mix_backward",
+      num_warps=num_warps, interpret=interpret, name="norm_mix_backward",
   )(x, mean, rstd, scale, bias, dres, *(() if dxn is None else (dxn,)), *mu, *dms, *dms)
   return dx, jnp.sum(ds, axis=0), jnp.sum(db, axis=0), jnp.stack([jnp.sum(t, axis=0) for t in dmu])

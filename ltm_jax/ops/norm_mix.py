@@ -87,10 +87,10 @@ def xla_backward(x, last, scale, bias, shifts, stats, dres, dxn, dmixes, *, kind
 
 
 def pallas_backward(x, last, scale, bias, shifts, stats, dres, dxn, dmixes, *, kind, eps, dtype, xn_rows="all",
-                    interpret=None):
+                    interpret=None, **settings):
   """`xla_backward`'s gradients from the kernel (`ltm_pallas.norm_mix`), plus the sequences' first tokens' terms
   through the carried token (and with xn_rows "last" and dxn given, the last tokens' through xn); `xla_backward`
-  where the kernel does not take the rows."""
+  where the kernel does not take the rows. settings: the kernel's launch settings (`ltm_pallas.norm_mix.backward`)."""
   batch, length, c = x.shape
   rows = batch * length
   if not kernel.supported(rows):
@@ -103,7 +103,7 @@ def pallas_backward(x, last, scale, bias, shifts, stats, dres, dxn, dmixes, *, k
                                     bias.astype(jnp.float32), mu, dres.astype(x.dtype).reshape(rows, c),
                                     dxn.reshape(rows, c) if xn_rows == "all" and dxn is not None else None,
                                     [d.reshape(rows, c) for d in dmixes], kind=kind, length=length,
-                                    xn_dtype=xn_dtype, interpret=interpret)
+                                    xn_dtype=xn_dtype, interpret=interpret, **settings)
   dx = dx.reshape(x.shape)
   # Each sequence's first token reads the carried one: its share of the mixes' gradients goes there, and into dmu.
   firsts = jnp.stack([d[:, 0] for d in dmixes]).astype(jnp.float32)  # [M, B, C]
@@ -123,10 +123,11 @@ def pallas_backward(x, last, scale, bias, shifts, stats, dres, dxn, dmixes, *, k
 _BACKWARDS = {"xla": xla_backward, "pallas": pallas_backward}
 
 
-def _with_backward(backward, **static):
-  """The reference forward with `backward` as its derivative (first order only); `static`: kind, eps, dtype and
-  xn_rows. An xn no gradient reaches (a symbolic zero: the channel mix's carried token in training) reaches the
-  backward as None, so that no array of zeros is made or read."""
+def with_backward(backward, **static):
+  """The reference forward with `backward` as its derivative (first order only), as `norm_mix` builds it (a caller
+  may pass a backend's backward with settings of its own, as benchmarks/norm_mix.py does); `static`: kind, eps,
+  dtype and xn_rows. An xn no gradient reaches (a symbolic zero: the channel mix's carried token in training)
+  reaches the backward as None, so that no array of zeros is made or read."""
 
   @jax.custom_vjp
   def run(x, last, scale, bias, shifts):
@@ -186,7 +187,7 @@ def norm_mix(x, last, scale, bias, shifts, *, kind: str, eps: float, dtype, impl
   backward = backend.select("norm_mix", impl, _BACKWARDS, AUTO, length=x.shape[1],
                             without_kernels=AUTO_WITHOUT_KERNELS)
   static = dict(kind=kind, eps=eps, dtype=dtype, xn_rows=xn_rows)
-  fn = functools.partial(xla, **static) if backward is xla_backward else _with_backward(backward, **static)
+  fn = functools.partial(xla, **static) if backward is xla_backward else with_backward(backward, **static)
   # Sequences are independent but each row needs all of its channels: only the batch is split over the mesh.
   seq, row, vec = ("batch", None, None), ("batch", None), (None,)
   mixes = tuple(seq for _ in range(shifts.shape[0]))

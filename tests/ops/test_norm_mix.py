@@ -7,6 +7,8 @@ normalising before them, value for value."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -84,6 +86,32 @@ def test_gradients_match_float64(impl, layout, kind, dtype):
     scale = np.abs(np.asarray(want)).max()
     assert scale > 0.1, name
     np.testing.assert_allclose(np.asarray(grad, np.float64), np.asarray(want), rtol=0, atol=rtol * scale,
+                               err_msg=f"d{name}")
+
+
+@pytest.mark.parametrize("kind", op.KINDS)
+def test_kernel_launch_settings_keep_the_gradients(kind):
+  """The kernel with other launch settings (two steps a program, 16-column chunks over C = 40: three chunks, the last
+  masked; 4 warps) against float64, float32: what benchmarks/norm_mix.py times."""
+  b, t, c = 1, 256, 40
+  inputs = _inputs(11 + op.KINDS.index(kind), b, t, c, jnp.float32)
+  assert kernel.program_steps(b * t, max_steps=2) == 2
+  rng = np.random.default_rng()
+  cotangents = tuple(jnp.asarray(rng.normal(size=(b, t, c)), jnp.float32) for _ in range(M + 2))
+  backward = functools.partial(op.pallas_backward, max_steps=2, chunk_columns=16, num_warps=4)
+  run = op.with_backward(backward, kind=kind, eps=EPS, dtype=jnp.float32, xn_rows="all")
+  bias = lambda v: v if kind == "layernorm" else jnp.zeros_like(v)
+  grads = jax.jit(lambda x, last, s, b_, shifts: _grads(run, (x, last, s, bias(b_), shifts),
+                                                         (*cotangents[:2], cotangents[2:])))(*inputs)
+  with jax.enable_x64(True):
+    as64 = lambda v: jnp.asarray(np.asarray(v, np.float64))
+    ref = _grads(lambda *v: _reference(*v, kind), [as64(v) for v in inputs],
+                 (as64(cotangents[0]), as64(cotangents[1]), tuple(as64(v) for v in cotangents[2:])))
+  for name, grad, want in zip(NAMES, grads, ref):
+    if name == "bias" and kind == "rmsnorm":
+      continue
+    scale = np.abs(np.asarray(want)).max()
+    np.testing.assert_allclose(np.asarray(grad, np.float64), np.asarray(want), rtol=0, atol=F32_RTOL * scale,
                                err_msg=f"d{name}")
 
 
