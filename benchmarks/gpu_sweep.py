@@ -152,7 +152,7 @@ BENCHMARKS = (
     Bench("step-budget-small_rwkv7", "step_budget.py", ("--config", "configs/small_rwkv7.py", "--profile", "3"),
           ("--config", "configs/small_rwkv7.py", "--quick", "--profile", "1"), "step-budget-small_rwkv7",
           "step-budget-small_rwkv7-quick", 6, 90, env=(("XLA_FLAGS", "--xla_gpu_enable_command_buffer="),)),
-    # The same for base_125m (attention), whose measured step has been further from the budget's price.
+    # The same for base_125m (attention): its attention kernels' measured time against their FLOPs' price.
     Bench("step-budget-base_125m", "step_budget.py", ("--config", "configs/base_125m.py", "--profile", "2"),
           ("--config", "configs/base_125m.py", "--quick", "--profile", "1"), "step-budget-base_125m",
           "step-budget-base_125m-quick", 6, 100, env=(("XLA_FLAGS", "--xla_gpu_enable_command_buffer="),)),
@@ -176,8 +176,9 @@ PARTS = sorted({b.part for b in BENCHMARKS})
 # Named selections for one lent device session, most valuable first (--plan; --resume --plan runs what is left).
 PLANS = {
     # RWKV-7's and attention's training rate against the matmul rate: small_rwkv7's step (with a kernel variant), the
-    # norm + mixes' backward forms, small_rwkv7's and base_125m's steps kernel by kernel, the two other configs' steps, the WKV-7 Mosaic GPU forms
-    # (each checked against XLA's float32 form), then the chunked WKV-7 backward's launch settings.
+    # norm + mixes' backward forms, small_rwkv7's and base_125m's steps kernel by kernel, the two other configs'
+    # steps, the WKV-7 Mosaic GPU forms (each checked against XLA's float32 form), then the chunked WKV-7 backward's
+    # launch settings.
     "rwkv7-step": ("train-small_rwkv7", "norm-mix", "step-budget-small_rwkv7", "step-budget-base_125m",
                    "train-base_125m_rwkv7", "train-base_125m", "wkv7-mgpu-forms", "wkv7-backward-layouts"),
 }
