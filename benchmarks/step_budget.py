@@ -88,7 +88,8 @@ DEFAULTS = {"matmul_tflops": 642.0, "copy_tbps": 2.18, "f32_matmul_tflops": 67.0
             "vector_tflops": 67.0,
             "wkv_fwd_ns": 2.36e6 / (8 * 4096 * 4096), "wkv_bwd_ns": (12.27 - 2.36) * 1e6 / (8 * 4096 * 4096),
             "wkv_seq_fwd_ns": 10.67e6 / (8 * 4096 * 4096), "wkv_seq_bwd_ns": (75.64 - 10.67) * 1e6 / (8 * 4096 * 4096),
-            "attn_fwd_ns": 0.592e6 / _ATTENTION_H100_UNITS, "attn_bwd_ns": (1.951 - 0.592) * 1e6 / _ATTENTION_H100_UNITS,
+            "attn_fwd_ns": 0.592e6 / _ATTENTION_H100_UNITS,
+            "attn_bwd_ns": (1.951 - 0.592) * 1e6 / _ATTENTION_H100_UNITS,
             "launch_us": 2.0}
 # Measured on one H200 (`train.py --mfu` for three configs, each process measuring its own ceilings; the WKV-7 kernel
 # benchmark): bf16 matmul 611-630 TFLOP/s and copy 2.80-3.23 TB/s, the medians taken; the chunked WKV-7 kernels at
