@@ -173,7 +173,8 @@ def measure_ceilings(copy_mib: int = 1024, matmul_n: int = 8192) -> dict[str, fl
   clocks settled, no wait between products), the rate a training step's long stretches of matmuls can see. On CPU the
   sizes shrink to stay quick.
   """
-  if jax.default_backend() == "cpu":
+  on_cpu = jax.default_backend() == "cpu"
+  if on_cpu:
     copy_mib, matmul_n = min(copy_mib, 128), min(matmul_n, 1024)
   x = jax.random.normal(jax.random.key(1), (copy_mib * 2**20 // 4,), jax.numpy.float32)
   # One read and one write of every element (a plain copy may be elided), into the donated input: a fresh output
@@ -188,7 +189,6 @@ def measure_ceilings(copy_mib: int = 1024, matmul_n: int = 8192) -> dict[str, fl
   a, b = (jax.random.normal(key, (matmul_n, matmul_n), jax.numpy.bfloat16) for key in jax.random.split(jax.random.key(2)))
   product = jax.jit(lambda a, b: a @ b)
   matmul_ms = time_fn(product, a, b, min_runs=10)["median_ms"]
-  on_cpu = jax.default_backend() == "cpu"
   chain, warm_s = (2, 0.0) if on_cpu else (20, 1.0)
   start = time.perf_counter()
   while time.perf_counter() - start < warm_s:

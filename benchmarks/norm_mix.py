@@ -46,14 +46,14 @@ SETTINGS = ("max_steps=2", "max_steps=1,num_warps=4", "num_warps=4", "chunk_colu
 
 
 def _inputs(b, t, c, mixes, with_dxn):
-  keys = jax.random.split(jax.random.PRNGKey(0), 6)
+  keys = jax.random.split(jax.random.PRNGKey(0), 7)
   x = jax.random.normal(keys[0], (b, t, c), jnp.bfloat16) * 2 + 0.5
   last = jax.random.normal(keys[1], (b, c), jnp.bfloat16)
   scale, bias = 1 + 0.1 * jax.random.normal(keys[2], (2, c))
   shifts = jax.random.uniform(keys[3], (mixes, c))
   dxn = jax.random.normal(keys[4], (b, t, c), jnp.bfloat16) if with_dxn else jnp.zeros((b, c), jnp.bfloat16)
   dms = tuple(jax.random.normal(k, (b, t, c), jnp.bfloat16) for k in jax.random.split(keys[5], mixes))
-  return (x, last, scale, bias, shifts), (jax.random.normal(keys[0], (b, t, c), jnp.bfloat16), dxn, dms)
+  return (x, last, scale, bias, shifts), (jax.random.normal(keys[6], (b, t, c), jnp.bfloat16), dxn, dms)
 
 
 def _forward(form: str, with_dxn: bool):

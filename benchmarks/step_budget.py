@@ -331,25 +331,28 @@ def _kernel_name(ins: Instr, op_name: str) -> str:
   return ""
 
 
-def _attention_units(ins: Instr, cudnn: bool) -> float:
-  """Query-key pairs times head size of an attention kernel: q and k are its first two operands, [B, T, H, D] for
-  the Pallas kernels, [B, H, T, D] for cuDNN's. Self-attention (T = S) counts the causal pairs T (T + 1) / 2 (every
-  config's is causal; cuDNN's calls say so in their config, a window is priced as causal), other calls all T S."""
-  (_, q), (_, k) = ins.operands[:2]
-  if len(q) != 4 or len(k) != 4:
-    return 0.0
-  (b, h, t, d), s = (q, k[2]) if cudnn else ((q[0], q[2], q[1], q[3]), k[1])
-  causal = "CAUSAL" in ins.attrs if cudnn else t == s
-  return float(b * h * d * (t * (t + 1) / 2 if causal else t * s))
+# An attention kernel's FLOPs per query-key pair and head channel: forward (q k and p v), backward (the forward's
+# scores again and four products), which the Pallas backward splits over two kernels (dq, dkv).
+ATTENTION_FLOPS = {"fwd": 4.0, "bwd": 10.0}
 
 
 def _attention_pass(name: str) -> str:
   return "bwd" if any(w in name.lower() for w in ("backward", "bwd", "_dq", "_dkv")) else "fwd"
 
 
-def _attention_share(name: str) -> float:
-  """The part of the backward one kernel does: the Pallas backward is two kernels (dq, dkv), cuDNN's one."""
-  return 0.5 if any(w in name.lower() for w in ("_dq", "_dkv")) else 1.0
+def _attention_flops(ins: Instr, name: str, cudnn: bool) -> float:
+  """An attention kernel's FLOPs: its query-key pairs times head size (q and k its first two operands, [B, T, H, D]
+  for the Pallas kernels, [B, H, T, D] for cuDNN's; self-attention, T = S, counts the causal pairs T (T + 1) / 2:
+  every config's is causal, cuDNN's calls say so in their config, a window is priced as causal; other calls all
+  T S), times ATTENTION_FLOPS of its pass (half the backward's for each Pallas backward kernel)."""
+  (_, q), (_, k) = ins.operands[:2]
+  if len(q) != 4 or len(k) != 4:
+    return 0.0
+  (b, h, t, d), s = (q, k[2]) if cudnn else ((q[0], q[2], q[1], q[3]), k[1])
+  causal = "CAUSAL" in ins.attrs if cudnn else t == s
+  units = b * h * d * (t * (t + 1) / 2 if causal else t * s)
+  split = 0.5 if any(w in name.lower() for w in ("_dq", "_dkv")) else 1.0
+  return float(units * ATTENTION_FLOPS[_attention_pass(name)] * split)
 
 
 def _is_optimizer(op_name: str, where: str) -> bool:
@@ -375,8 +378,7 @@ def classify(comps, ins: Instr, op_name: str, where: str) -> tuple[str, float, f
     if "wkv" in lowered:
       return "WKV kernel", 0.0, 0.0, "", name or target
     if "fmha" in lowered or "attention" in lowered or "flash" in lowered:
-      units = _attention_units(ins, cudnn="cudnn" in lowered)
-      f = units * (4.0 if _attention_pass(name or target) == "fwd" else 10.0 * _attention_share(name or target))
+      f = _attention_flops(ins, name or target, cudnn="cudnn" in lowered)
       return "attention kernel", f, f, "bf16", name or target
     if "gemm" in lowered or "matmul" in lowered:
       f = _dot_flops(ins)
@@ -554,8 +556,7 @@ def roofline(rows: list[dict], c: dict) -> list[dict]:
       r["kernel_ms"] = r["times"] * r["elements"] * ns * 1e-6
     elif r["category"] == "attention kernel" and r["flops"]:  # At cuDNN's measured rate, whichever kernel it is.
       kind = _attention_pass(r["detail"])
-      units = r["flops"] / (4.0 if kind == "fwd" else 10.0)
-      r["kernel_ms"] = r["times"] * units * c[f"attn_{kind}_ns"] * 1e-6
+      r["kernel_ms"] = r["times"] * r["flops"] / ATTENTION_FLOPS[kind] * c[f"attn_{kind}_ns"] * 1e-6
     r["predicted_ms"] = max(r["roofline_ms"], r["kernel_ms"] or 0.0) + r["times"] * c["launch_us"] * 1e-3
   return rows
 

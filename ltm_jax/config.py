@@ -606,8 +606,8 @@ def validate(config: Config) -> Config:
        f"model.residual_dtype={m.residual_dtype!r} must be float32, or bfloat16 with model.dtype=bfloat16")
   for key, choices in (("ffn", FFNS), ("norm", NORMS), ("dtype", DTYPES), ("remat", REMAT_POLICIES),
                        ("wkv_impl", WKV_IMPLS), ("attention_impl", ATTENTION_IMPLS), ("wkv7_impl", WKV7_IMPLS),
-                       ("ffn_impl", FFN_IMPLS), ("norm_mix_impl", NORM_MIX_IMPLS), ("memory_impl", MEMORY_IMPLS), ("mmrec_impl", MMREC_IMPLS),
-                       ("mmrec_remat", MMREC_REMAT)):
+                       ("ffn_impl", FFN_IMPLS), ("norm_mix_impl", NORM_MIX_IMPLS), ("memory_impl", MEMORY_IMPLS),
+                       ("mmrec_impl", MMREC_IMPLS), ("mmrec_remat", MMREC_REMAT)):
     need(getattr(m, key) in choices, f"model.{key}={getattr(m, key)!r} is not one of {', '.join(choices)}")
   for key in ("memory_depth", "memory_expansion", "memory_chunk"):
     need(getattr(m, key) >= 1, f"model.{key} must be >= 1, got {getattr(m, key)}")
