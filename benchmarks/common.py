@@ -91,6 +91,35 @@ def time_fn(
   return {"median_ms": statistics.median(ms), "min_ms": min(ms), "max_ms": max(ms), "runs": len(ms)}
 
 
+def time_train_steps(step: Callable[..., Any], state: Any, batch: Any, steps: int,
+                     warmup: int = 2) -> tuple[Any, Any, dict[str, Any]]:
+  """Times a train step `step(state, batch) -> (state, metrics)` (which may donate its state) two ways.
+
+  Blocked: each step waits for its metrics before the next is called, so every step also pays the host's dispatch
+  and the wait's latency (`step_ms`, the median; `dispatch_ms`, the median time for the call to return, that is for
+  the host to enqueue the step). Pipelined: `steps` steps called back to back and waited for once, as the training
+  loop runs between its logging steps (`step_ms_pipelined`, the mean). The difference is the device's idle time
+  between steps that the loop hides. Returns (state, last metrics, timings)."""
+  for _ in range(warmup):
+    state, metrics = step(state, batch)
+  jax.block_until_ready(metrics)
+  times, dispatch = [], []
+  for _ in range(steps):
+    start = time.perf_counter()
+    state, metrics = step(state, batch)
+    dispatch.append(time.perf_counter() - start)
+    jax.block_until_ready(metrics)
+    times.append(time.perf_counter() - start)
+  start = time.perf_counter()
+  for _ in range(steps):
+    state, metrics = step(state, batch)
+  jax.block_until_ready((state, metrics))
+  pipelined = (time.perf_counter() - start) / steps
+  return state, metrics, {"step_ms": statistics.median(times) * 1e3, "step_ms_min": min(times) * 1e3,
+                          "step_ms_max": max(times) * 1e3, "step_times_ms": [t * 1e3 for t in times],
+                          "dispatch_ms": statistics.median(dispatch) * 1e3, "step_ms_pipelined": pipelined * 1e3}
+
+
 def toy_config(cfg):
   """`cfg` at toy sizes (d_model 64, one layer per pattern letter, batch 2 x 32 tokens), keeping its mixers, window,
   grouped-query attention, dtype and backends: a run that proves the config compiles and steps, in seconds."""

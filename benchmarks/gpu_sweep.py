@@ -311,8 +311,9 @@ def _headline(path: pathlib.Path) -> dict[str, Any]:
     return {"headline": f"unreadable results: {e}"}
   total = payload.get("total")
   if isinstance(total, dict) and "predicted_ms" in total:  # A step budget (step_budget.py): no rows.
-    measured = payload.get("measured_step_ms")
-    headline = f"predicted {total['predicted_ms']:.1f} ms" + (f", measured {measured:.1f}" if measured else "")
+    measured, pipelined = payload.get("measured_step_ms"), payload.get("pipelined_step_ms")
+    headline = f"predicted {total['predicted_ms']:.1f} ms" + (f", measured {measured:.1f}" if measured else "") + (
+        f" ({pipelined:.1f} pipelined)" if pipelined else "")
     if payload.get("run_error"):
       headline += f"; run error: {str(payload['run_error'])[:120]}"
     return {"predicted_ms": total["predicted_ms"], "measured_step_ms": measured, "headline": headline}
@@ -324,6 +325,10 @@ def _headline(path: pathlib.Path) -> dict[str, Any]:
   if mfu:
     out["mfu"] = mfu
     parts.append("mfu " + ", ".join(f"{m:.3f}" for m in mfu))
+  pipelined = [r["mfu_pipelined"] for r in rows if isinstance(r, dict) and "mfu_pipelined" in r]
+  if pipelined:
+    out["mfu_pipelined"] = pipelined
+    parts.append("pipelined " + ", ".join(f"{m:.3f}" for m in pipelined))
   errors = [r["err_vs_chunked"] for r in rows if isinstance(r, dict) and "err_vs_chunked" in r]
   if errors:  # The Mosaic GPU WKV-7 forms against XLA's float32 chunked form (benchmarks/wkv7.py --mode mgpu).
     out["err_vs_chunked"] = max(errors)

@@ -60,7 +60,6 @@ import os
 import pathlib
 import platform
 import re
-import statistics
 import sys
 import time
 from unittest import mock
@@ -747,17 +746,11 @@ def main(argv=None) -> int:
   if memory:
     print("# compiled memory (GiB): " + ", ".join(f"{k} {v:.2f}" for k, v in memory.items()), flush=True)
 
-  measured_step, step_times, run_error = args.measured_ms, None, None
+  measured_step, step_times, run_error, timed = args.measured_ms, None, None, {}
   if state is not None:
     try:
-      times = []
-      for _ in range(2 + args.steps):  # 2 warm-up steps, then the timed ones.
-        start = time.perf_counter()
-        state, metrics = compiled(state, batch)
-        jax.block_until_ready(metrics)
-        times.append((time.perf_counter() - start) * 1e3)
-      step_times = times[2:]
-      measured_step = statistics.median(step_times)
+      state, _, timed = common.time_train_steps(compiled, state, batch, args.steps)
+      measured_step, step_times = timed["step_ms"], timed["step_times_ms"]
     except Exception as e:  # noqa: BLE001  (out of memory, say: the budget of the compiled program still stands)
       run_error = " ".join(f"{type(e).__name__}: {e}".split())[:1000]
       print(f"# the step did not run: {run_error}", flush=True)
@@ -825,6 +818,9 @@ def main(argv=None) -> int:
   if measured_step:
     print(f"measured step {measured_step:.2f} ms: predicted {total['predicted_ms']:.2f} ms is "
           f"{total['predicted_ms'] / measured_step:.2f} of it; roofline {total['roofline_ms'] / measured_step:.2f}")
+  if timed:
+    print(f"pipelined (steps back to back, as the training loop runs them): {timed['step_ms_pipelined']:.2f} ms a "
+          f"step; the host enqueues one in {timed['dispatch_ms']:.2f} ms")
   print(f"\ntop {args.top} kernels:")
   kcols = [("name", "instruction", 34), ("category", "category", 18), ("detail", "detail", 22), ("times", "x", 3),
            ("out", "output", 26), ("bound", "bound", 7), ("roofline_ms", "roofline", 8), ("kernel_ms", "kernel", 8),
@@ -841,6 +837,7 @@ def main(argv=None) -> int:
       "ceilings_of": machine(target, device_desc), "ceilings": ceilings, "compile_s": round(compile_s, 1),
       "xla_cost_analysis": xla_cost, "memory_gib": memory,
       "notes": notes, "total": total, "floor": floor, "measured_step_ms": measured_step, "step_times_ms": step_times,
+      "pipelined_step_ms": timed.get("step_ms_pipelined"), "dispatch_ms": timed.get("dispatch_ms"),
       "run_error": run_error, "profile": profile_summary, "categories": categories, "passes": passes,
       "sources": by_source[:100],
       "kernels": [dict(r, op_name=r["op_name"][-160:]) for r in top],

@@ -8,18 +8,19 @@
     python benchmarks/train.py --config configs/small.py --mfu   # + model FLOP/s over the measured bf16 matmul rate
     python benchmarks/train.py --config configs/base_125m.py --quick   # the config at toy sizes: proves it steps
 
-Times the real jitted train step (AdamW update included) on random tokens, median over steps after warm-up, and
-writes benchmarks/results/<name>-<device>.json (name: train by default; <name>-quick with --quick). A variant that
-fails to compile or step (an unsupported backend, out of memory) gets a row with its error; the others still run,
-the file is still written, and the exit status is 1.
+Times the real jitted train step (AdamW update included) on random tokens, median over steps after warm-up, each
+step waited for (step_ms, tokens_per_s, model_tflops, mfu), and the mean of as many steps called back to back and
+waited for once, as the training loop runs them (step_ms_pipelined, model_tflops_pipelined, mfu_pipelined; the
+difference is the device's idle time between steps, which the loop hides); dispatch_ms is how long the host takes to
+enqueue one step. Writes benchmarks/results/<name>-<device>.json (name: train by default; <name>-quick with
+--quick). A variant that fails to compile or step (an unsupported backend, out of memory) gets a row with its error;
+the others still run, the file is still written, and the exit status is 1.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import common  # First: puts the checkout on sys.path.
 import jax
@@ -35,26 +36,17 @@ def measure(cfg: config_lib.Config, steps: int) -> dict:
   t = cfg.train
   step, state, batch, compile_s = common.compiled_train_step(cfg)
   memory = step.memory_analysis()
-  for _ in range(2):  # Warm-up.
-    state, metrics = step(state, batch)
-  jax.block_until_ready(metrics)
-  times = []
-  for _ in range(steps):
-    start = time.perf_counter()
-    state, metrics = step(state, batch)
-    jax.block_until_ready(metrics)
-    times.append(time.perf_counter() - start)
-  median = statistics.median(times)
+  _, metrics, timed = common.time_train_steps(step, state, batch, steps)
+  timed.pop("step_times_ms")
   info = model_info(cfg)
   return {
       "params": info["params"],
       "batch": f"{t.batch_size}x{t.seq_len}",
       "compile_s": compile_s,
-      "step_ms": median * 1e3,
-      "step_ms_min": min(times) * 1e3,
-      "step_ms_max": max(times) * 1e3,
-      "tokens_per_s": info["tokens_per_step"] / median,
-      "model_tflops": info["flops_per_step_train"] / median / 1e12,
+      **timed,
+      "tokens_per_s": info["tokens_per_step"] / (timed["step_ms"] * 1e-3),
+      "model_tflops": info["flops_per_step_train"] / (timed["step_ms"] * 1e-3) / 1e12,
+      "model_tflops_pipelined": info["flops_per_step_train"] / (timed["step_ms_pipelined"] * 1e-3) / 1e12,
       "temp_mib": getattr(memory, "temp_size_in_bytes", 0) / 2**20 if memory else None,
       "loss": float(metrics["loss"]),
   }
@@ -101,11 +93,13 @@ def main():
       # Model FLOPs utilisation against the matmul rate this machine reached, not a datasheet number.
       row["mfu"] = row["model_tflops"] / ceilings["matmul_tflops"]
       row["mfu_sustained"] = row["model_tflops"] / ceilings["matmul_tflops_sustained"]
+      if "model_tflops_pipelined" in row:
+        row["mfu_pipelined"] = row["model_tflops_pipelined"] / ceilings["matmul_tflops"]
     rows.append(row)
     print(f"measured {row['config']} {row['variant']}: {row['tokens_per_s']:.0f} tokens/s", flush=True)
     write()
-  common.print_table(rows, ["config", "variant", "params", "batch", "compile_s", "step_ms", "tokens_per_s",
-                            "model_tflops"] + (["mfu"] if ceilings else []) + ["temp_mib"]
+  common.print_table(rows, ["config", "variant", "params", "batch", "compile_s", "step_ms", "step_ms_pipelined",
+                            "dispatch_ms", "tokens_per_s", "model_tflops"] + (["mfu", "mfu_pipelined"] if ceilings else []) + ["temp_mib"]
                      + (["error"] if any("error" in row for row in rows) else []))
   print(f"wrote {write()}")
   return 1 if any("error" in row for row in rows) else 0

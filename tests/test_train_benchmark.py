@@ -39,3 +39,22 @@ def test_a_failing_variant_leaves_an_error_row_and_the_others(tmp_path, monkeypa
   monkeypatch.setattr(sys, "argv", ["train.py", "--config", str(ROOT / "configs" / "tiny.py"), "--name", "t",
                                     "--variant", ""])
   assert train.main() == 0
+
+
+def test_timed_steps_carry_the_donated_state_through_every_call():
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  try:
+    import common  # pylint: disable=g-import-not-at-top
+  finally:
+    sys.path.remove(str(ROOT / "benchmarks"))
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  step = jax.jit(lambda state, batch: ((state[0] + batch, state[1] + 1), {"loss": state[1]}), donate_argnums=0)
+  batch = np.random.default_rng(0).standard_normal(16).astype(np.float32)
+  state, metrics, timed = common.time_train_steps(step, (np.zeros(16, np.float32), np.int32(0)), batch, steps=3)
+  # 2 warm-up steps, 3 waited for one by one, 3 back to back: each call continues from the state the last returned.
+  np.testing.assert_allclose(state[0], 8 * batch, rtol=1e-6)
+  assert int(state[1]) == 8 and int(metrics["loss"]) == 7
+  assert len(timed["step_times_ms"]) == 3 and timed["step_ms"] in timed["step_times_ms"]
+  assert all(timed[k] > 0 for k in ("dispatch_ms", "step_ms_pipelined"))
