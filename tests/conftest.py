@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import gc
 import os
 import pathlib
 import shutil
@@ -149,12 +150,33 @@ def pytest_collection_modifyitems(config, items):
   items.sort(key=rank)  # Stable: the rest keep their order.
 
 
+# Every program XLA compiles for the CPU keeps its machine code in three memory mappings of its own (code, read-only
+# data, data) for as long as jax caches the executable, and a worker compiles thousands: one of the two reached
+# 30,000 mappings half-way through the suite. Linux refuses a process more than vm.max_map_count (65,530 by default),
+# and LLVM aborts when a mapping is refused: twice a worker died so near the end of the suite, while linking a
+# program for the persistent cache. Past half the limit, checked after each test module (reading the mappings takes
+# tens of milliseconds; no module adds more than a few thousand), the worker drops jax's caches: programs still in
+# use are compiled again, most of them read back from the persistent cache.
+_MAP_COUNT = pathlib.Path("/proc/self/maps")
+_MAX_MAP_COUNT = pathlib.Path("/proc/sys/vm/max_map_count")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _bounded_memory_mappings():
+  yield
+  if _MAP_COUNT.exists():
+    limit = int(_MAX_MAP_COUNT.read_text()) if _MAX_MAP_COUNT.exists() else 65530
+    with _MAP_COUNT.open("rb") as maps:
+      count = sum(1 for _ in maps)
+    if count > limit // 2:
+      jax.clear_caches()
+      gc.collect()
+
+
 # A test whose xdist worker dies (a C++ abort, no Python exception) runs once more in a fresh worker, and fails only
-# if that one dies too. jaxlib 0.10.2's CPU client has aborted, rarely and without a message, while serializing a
-# compiled program for the persistent cache (tests/test_model.py, code that passes alone: docs/testing.md). Only
-# crashes are retried: a failed assertion is reported at once, as always. pytest-rerunfailures can rerun crashes
-# too, but its --reruns applies to every failure and its error filters cannot select crashes, which have no
-# exception to match.
+# if that one dies too: a last resort for a crash the bound above does not prevent. Only crashes are retried: a
+# failed assertion is reported at once, as always. pytest-rerunfailures can rerun crashes too, but its --reruns
+# applies to every failure and its error filters cannot select crashes, which have no exception to match.
 _CRASH_RETRIES = {}
 
 
