@@ -151,12 +151,12 @@ def pytest_collection_modifyitems(config, items):
 
 
 # Every program XLA compiles for the CPU keeps its machine code in three memory mappings of its own (code, read-only
-# data, data) for as long as jax caches the executable, and a worker compiles thousands: one of the two reached
-# 30,000 mappings half-way through the suite. Linux refuses a process more than vm.max_map_count (65,530 by default),
-# and LLVM aborts when a mapping is refused: twice a worker died so near the end of the suite, while linking a
-# program for the persistent cache. Past half the limit, checked after each test module (reading the mappings takes
-# tens of milliseconds; no module adds more than a few thousand), the worker drops jax's caches: programs still in
-# use are compiled again, most of them read back from the persistent cache.
+# data, data) for as long as jax caches the executable, and a worker compiles thousands: unbounded, one of the two held
+# 63,000 mappings at 87% of the suite. Linux refuses a process more than vm.max_map_count (65,530 by default), and XLA's
+# LLVM then kills the process (docs/testing.md: it died linking a program for the persistent cache). Past half the
+# limit, checked after each test module (reading the mappings takes tens of milliseconds; a worker added at most 7,600
+# in a minute), the worker drops jax's caches: programs still in use are compiled again, most of them read back from the
+# persistent cache.
 _MAP_COUNT = pathlib.Path("/proc/self/maps")
 _MAX_MAP_COUNT = pathlib.Path("/proc/sys/vm/max_map_count")
 
@@ -177,14 +177,14 @@ def _bounded_memory_mappings():
 # if that one dies too: a last resort for a crash the bound above does not prevent. Only crashes are retried: a
 # failed assertion is reported at once, as always. pytest-rerunfailures can rerun crashes too, but its --reruns
 # applies to every failure and its error filters cannot select crashes, which have no exception to match.
-_CRASH_RETRIES = {}
+_RETRIED_CRASHES = set()
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_handlecrashitem(crashitem, report, sched):
-  if _CRASH_RETRIES.get(crashitem):
+  if crashitem in _RETRIED_CRASHES:
     return
-  _CRASH_RETRIES[crashitem] = True
+  _RETRIED_CRASHES.add(crashitem)
   sched.mark_test_pending(crashitem)
   report.outcome = "rerun"  # Not "failed": the session's failure count is untouched, the retry decides.
 
