@@ -157,18 +157,18 @@ def pytest_collection_modifyitems(config, items):
 # limit, checked after each test module (reading the mappings takes tens of milliseconds; a worker added at most 7,600
 # in a minute), the worker drops jax's caches: programs still in use are compiled again, most of them read back from the
 # persistent cache.
-_MAP_COUNT = pathlib.Path("/proc/self/maps")
+_MAPS = pathlib.Path("/proc/self/maps")
 _MAX_MAP_COUNT = pathlib.Path("/proc/sys/vm/max_map_count")
+_MAPS_BOUND = (int(_MAX_MAP_COUNT.read_text()) if _MAX_MAP_COUNT.exists() else 65530) // 2
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _bounded_memory_mappings():
   yield
-  if _MAP_COUNT.exists():
-    limit = int(_MAX_MAP_COUNT.read_text()) if _MAX_MAP_COUNT.exists() else 65530
-    with _MAP_COUNT.open("rb") as maps:
+  if _MAPS.exists():
+    with _MAPS.open("rb") as maps:
       count = sum(1 for _ in maps)
-    if count > limit // 2:
+    if count > _MAPS_BOUND:
       jax.clear_caches()
       gc.collect()
 
