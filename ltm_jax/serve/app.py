@@ -103,7 +103,6 @@ def create_app(engine: Engine, model_name: str | None = None, *, stop_engine_on_
                      [len(ids) for ids in params.prompts], params.logprobs, lm.tokenizer)
     deadline = None if request_timeout is None else arrived + request_timeout
     if params.stream:
-      metrics.requests.labels("200").inc()
       events = _stream(requests, queues, answer, params, deadline, request_timeout, metrics, http.scope)
       return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     return await _complete(http, requests, queues, answer, deadline, request_timeout, metrics)
@@ -326,6 +325,9 @@ async def _stream(requests, queues, answer: _Answer, params, deadline, timeout, 
     return protocol.usage(prompt_tokens, sum(completion)) if params.continuous_usage else None
 
   pending = {asyncio.ensure_future(q.get()): i for i, q in enumerate(queues)}
+  # The HTTP status went out with the first event; the request is counted once, by how its stream ended: 200,
+  # its error event's status, or 499 when the client went away first.
+  status = "499"
   try:
     while pending:
       wait = None if deadline is None else max(deadline - time.monotonic(), 0)
@@ -333,7 +335,7 @@ async def _stream(requests, queues, answer: _Answer, params, deadline, timeout, 
       if not done:
         for request in requests:
           request.cancel("timeout")
-        metrics.requests.labels("504").inc()
+        status = "504"
         access.note(scope, error="timeout")
         yield event(_timed_out(timeout))
         break
@@ -361,17 +363,19 @@ async def _stream(requests, queues, answer: _Answer, params, deadline, timeout, 
         if isinstance(items[-1], Piece):
           pending[asyncio.ensure_future(queues[i].get())] = i
       if failed is not None:
-        status, body = _failure(failed, timeout)
-        metrics.requests.labels(str(status)).inc()
+        code, body = _failure(failed, timeout)
+        status = str(code)
         access.note(scope, error=body["error"]["message"])
         yield event(body)
         break
     else:
+      status = "200"
       _note_usage(scope, protocol.usage(prompt_tokens, sum(completion)), reasons)
       if params.include_usage:
         yield event(answer.chunk(None, None, None, protocol.usage(prompt_tokens, sum(completion))))
     yield "data: [DONE]\n\n"
   finally:
+    metrics.requests.labels(status).inc()
     for future in pending:
       future.cancel()
     for request in requests:

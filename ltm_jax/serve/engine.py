@@ -41,6 +41,7 @@ from ltm_jax.inference import text as text_lib
 from ltm_jax.serve import slots as slots_lib
 from ltm_jax.serve.metrics import ServerMetrics
 
+_INT32_MAX = np.iinfo(np.int32).max
 MIN_BUCKET = 16  # The shortest prompt-length bucket: shorter prompts are left-padded to it.
 
 
@@ -512,7 +513,9 @@ class Engine:
     for i, r in enumerate(entries):
       if r is not None:
         budget[i], temperature[i] = r.max_tokens, r.temperature
-        top_k[i], top_p[i] = r.top_k or 0, 1.0 if r.top_p is None else r.top_p
+        # The sampler keeps every token for a top_k at or above the vocabulary: any larger k is the same setting,
+        # and one past int32 would fail the whole admission round, other requests' included.
+        top_k[i], top_p[i] = min(r.top_k or 0, _INT32_MAX), 1.0 if r.top_p is None else r.top_p
     return key_data, budget, temperature, top_k, top_p
 
   def _admit_group(self, group: list[tuple[int, Request] | None], length: int) -> None:

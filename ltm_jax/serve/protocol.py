@@ -88,7 +88,12 @@ def _is_int(value) -> bool:
 
 
 def _is_number(value) -> bool:
-  return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+  if not isinstance(value, (int, float)) or isinstance(value, bool):
+    return False
+  try:
+    return math.isfinite(value)
+  except OverflowError:  # An integer beyond float's range.
+    return False
 
 
 def _same(value, allowed) -> bool:
@@ -108,6 +113,13 @@ def parse_json(body: bytes) -> dict:
     value = json.loads(body.decode("utf-8"), parse_constant=_refuse_constant)
   except (UnicodeDecodeError, ValueError) as e:
     raise ApiError(400, f"the request body is not valid JSON: {str(e).splitlines()[0]}") from None
+  except RecursionError:
+    raise ApiError(400, "the request body is not valid JSON: it is nested too deeply") from None
+  try:  # JSON's \u escapes can spell a lone UTF-16 surrogate, which no text holds (nor encodes, nor answers).
+    json.dumps(value, ensure_ascii=False).encode("utf-8")
+  except UnicodeEncodeError as e:
+    raise ApiError(400, f"the request body holds a lone surrogate ({e.object[e.start:e.end]!a}), which is not "
+                        "text") from None
   if not isinstance(value, dict):
     raise ApiError(400, f"the request body must be a JSON object, got {type(value).__name__}")
   return value

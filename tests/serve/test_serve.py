@@ -221,6 +221,24 @@ def test_sampled_tokens_do_not_depend_on_neighbours(server, lm, client):
   assert other != alone  # The seed matters.
 
 
+def test_a_top_k_past_the_vocabulary_filters_nothing_and_fails_no_neighbour(server, lm):
+  """A top_k at or above the vocabulary keeps every token, however large: one past int32 samples as no top_k does,
+  and the requests admitted beside it are served."""
+  url, _ = server
+  body = {"prompt": "Once upon", "max_tokens": 8, "temperature": 0.9, "seed": 5}
+
+  async def together():
+    async with httpx.AsyncClient(base_url=url, timeout=DEADLINE) as c:
+      return await asyncio.gather(c.post("/v1/completions", json={**body, "top_k": 2**40}),
+                                  c.post("/v1/completions", json=body),
+                                  c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 8, "temperature": 0}))
+
+  answers = asyncio.run(together())
+  assert [r.status_code for r in answers] == [200] * 3, [r.text for r in answers]
+  texts = [r.json()["choices"][0]["text"] for r in answers[:2]]
+  assert texts == [lm.generate("Once upon", 8, temperature=0.9, seed=5)] * 2
+
+
 def test_streaming_joins_to_the_answer_and_ends_with_done(server, expected, client):
   body = {"prompt": ["The ", "Hi"], "max_tokens": NEW, "temperature": 0}
   whole = _complete(client, **body)
@@ -315,6 +333,11 @@ BAD_REQUESTS = [  # (body: a dict sent as JSON or raw bytes, the status, the fie
     (b"[1, 2]", 400, None),
     (b"\xff\xfe", 400, None),
     (b'{"prompt": "hi", "temperature": NaN}', 400, None),
+    (b'{"prompt": ' + b"[" * 10_000 + b"]" * 10_000 + b"}", 400, None),  # Deeper than json's recursion limit.
+    (b'{"prompt": "\\ud800"}', 400, None),  # A lone surrogate: not text.
+    (b'{"prompt": "hi", "\\udfff": 1}', 400, None),
+    ({"prompt": "hi", "temperature": 10**400}, 400, "temperature"),  # An integer beyond float's range.
+    ({"prompt": "hi", "top_p": -10**400}, 400, "top_p"),
     ({"max_tokens": 4}, 400, "prompt"),
     ({"prompt": 5}, 400, "prompt"),
     ({"prompt": []}, 400, "prompt"),
@@ -606,6 +629,7 @@ def test_the_request_timeout_cancels_and_answers_504_or_an_error_event(server, l
   before = _finished(engine)
   with _running(engine, lm.config.name, request_timeout=0.5, stop_engine_on_shutdown=False) as url, \
       httpx.Client(base_url=url, timeout=DEADLINE) as client, _held(engine, monkeypatch) as (waiting, _):
+    answered = {status: _metric(client, f'ltm_requests_total{{status="{status}"}}') for status in ("200", "504")}
     started = time.monotonic()
     late = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 8})
     assert late.status_code == 504 and late.json()["error"]["code"] == "timeout"
@@ -616,8 +640,11 @@ def test_the_request_timeout_cancels_and_answers_504_or_an_error_event(server, l
       events = _sse(response.iter_lines())
     assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "timeout"
     assert engine.queue_depth == 0  # The streamed ones waited in the queue, and left it when cancelled.
+    answered = {status: _metric(client, f'ltm_requests_total{{status="{status}"}}') - count
+                for status, count in answered.items()}
   _wait_for(lambda: engine.occupancy == 0, "the timed-out request's row to be freed")
   assert _finished(engine) - before == {"timeout": 3}
+  assert answered == {"200": 0, "504": 2}  # Each request once, the streamed one by how its stream ended.
 
 
 CHAT_BAD = [  # (messages, a part of the message)
