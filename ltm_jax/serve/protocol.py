@@ -179,7 +179,7 @@ def chat_prompt(messages) -> str:
     if role not in CHAT_ROLES:
       raise ApiError(400, f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {json.dumps(role)[:80]}",
                      "messages")
-    if not isinstance(message.get("name", ""), str):
+    if message.get("name") is not None and not isinstance(message["name"], str):
       raise ApiError(400, f"{where}.name must be a string", "messages")
     turns.append(f"{CHAT_ROLES[role]}: {_content(message.get('content'), where)}")
   if messages[-1]["role"] != "user":
@@ -215,7 +215,7 @@ def _common(body: dict, known: set, neutral: dict, model_name: str) -> None:
   if model is not None and model != model_name:
     raise ApiError(404, f"the model {model!r} does not exist; this server serves {model_name!r}", "model",
                    code="model_not_found")
-  if not isinstance(body.get("user", ""), str):
+  if body.get("user") is not None and not isinstance(body["user"], str):
     raise ApiError(400, "user must be a string", "user")
 
 

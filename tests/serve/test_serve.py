@@ -657,12 +657,13 @@ CHAT_BAD = [  # (messages, a part of the message)
     ([{"role": "robot", "content": "hi"}], "messages[0].role"),
     ([{"role": "tool", "content": "hi"}], "messages[0].role"),
     ([{"role": "user", "content": "hi", "tool_calls": []}], "tool_calls"),
+    ([{"role": "user", "content": "hi", "name": 0}], "messages[0].name"),
     ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], "the last message"),
     ([{"role": "user", "content": "x" * CONTEXT}], "context"),
 ]
 CHAT_BAD_FIELDS = [  # (fields besides valid messages, the field blamed)
     ({"n": 1.5}, "n"), ({"logprobs": 1}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
-    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"), ({"user": 0}, "user"),
 ]
 
 
@@ -679,6 +680,10 @@ def test_chat_messages_are_checked_and_put_in_the_documented_turn_format(server,
   for fields, param in CHAT_BAD_FIELDS:
     response = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], **fields})
     assert response.status_code == 400 and response.json()["error"]["param"] == param, (fields, response.text)
+  # Optional fields may be null, as in OpenAI's API.
+  response = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi", "name": None}],
+                                                       "user": None, "max_tokens": 2})
+  assert response.status_code == 200, response.text
 
 
 def test_chat_completions_answer_what_the_template_prompt_continues_to(server, lm, client):
