@@ -33,7 +33,7 @@ import numpy as np
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request as HttpRequest
+from starlette.requests import ClientDisconnect, Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -82,6 +82,10 @@ def create_app(engine: Engine, model_name: str | None = None, *, stop_engine_on_
       params = parse(protocol.parse_json(await _read_body(http)))
     except ApiError as e:
       return refuse(http, e)
+    except ClientDisconnect:  # Gone before its whole body arrived: nobody reads an answer.
+      metrics.requests.labels("499").inc()
+      access.note(http.scope, error="the client disconnected")
+      return Response(status_code=499)
     too_many = engine.too_many(len(params.prompts) * params.n)  # Before a list of n entries is made.
     if too_many:
       return refuse(http, ApiError(400, too_many, "n" if params.n > 1 else "prompt"))

@@ -295,6 +295,19 @@ def test_a_disconnect_frees_the_row(server, client, monkeypatch):
   assert client.get("/health").json()["occupancy"] == 0
 
 
+def test_a_client_gone_before_its_body_arrived_is_counted_as_499_not_an_error(server, client, caplog):
+  """A connection closed halfway through the body it announced: no request, no server error logged, one 499."""
+  url, _ = server
+  before = _metric(client, 'ltm_requests_total{status="499"}')
+  caplog.set_level(logging.ERROR)
+  host, port = url.removeprefix("http://").split(":")
+  with socket.create_connection((host, int(port))) as sock:
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+  _wait_for(lambda: _metric(client, 'ltm_requests_total{status="499"}') == before + 1, "the request to be counted")
+  assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+
+
 def test_a_full_queue_answers_429_and_cancelled_requests_leave_it_at_once(server, client, monkeypatch):
   url, engine = server
   too_many = client.post("/v1/completions", json={"prompt": ["q"] * (QUEUE + 1), "max_tokens": 2})
