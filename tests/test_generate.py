@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -64,6 +66,25 @@ def test_step_refuses_to_overflow_the_attention_cache():
   _, state = lm.step(state, np.full((1, m.max_seq_len - 2), 65, np.int32))
   with pytest.raises(ValueError, match="beyond the attention cache's capacity of 128"):
     lm.step(state, np.full((1, 3), 65, np.int32))
+
+
+def test_a_model_whose_attention_kernel_takes_no_positions_prefills_ragged_prompts_and_decodes():
+  """A model configured with attention_impl="pallas" (a kernel without explicit positions) runs its calls over a
+  cache by "auto": the tokens of the same model configured with xla, for ragged prompts and segment by segment."""
+  def build(impl):
+    cfg = micro_config(layer_pattern="A")
+    lm = api.build(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_impl=impl)), seed=1)
+    lm.params["head"]["kernel"] = lm.params["head"]["kernel"] * 200.0
+    return lm
+  xla, pallas = build("xla"), build("pallas")
+  prompts = [[72, 101, 108, 108], [111], [32, 119, 111]]
+  expected = xla.generate_tokens(prompts, 5, key=jax.random.key(0), temperature=0.0, stop_at_eos=False)
+  got = pallas.generate_tokens(prompts, 5, key=jax.random.key(0), temperature=0.0, stop_at_eos=False)
+  np.testing.assert_array_equal(got, expected)
+  tokens = np.array([prompts[0] + [5, 6]], np.int32)
+  first, state = pallas.step(pallas.init_state(1), tokens[:, :4])
+  second, _ = pallas.step(state, tokens[:, 4:])
+  np.testing.assert_allclose(np.concatenate([first, second], 1), xla.forward(tokens), atol=2e-4, rtol=1e-5)
 
 
 def test_step_api_continues_forward(lm):

@@ -94,19 +94,21 @@ class Attention(nn.Module):
       # Nothing cached: attend within the segment with the fast kernels. Left padding shifts every row's positions
       # uniformly, so index-based causal/window masks hold, and a padding segment keeps it apart.
       segments = None if valid is None else valid.astype(jnp.int32)
-      y = ops.attention(q, k, v, causal=True, window=self.window, segment_ids=segments, impl=self.impl)
+      y = ops.attention(q, k, v, causal=True, window=self.window, segment_ids=segments,
+                        impl=ops.attention_impl_for(self.impl, segments=segments is not None))
     elif decode_step:
       # One decoding step: store first, then attend over the ring alone. The overwritten slot held position
       # p - capacity, which no query at p may see (window) or which never existed (full attention within capacity).
       cache = cache.write(k, v, positions, keep)
       y = ops.attention(q, cache.k, cache.v, causal=True, window=self.window, q_positions=positions,
-                        kv_positions=cache.positions, impl=self.impl)
+                        kv_positions=cache.positions, impl=ops.attention_impl_for(self.impl, positions=True))
     else:
       key_positions = jnp.where(keep, positions, EMPTY_POSITION)
       y = ops.attention(q, jnp.concatenate([cache.k, k.astype(cache.k.dtype)], axis=1),
                         jnp.concatenate([cache.v, v.astype(cache.v.dtype)], axis=1), causal=True,
                         window=self.window, q_positions=positions,
-                        kv_positions=jnp.concatenate([cache.positions, key_positions], axis=1), impl=self.impl)
+                        kv_positions=jnp.concatenate([cache.positions, key_positions], axis=1),
+                        impl=ops.attention_impl_for(self.impl, positions=True))
     if not decode_step:
       # Only the last `capacity` valid tokens of each row can still be seen; writing just those keeps slots unique.
       cache = cache.write(k, v, positions, keep & (positions >= (end - cache.capacity)[:, None]))

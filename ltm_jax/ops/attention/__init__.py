@@ -142,6 +142,15 @@ def attention(
                             sizes={"batch": b, "heads": k.shape[2]})
 
 
+def impl_for(impl: str, *, positions: bool = False, segments: bool = False) -> str:
+  """The backend a layer configured with `impl` gives a call with explicit positions (over a cache: segment-wise
+  processing, decoding) or segment ids (left-padded prompts): `impl` where it takes them, else "auto", which picks
+  one that does (pallas takes no positions, cudnn neither positions nor segment ids). A model trained with either
+  kernel still prefills and decodes; training's calls have neither, so there an impl that cannot run them raises."""
+  refuses = {"pallas": positions, "cudnn": positions or segments}
+  return "auto" if refuses.get(impl, False) else impl
+
+
 def _run_backend(name: str, q, k, v, *, causal, window, scale, q_segment_ids=None, kv_segment_ids=None,
                  q_positions=None, kv_positions=None) -> jax.Array:
   """The chosen backend on (a shard of) checked inputs."""
