@@ -301,7 +301,8 @@ def write_config_json(workdir: str | pathlib.Path, config: config_lib.Config) ->
 def save_params(workdir: str | pathlib.Path, config: config_lib.Config, params, *, step: int = 0,
                 data_state: dict[str, Any] | None = None) -> None:
   """Writes a workdir holding `params` as the train state at `step` (a fresh optimizer state and the training key of
-  config.train.seed) and its config.json: what `ltm eval`, `generate` and `serve` load and `ltm train` resumes. For
+  config.train.seed) and its config.json: what `ltm eval`, `generate` and `serve` load and `ltm train` resumes (the
+  data stream from its first batch: `data_state` records where the parameters came from, not a position in it). For
   parameters made outside training (converted, or initialised for a test or a benchmark)."""
   from ltm_jax.train.optimizer import make_optimizer  # Deferred: training imports this module.
   from ltm_jax.state import create_train_state

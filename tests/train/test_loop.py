@@ -19,6 +19,7 @@ import pytest
 from conftest import ROOT, micro_config, resume_rtol
 from ltm_jax import model as model_lib
 from ltm_jax.config import apply_overrides
+from ltm_jax.state import init_train_state
 from ltm_jax.errors import CheckpointError, DataError
 from ltm_jax.train import checkpoint as ckpt_lib
 from ltm_jax.train import train
@@ -120,6 +121,20 @@ def test_a_run_trained_in_pieces_logs_the_uninterrupted_metrics(uninterrupted, t
     for key in COMPARED:
       if key in row:
         assert pieces[step][key] == pytest.approx(row[key], rel=resume_rtol()), (step, key)
+
+
+def test_a_workdir_of_saved_parameters_trains_from_the_first_batch(uninterrupted, tmp_path):
+  """A workdir save_params wrote (converted weights, say) holds no data position: `ltm train` fine-tunes it from the
+  stream's first batch. Saved with a fresh run's initial parameters, it logs that run's metrics."""
+  cfg = loop_config()
+  params = init_train_state(cfg, make_optimizer(cfg.train)).params
+  ckpt_lib.save_params(tmp_path, cfg, params, data_state={"converted_from": "elsewhere"})
+  result = train(cfg, tmp_path, progress=False, stop_at=10)
+  assert result.step == 10
+  (row,), (expected, *_) = read_metrics(tmp_path), read_metrics(uninterrupted[0])
+  assert row["step"] == expected["step"] == 10
+  for key in COMPARED[:3]:
+    np.testing.assert_allclose(row[key], expected[key], rtol=resume_rtol(), err_msg=key)
 
 
 def test_checkpoint_round_trip(tmp_path):
