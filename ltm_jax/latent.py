@@ -232,6 +232,7 @@ def infer(
     trace: bool = True,
     trunk: model_lib.Trunk | None = None,
     score_fitted: bool = True,
+    shared_noise: bool = False,
 ) -> tuple[FitResult, jax.Array]:
   """Fits q(z|x) for each sequence of a batch with the inner loop; returns the fit and its fixed noise eps.
 
@@ -256,6 +257,10 @@ def infer(
     trunk: the model's trunk (`trunk_of`) of `inputs` (computed here when None), from which every inner step runs the
       latent-reading blocks only. Unused with decoder_grad, whose decoder gradient runs the whole model.
     score_fitted: see `fit`.
+    shared_noise: one draw of the start's noise and of eps for every row. Each row's fit is distributed as without
+      it, but its posterior mean is then a function of its data alone, so its variance over rows (active units) is
+      the data's: with a noise of its own, a row whose decoder ignores z still moves mu by about the learning rate
+      a step, in directions its own noise picks.
   """
   cfg = model.latent
   if length is not None:
@@ -284,8 +289,11 @@ def infer(
       nll = jnp.where(target_mask, nll, 0.0)
     return nll.sum(-1)
 
-  eps = jax.random.normal(eps_key, shape, jnp.float32)
-  start = initial_posterior(init_key, shape, cfg, jax.lax.stop_gradient(proposal) if proposal is not None else None)
+  noise_shape = (1, *shape[1:]) if shared_noise else shape
+  eps = jnp.broadcast_to(jax.random.normal(eps_key, noise_shape, jnp.float32), shape)
+  start = initial_posterior(init_key, noise_shape, cfg,
+                            jax.lax.stop_gradient(proposal) if proposal is not None else None)
+  start = jax.tree.map(lambda x: jnp.broadcast_to(x, shape), start)
   if not trace:
     steps = cfg.inner_steps if steps is None else steps
     return FitResult(fit_posterior(nll_fn, start, eps, cfg, steps), None, None, None), eps

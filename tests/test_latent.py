@@ -17,7 +17,7 @@ from ltm_jax import api, cli
 from ltm_jax import latent as latent_lib
 from ltm_jax import model as model_lib
 from ltm_jax.config import ConfigError, apply_overrides, validate
-from ltm_jax.train.evaluation import CURVE_STEPS, full_evaluation
+from ltm_jax.train.evaluation import CURVE_STEPS, batch_metrics, full_evaluation
 from ltm_jax.train.step import create_train_state, make_train_step
 
 # Every test fits with STEPS inner steps on [3, 16] batches where it can, so jitted inner loops are compiled once.
@@ -241,6 +241,29 @@ def test_full_evaluation_of_latent_and_plain_models():
   second = float(nll[:, nll.shape[1] // 2:].mean())
   assert plain["continuation_ppl"] == pytest.approx(np.exp(second), rel=1e-5)
   assert plain["prior_nll"] is None and plain["active_units"] is None
+
+
+def test_active_units_count_what_the_data_moves_not_the_fits_own_noise():
+  """A decoder whose cross-attention output is zero ignores z: no unit is active, though its inner loop (8 Adam
+  steps at 0.3 from a start of noise) moves every row's mu by about 0.3 a step in directions a row's own noise would
+  pick (then 192 of 192 units passed the 0.01 variance threshold). And the fit is a function of the data: two equal
+  rows get the same posterior."""
+  cfg = micro_config()
+  latent = classic_latent(n_per_layer=3, inner_steps=8, inner_lr=0.3, init_logvar=-1.0)
+  model = model_lib.LM(cfg.model, latent)
+  reading = model_lib.init_params(cfg.model, jax.random.key(0), latent)
+  params = jax.tree_util.tree_map_with_path(
+      lambda path, x: jnp.zeros_like(x) if "cross_attention" in jax.tree_util.keystr(path)
+      and "out" in jax.tree_util.keystr(path) else x, reading)
+  tokens = jax.random.randint(jax.random.key(1), (4, 16, 33), 0, 256)
+  batches = [{"inputs": t[:, :-1], "targets": t[:, 1:]} for t in tokens]
+  metrics = full_evaluation(model, params, batches, seed=0, curve_steps=())
+  assert metrics["nll"] == pytest.approx(metrics["shuffled_nll"], rel=1e-6)  # z does not matter here.
+  assert metrics["active_units"] == 0, metrics["active_units"]
+  rows = jnp.concatenate([tokens[0, :1], tokens[0, :1], tokens[0, 1:3]])
+  mu = batch_metrics(model, reading, rows[:, :-1], rows[:, 1:], jax.random.key(2), STEPS, full=True)["mu"]
+  np.testing.assert_array_equal(mu[0], mu[1])
+  assert float(jnp.max(jnp.abs(mu[0] - mu[2]))) > 1e-3  # Other data, another posterior.
 
 
 @pytest.mark.parametrize("pattern", ["RA", "W"])

@@ -36,8 +36,12 @@ CURVE_STEPS = (0, 4, 8, 16, 32, 64)
 ACTIVE_UNIT_THRESHOLD = 0.01
 
 
-def batch_metrics(model, params, inputs, targets, key, steps: int | jax.Array, full: bool) -> dict[str, jax.Array]:
-  """Sums over one batch [B, T], the posteriors fitted with `steps` inner steps (a traced integer is fine). `full`
+def batch_metrics(model, params, inputs, targets, key, steps: int | jax.Array, full: bool,
+                  index: int | jax.Array = 0) -> dict[str, jax.Array]:
+  """Sums over batch `index` [B, T] of an evaluation whose key is `key`, the posteriors fitted with `steps` inner
+  steps (a traced integer is fine). Every row of every batch starts its fit from the same noise (`key`'s; `infer`'s
+  shared_noise): each row's numbers are distributed as with noise of its own, and its posterior mean is a function
+  of its data, whose variance over the rows active units measure. z's samples come from `key` and `index`. `full`
   adds everything beyond the ELBO (continuation, prior, shuffled, mu)."""
   latent = model_lib.uses_latents(model.latent)
   length = targets.shape[1]
@@ -46,18 +50,19 @@ def batch_metrics(model, params, inputs, targets, key, steps: int | jax.Array, f
     nll = latent_lib.token_nll(model, params, inputs, targets)
     return {"nll": nll.sum(), "kl": jnp.zeros(()), "continuation_nll": (nll * second_half).sum()}
 
-  def posterior_sample(key, mask=None, prefix=None):
-    fit_key, sample_key = jax.random.split(key)
+  def posterior_sample(fit_key, sample_key, mask=None, prefix=None):
     fitted, eps = latent_lib.infer(model, params, inputs, targets, fit_key, steps=steps, target_mask=mask,
-                                   length=prefix, trace=False)
+                                   length=prefix, trace=False, shared_noise=True)
     return fitted.posterior, fitted.posterior.sample(jax.random.normal(sample_key, eps.shape))
 
-  keys = jax.random.split(key, 3)
-  posterior, z = posterior_sample(keys[0])
+  fit_keys = jax.random.split(key)
+  keys = jax.random.split(jax.random.fold_in(key, index), 3)
+  posterior, z = posterior_sample(fit_keys[0], keys[0])
   out = {"nll": latent_lib.token_nll(model, params, inputs, targets, z).sum(),
          "kl": latent_lib.kl_divergence(posterior).sum()}
   if full:  # The first half's fit reads the first half only: the decoder is causal, so it is the same fit.
-    _, z_first_half = posterior_sample(keys[1], jnp.broadcast_to(~second_half, targets.shape), length // 2)
+    _, z_first_half = posterior_sample(fit_keys[1], keys[1], jnp.broadcast_to(~second_half, targets.shape),
+                                       length // 2)
     nll = latent_lib.token_nll(model, params, inputs, targets, z_first_half)
     out["continuation_nll"] = (nll * second_half).sum()
     out["prior_nll"] = latent_lib.token_nll(model, params, inputs, targets,
@@ -68,8 +73,8 @@ def batch_metrics(model, params, inputs, targets, key, steps: int | jax.Array, f
 
 
 def make_batch_metrics(model, layout=None):
-  """`batch_metrics` for `model`, jitted as fn(params, inputs, targets, key, steps, full) (full static; the inner
-  steps are a run-time value, so every step count runs the same program); with a `layout` (ltm_jax.parallel)
+  """`batch_metrics` for `model`, jitted as fn(params, inputs, targets, key, steps, full, index) (full static; the
+  inner steps are a run-time value, so every step count runs the same program); with a `layout` (ltm_jax.parallel)
   compiled for its mesh, params and batch as placed, results replicated."""
   fn = functools.partial(batch_metrics, model)
   if layout is None:
@@ -103,9 +108,9 @@ def full_evaluation(model: model_lib.LM, params, batches: Iterable[dict[str, Any
   mu_sum = mu_sq = None
   mu_abs = 0.0
   tokens = sequences = curve_tokens = 0
+  key = jax.random.key(seed)
   for index, batch in enumerate(batches):
-    key = jax.random.fold_in(jax.random.key(seed), index)
-    out = jax.device_get(metrics_fn(params, batch["inputs"], batch["targets"], key, main_steps, True))
+    out = jax.device_get(metrics_fn(params, batch["inputs"], batch["targets"], key, main_steps, True, index))
     mu = out.pop("mu", None)
     for k, v in out.items():
       totals[k] = totals.get(k, 0.0) + float(v)
@@ -118,7 +123,7 @@ def full_evaluation(model: model_lib.LM, params, batches: Iterable[dict[str, Any
       if steps == main_steps:
         curve_totals[steps] += float(out["nll"]) + float(out["kl"])
       else:
-        part = metrics_fn(params, batch["inputs"], batch["targets"], key, steps, False)
+        part = metrics_fn(params, batch["inputs"], batch["targets"], key, steps, False, index)
         curve_totals[steps] += float(part["nll"]) + float(part["kl"])
     curve_tokens += batch["targets"].size if index < curve_batches else 0
     tokens += batch["targets"].size
