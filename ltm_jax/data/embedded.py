@@ -5,7 +5,9 @@ The embedded corpus needs no download: it is the English prose that ships with e
 the standard library, read by parsing the source files with `ast` (nothing is imported, so modules with import side
 effects such as `this` or `antigravity` are never run). Test packages, site-packages and unreadable files are skipped,
 docstrings shorter than `MIN_DOCSTRING_CHARS` are dropped (mostly one-line API notes, not prose) and exact duplicate
-texts are kept once so that no text sits on both sides of the split.
+texts are kept once, so that no whole document sits on both sides of the split. Related documents still share
+paragraphs: on CPython 3.11.7, 6,134 of the validation documents' 81,740 bytes (7.5%) are in paragraphs of 200 or more
+characters that the training split also holds (e.g. `topic/augassign` repeats five of `topic/assignment`'s).
 
 Every document has a stable name ("topic/<name>" or "<module path>:<qualname>") and goes to the validation split iff
 `zlib.crc32(name) % 20 == 0` (about 5%), so the split never changes with the corpus order or size. Documents are joined
