@@ -48,6 +48,9 @@ def test_a_workdir_that_is_a_file_is_refused(tmp_path, capsys):
   for command in (["train", "--config", TINY], ["eval"], ["generate", "--prompt", "a"]):
     _fails(capsys, *command, "--workdir", path, match=f"error: --workdir {path} is a file, not a directory")
   assert _snapshot(tmp_path) == {path: b"keep me"}
+  _fails(capsys, "train", "--config", TINY, "--workdir", path / "run",
+         match=f"error: cannot create {path / 'run'}: Not a directory")
+  assert _snapshot(tmp_path) == {path: b"keep me"}
 
 
 def test_a_config_file_that_fails_is_named_on_one_line(tmp_path, capsys):

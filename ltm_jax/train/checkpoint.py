@@ -245,7 +245,7 @@ MMREC_MODEL_KEYS = ("mmrec_slots", "mmrec_segment")
 
 
 # Latent keys that shape the parameters or what they compute; the inner-loop settings stay free (e.g. more eval steps).
-STRUCTURAL_LATENT_KEYS = ("enabled", "n_per_layer", "rope", "rope_span", "encoder", "encoder_width",
+STRUCTURAL_LATENT_KEYS = ("enabled", "top_layers", "n_per_layer", "rope", "rope_span", "encoder", "encoder_width",
                           "encoder_context", "encoder_logvar")
 
 # Time-series keys of the model itself; the data keys (source, split, normalisation) are checked by the data
@@ -261,8 +261,10 @@ def model_differences(saved: config_lib.Config, current: config_lib.Config) -> l
   has = lambda letters: any(set(letters) & set(c.layer_pattern) for c in (saved.model, current.model))
   ignored = RUNTIME_MODEL_KEYS + (() if has("MG") else MEMORY_MODEL_KEYS) + (() if has("D") else MMREC_MODEL_KEYS)
   diffs = [(f"model.{k}", a[k], b[k]) for k in a if a[k] != b[k] and k not in ignored]
-  a, b = saved.latent.__dict__, current.latent.__dict__
+  a, b = dict(saved.latent.__dict__), dict(current.latent.__dict__)
   if a["enabled"] or b["enabled"]:  # Without latents the other latent keys mean nothing.
+    for keys, m in ((a, saved.model), (b, current.model)):  # top_layers None: every block, as n_layers says.
+      keys["top_layers"] = m.n_layers if keys["top_layers"] is None else keys["top_layers"]
     diffs += [(f"latent.{k}", a[k], b[k]) for k in STRUCTURAL_LATENT_KEYS if a[k] != b[k]]
   a, b = saved.timeseries.__dict__, current.timeseries.__dict__
   if a["enabled"] or b["enabled"]:

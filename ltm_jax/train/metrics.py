@@ -16,7 +16,7 @@ from ltm_jax.errors import WorkdirError
 class MetricsWriter:
   """Appends rows to metrics.jsonl and scalars to WORKDIR/tensorboard. On resume from step S, rows logged after S by
   the interrupted run are dropped first (`dropped`: their steps; the resumed run recomputes those steps, so the file
-  stays one row per step); rows up to S are never rewritten. The TensorBoard events file is opened with the first
+  stays one row per step), and so is a line a crash cut short; rows up to S keep their values. The TensorBoard events file is opened with the first
   row, so a run that logs nothing writes none."""
 
   def __init__(self, workdir: str | pathlib.Path, resume_step: int = 0):
@@ -24,7 +24,10 @@ class MetricsWriter:
     self.path = workdir / "metrics.jsonl"
     rows = read_metrics(workdir)
     self.dropped = [row["step"] for row in rows if row["step"] > resume_step]
-    if self.dropped:
+    text = self.path.read_text() if self.path.exists() else ""
+    # A line cut short by a crash (read_metrics skips it) would swallow the next row appended to it.
+    torn = text.count("\n") != len(rows) or not text.endswith("\n") if text else False
+    if self.dropped or torn:
       kept = [json.dumps(row) for row in rows if row["step"] <= resume_step]
       tmp = self.path.with_suffix(".jsonl.tmp")
       tmp.write_text("".join(line + "\n" for line in kept))

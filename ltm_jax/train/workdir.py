@@ -22,7 +22,10 @@ def exclusive(workdir: str | pathlib.Path):
   any way (kill -9 included), so a dead run never blocks the next one."""
   workdir = pathlib.Path(workdir)
   _check_directory(workdir)
-  workdir.mkdir(parents=True, exist_ok=True)
+  try:
+    workdir.mkdir(parents=True, exist_ok=True)
+  except OSError as e:  # A file on the path, no permission, ...
+    raise WorkdirError(f"cannot create {workdir}: {e.strerror}") from e
   try:
     fd = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY)
   except OSError as e:

@@ -23,7 +23,7 @@ from ltm_jax.state import init_train_state
 from ltm_jax.errors import CheckpointError, DataError
 from ltm_jax.train import checkpoint as ckpt_lib
 from ltm_jax.train import train
-from ltm_jax.train.metrics import read_metrics
+from ltm_jax.train.metrics import MetricsWriter, read_metrics
 from ltm_jax.train.optimizer import make_optimizer
 from ltm_jax.train.step import create_train_state
 
@@ -137,6 +137,18 @@ def test_a_workdir_of_saved_parameters_trains_from_the_first_batch(uninterrupted
     np.testing.assert_allclose(row[key], expected[key], rtol=resume_rtol(), err_msg=key)
 
 
+def test_a_metrics_line_cut_short_by_a_crash_does_not_swallow_the_next_row(tmp_path):
+  writer = MetricsWriter(tmp_path)
+  writer.write(1, {"loss": 5.0})
+  writer.close()
+  with (tmp_path / "metrics.jsonl").open("a") as f:
+    f.write('{"step": 2, "loss": 4.')  # The process died mid-write.
+  writer = MetricsWriter(tmp_path, resume_step=1)
+  writer.write(2, {"loss": 4.5})
+  writer.close()
+  assert read_metrics(tmp_path) == [{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.5}]
+
+
 def test_checkpoint_round_trip(tmp_path):
   cfg = micro_config()
   params = model_lib.init_params(cfg.model, jax.random.key(3))
@@ -203,6 +215,15 @@ def test_fp8_and_the_compute_dtype_are_runtime_choices():
   ckpt_lib.check_compatible(stream, plain, "w")
   with pytest.raises(CheckpointError, match=r"model.d_model"):
     ckpt_lib.check_compatible(plain, apply_overrides(fp8, ["model.d_model=64"]), "w")
+
+
+def test_the_blocks_that_read_z_are_part_of_the_model():
+  """latent.top_layers decides which blocks hold cross-attention weights: a change is refused by name (not reported as
+  damaged checkpoints), while None and n_layers (every block) are the same model."""
+  latent = apply_overrides(loop_config(), ["latent.enabled=true", "latent.top_layers=null"])
+  ckpt_lib.check_compatible(latent, apply_overrides(latent, ["latent.top_layers=2"]), "w")  # n_layers = 2.
+  with pytest.raises(CheckpointError, match=r"latent.top_layers: checkpoint 2, config 1"):
+    ckpt_lib.check_compatible(latent, apply_overrides(latent, ["latent.top_layers=1"]), "w")
 
 
 def test_memory_keys_matter_only_to_models_with_their_layers():
