@@ -172,21 +172,31 @@ class Checkpointer:
     """(step, read(step), damaged steps) for the newest of `steps` (default: all) whose `read` does not raise
     DamagedCheckpointError; each damaged one is named in a warning line on stderr. Other errors (a checkpoint of
     another model) propagate. CheckpointError when there is no checkpoint or none can be read."""
-    steps = sorted(self.all_steps() if steps is None else steps, reverse=True)
+    listed = steps is None
+    steps = sorted(self.all_steps() if listed else steps, reverse=True)
     if not steps:
       raise CheckpointError(f"{self.directory.parent} has no checkpoints")
     damaged: list[DamagedCheckpointError] = []
-    for step in steps:
+    tried: set[int] = set()
+    while (step := next((s for s in steps if s not in tried), None)) is not None:
+      tried.add(step)
       try:
         value = read(step)
       except DamagedCheckpointError as e:
+        if listed and not (self.directory / str(step)).exists():
+          # Deleted while it was read: a run still training pruned it (train.keep_checkpoints), which leaves newer
+          # checkpoints, not a damaged one. Look again.
+          self._manager.reload()
+          steps = sorted(self.all_steps(), reverse=True)
+          continue
         damaged.append(e)
         later = next((s for s in steps if s < step), None)
         print(f"warning: {e}; " + (f"falling back to step {later}" if later is not None else "no older checkpoint"),
               file=sys.stderr)
         continue
       return step, value, [e.step for e in damaged]
-    raise CheckpointError(f"no readable checkpoint in {self.directory}: " + "; ".join(str(e) for e in damaged))
+    raise CheckpointError(f"no readable checkpoint in {self.directory}" +
+                          (": " + "; ".join(str(e) for e in damaged) if damaged else ""))
 
   def set_aside(self, steps: list[int]) -> pathlib.Path | None:
     """Moves the folders of `steps` to WORKDIR/damaged-checkpoints/ (kept for inspection, out of orbax's way)."""

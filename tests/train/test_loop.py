@@ -166,6 +166,29 @@ def test_checkpoint_round_trip(tmp_path):
   assert ckpt_lib.Checkpointer(tmp_path, read_only=True).saved_config(4) == cfg
 
 
+def test_a_checkpoint_pruned_while_it_is_read_is_not_damaged(tmp_path, capsys):
+  """`ltm eval` of a run still training: the run prunes the step being read (keep_checkpoints) and saves newer ones.
+  The reader takes the newest, naming nothing damaged, and leaves the run's folders alone."""
+  cfg = micro_config()
+  state = create_train_state(model_lib.init_params(cfg.model, jax.random.key(3)), make_optimizer(cfg.train), seed=5)
+  training = ckpt_lib.Checkpointer(tmp_path, keep=2, async_save=False)
+  for step in (2, 4):
+    training.save(step, state, {"next_batch": step}, cfg)
+  reader = ckpt_lib.Checkpointer(tmp_path, read_only=True)
+
+  def read(step):
+    if step == 4:
+      for newer in (6, 8):  # The run goes on while step 4 is being read; keep=2 prunes steps 2 and 4.
+        training.save(newer, state, {"next_batch": newer}, cfg)
+    return reader.restore(step, ckpt_lib.abstract(state))
+
+  step, (_, data), damaged = reader.newest_readable(read)
+  training.close()
+  assert (step, data, damaged) == (8, {"next_batch": 8}, [])
+  assert "warning" not in capsys.readouterr().err
+  assert ckpt_lib.Checkpointer(tmp_path, read_only=True).all_steps() == [6, 8]
+
+
 def test_different_model_is_refused_and_nothing_is_touched(uninterrupted):
   workdir, _ = uninterrupted
   before = _tree_digest(workdir)
