@@ -427,7 +427,8 @@ def _cut_at(tokens: np.ndarray, stop: int | None) -> np.ndarray:
 
 
 def build(config: Config, seed: int = 0) -> LanguageModel:
-  """A freshly initialised model for `config` (parameters from `seed`)."""
+  """A freshly initialised model for `config` (parameters from `seed`); ConfigError for a config `validate` refuses."""
+  config = config_lib.validate(config)
   return LanguageModel(config, model_lib.init_params(config.model, jax.random.key(seed), config.latent))
 
 

@@ -456,6 +456,9 @@ def from_dict(d: dict[str, Any]) -> Config:
 
 
 def apply_overrides(config: Config, overrides: typing.Sequence[str]) -> Config:
+  if isinstance(overrides, str):  # Iterating it would take each character for an override.
+    raise ConfigError(f"overrides must be a list of key=value strings, got the string {overrides!r}; pass "
+                      f"{overrides.split()!r}")
   for item in overrides:
     key, sep, raw = item.partition("=")
     if not sep:

@@ -10,10 +10,11 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import micro_config
+from conftest import ROOT, micro_config
+import ltm_jax
 from ltm_jax import api
 from ltm_jax import model as model_lib
-from ltm_jax.config import LatentConfig
+from ltm_jax.config import Config, ConfigError, LatentConfig, ModelConfig
 from ltm_jax.inference import inputs
 
 VOCAB = 259  # micro_config's (the byte tokenizer's) vocabulary; the embedding is padded to 384 rows.
@@ -178,3 +179,13 @@ def test_text_where_token_ids_are_taken_is_refused_in_one_line(lm, latent_lm):
     _one_line(e)
     with pytest.raises(ValueError, match=f"{name} takes token ids .* got None$"):
       call(None)
+
+
+def test_configs_and_overrides_the_api_cannot_take_are_refused_on_one_line():
+  """build() validates the config it is given; an override string (not a list of them) is refused, not read a
+  character at a time."""
+  with pytest.raises(ConfigError, match=r"^model.d_model=30 is not divisible by model.n_heads=4$"):
+    api.build(Config(model=ModelConfig(d_model=30, n_heads=4)))
+  with pytest.raises(ConfigError, match=r"^overrides must be a list of key=value strings, got the string "
+                                        r"'model.d_model=64 model.n_layers=1'; pass \['model.d_model=64', "):
+    ltm_jax.load_config(ROOT / "configs" / "tiny.py", "model.d_model=64 model.n_layers=1")
