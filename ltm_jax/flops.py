@@ -71,7 +71,7 @@ def forward_flops(m: ModelConfig, latent: LatentConfig | None, seq_len: int,
                   leaves: list[tuple[Any, jax.ShapeDtypeStruct]] | None = None) -> ForwardFlops:
   """The forward FLOPs per token of rows of `seq_len` tokens, split as `ForwardFlops`; `leaves` are
   `param_leaves(m, latent)` (computed here when None). 2 FLOPs per multiply-add; QK^T and AV each cost 2*d per
-  visible key."""
+  visible key, an RWKV-7 layer's state products 8*N*d (head size N)."""
   if leaves is None:
     leaves = param_leaves(m, latent)
   latent = model_lib.uses_latents(latent)
@@ -95,6 +95,10 @@ def forward_flops(m: ModelConfig, latent: LatentConfig | None, seq_len: int,
       core += 4 * m.d_model * _visible_keys(seq_len, m.window)
     if kind in ("titans_mal", "titans_mag"):
       core += _memory_flops(m)
+    if kind == "rwkv7":
+      # The WKV-7 state S [N, N] per head, each token: S a and S r, and the rank-one updates (S a) b^T and v k^T
+      # added to S: four N^2 multiply-adds a head (the decay's N^2 multiplies, like activations, uncounted).
+      core += 8 * m.rwkv7_head_size * m.d_model
     if kind == "mmrec":
       core += _mmrec_flops(m, seq_len)
     if index < first:

@@ -111,3 +111,14 @@ def test_latent_step_flops_follow_the_compiled_step():
   modelled = model_info(cfg)["latent_train_flops_vs_plain"]
   assert 1.2 < modelled < 1.6  # The trunk (two of three blocks) is run once, so far below 2x a plain step.
   assert modelled == pytest.approx(compiled, rel=0.05)
+
+
+def test_an_rwkv7_layers_state_products_are_counted():
+  """The WKV-7 state's products (S a, S r and the two rank-one updates: 8 N d FLOPs a token and layer) are model
+  FLOPs, as attention's QK^T and AV are. The parameters do not depend on the head size N: two head sizes isolate
+  them."""
+  infos = {n: model_info(micro_config(layer_pattern="W", rwkv7_head_size=n)) for n in (8, 16)}
+  assert infos[8]["params"] == infos[16]["params"]
+  m = micro_config().model
+  difference = infos[16]["flops_per_token_forward"] - infos[8]["flops_per_token_forward"]
+  assert difference == pytest.approx(m.n_layers * 8 * (16 - 8) * m.d_model)
