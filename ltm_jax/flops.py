@@ -55,10 +55,13 @@ def param_leaves(m: ModelConfig, latent: LatentConfig | None) -> list[tuple[Any,
 class ForwardFlops(NamedTuple):
   """Forward FLOPs per token of a model's parts: `trunk`, the blocks below the first that reads z (every block of a
   plain decoder); `top`, the latent-reading blocks (their attention to z included) and the LM head (just the head for
-  a plain decoder); `encoder`, the latent encoder over each token it reads (0 without one)."""
+  a plain decoder); `encoder`, the latent encoder over each token it reads (0 without one); `before_z`, the part of
+  `top` that z does not reach: the first latent-reading block's mixer and its cross-attention's query projection
+  (0 where that block is in the scanned stack, whose layers are not told apart here)."""
   trunk: float
   top: float
   encoder: float
+  before_z: float = 0.0
 
 
 def _block_index(path) -> int | None:
@@ -76,7 +79,8 @@ def forward_flops(m: ModelConfig, latent: LatentConfig | None, seq_len: int,
     leaves = param_leaves(m, latent)
   latent = model_lib.uses_latents(latent)
   first = model_lib.first_latent_layer(m, latent)
-  trunk = top = encoder = 0.0
+  trunk = top = encoder = before_z = 0.0
+  first_separate = False
   for path, x in leaves:
     size = float(np.prod(x.shape))
     if getattr(path[0], "key", None) == model_lib.ENCODER:
@@ -87,6 +91,11 @@ def forward_flops(m: ModelConfig, latent: LatentConfig | None, seq_len: int,
         trunk += 2 * size
       else:  # The latent-reading blocks, the scanned stack (all of it reads z when latents are on), the head.
         top += 2 * size
+      if latent is not None and index == first:
+        first_separate = True
+        name = jax.tree_util.keystr(path)
+        if "['mixer']" in name or ("['cross_attention']" in name and "['q']" in name):
+          before_z += 2 * size
   if m.tie_embeddings:
     top += 2 * m.padded_vocab_size * m.d_model
   for index, kind in enumerate(m.mixers):
@@ -105,7 +114,9 @@ def forward_flops(m: ModelConfig, latent: LatentConfig | None, seq_len: int,
       trunk += core
     else:
       top += core + (0.0 if latent is None else 4 * m.d_model * latent.n_per_layer)  # QK^T and AV against z.
-  return ForwardFlops(trunk, top, encoder)
+    if index == first and first_separate:
+      before_z += core
+  return ForwardFlops(trunk, top, encoder, before_z)
 
 
 def _encoder_flops(path, x) -> float:
@@ -127,8 +138,9 @@ def latent_train_flops(parts: ForwardFlops, latent: LatentConfig, seq_len: int, 
   continuation rows, the top again over the prefix under the loop's start z_0 (the first split_bound(T) positions
   when every row is one, else whole rows), unless `one_pass` (`ltm_jax.latent.one_pass_split`: z read by the last
   block alone) scores both in one pass; each inner step a forward and a z-only backward of the top over the
-  fitted positions (with 0 steps, one such pass for the encoder's gradient); the encoder forward and backward over
-  the fitted positions. iterates: every one of the K + 1 iterates a forward and a full backward of the model."""
+  fitted positions (with 0 steps, one such pass for the encoder's gradient), the backward skipping what z does not
+  reach (`ForwardFlops.before_z`); the encoder forward and backward over the fitted positions. iterates: every one
+  of the K + 1 iterates a forward and a full backward of the model."""
   whole = parts.trunk + parts.top
   if latent.decoder_objective == "iterates":
     return 3 * (latent.inner_steps + 1) * whole + 3 * parts.encoder
@@ -137,7 +149,7 @@ def latent_train_flops(parts: ForwardFlops, latent: LatentConfig, seq_len: int, 
   if latent.continuation_fraction > 0 and not one_pass:
     flops += 3 * parts.top * fitted
   z_passes = latent.inner_steps if latent.inner_steps or not latent.encoder else 1
-  flops += 2 * parts.top * fitted * z_passes
+  flops += (2 * parts.top - parts.before_z) * fitted * z_passes
   if latent.encoder:
     flops += 3 * parts.encoder * fitted
   return flops
