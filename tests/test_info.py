@@ -101,8 +101,8 @@ def test_latent_step_flops_follow_the_compiled_step():
   # The FLOPs model of the latent step (trunk once; the top block for the fitted z and z_0 in one pass, the inner
   # step, the encoder) against what XLA counts in the compiled step, both as a ratio to the plain step's. One inner
   # step: XLA counts the loop's body once. XLA also counts norms, softmaxes and the optimizer, which the model
-  # leaves out, on both sides of the ratio. Within 1%: charging the inner step's z-only backward for the top block's
-  # mixer and query projection, which z does not reach, put the model 2% over (1.322 against 1.296).
+  # leaves out, on both sides of the ratio. Within 1%: the inner step's z-only backward skips the top block's mixer
+  # and query projection, which z does not reach; charging them puts the model 2% over.
   base = micro_config(layer_pattern="A", window=8, n_layers=3, d_model=64, n_heads=4)
   latent = dataclasses.replace(base.latent, enabled=True, n_per_layer=4, top_layers=1, inner_steps=1, encoder=True,
                                encoder_width=32, continuation_fraction=1.0)

@@ -55,8 +55,9 @@ def batch_metrics(model, params, inputs, targets, key, steps: int | jax.Array, f
                                    length=prefix, trace=False, shared_noise=True)
     return fitted.posterior, fitted.posterior.sample(jax.random.normal(sample_key, eps.shape))
 
-  fit_keys = jax.random.split(key)
-  keys = jax.random.split(jax.random.fold_in(key, index), 3)
+  fit_root, sample_root = jax.random.split(key)  # Apart: a batch's sample keys never repeat a fit's noise.
+  fit_keys = jax.random.split(fit_root)
+  keys = jax.random.split(jax.random.fold_in(sample_root, index), 3)
   posterior, z = posterior_sample(fit_keys[0], keys[0])
   out = {"nll": latent_lib.token_nll(model, params, inputs, targets, z).sum(),
          "kl": latent_lib.kl_divergence(posterior).sum()}

@@ -144,7 +144,7 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = N
         which = "latest checkpoint" if from_step is None else "checkpoint resumed from"
         raise ConfigError(f"train.steps={t.steps} is below the {which} in {workdir} (step {start}); "
                           "set train.steps >= that step or use another workdir")
-      if data_state.get("format") is not None:  # A workdir of saved parameters (save_params) has no data position.
+      if data_state.get("format") is not None:  # Saved parameters (save_params) record no data position.
         loader.set_state(data_state)
       saved_step = start
     dropped = checkpointer.drop_after(from_step) if from_step is not None else []

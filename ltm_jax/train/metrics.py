@@ -16,8 +16,8 @@ from ltm_jax.errors import WorkdirError
 class MetricsWriter:
   """Appends rows to metrics.jsonl and scalars to WORKDIR/tensorboard. On resume from step S, rows logged after S by
   the interrupted run are dropped first (`dropped`: their steps; the resumed run recomputes those steps, so the file
-  stays one row per step), and so is a line a crash cut short; rows up to S keep their values. The TensorBoard events file is opened with the first
-  row, so a run that logs nothing writes none."""
+  stays one row per step), and so is a line a crash cut short; rows up to S keep their values. The TensorBoard
+  events file is opened with the first row, so a run that logs nothing writes none."""
 
   def __init__(self, workdir: str | pathlib.Path, resume_step: int = 0):
     workdir = pathlib.Path(workdir)

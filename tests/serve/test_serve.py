@@ -299,12 +299,16 @@ def test_a_client_gone_before_its_body_arrived_is_counted_as_499_not_an_error(se
   """A connection closed halfway through the body it announced: no request, no server error logged, one 499."""
   url, _ = server
   before = _metric(client, 'ltm_requests_total{status="499"}')
-  caplog.set_level(logging.ERROR)
-  host, port = url.removeprefix("http://").split(":")
-  with socket.create_connection((host, int(port))) as sock:
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: 100\r\n\r\n{\"prompt\": ")
-  _wait_for(lambda: _metric(client, 'ltm_requests_total{status="499"}') == before + 1, "the request to be counted")
+  server_log = logging.getLogger("uvicorn.error")  # Where uvicorn logs an application's exception; not propagated.
+  server_log.addHandler(caplog.handler)
+  try:
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+      sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+    _wait_for(lambda: _metric(client, 'ltm_requests_total{status="499"}') == before + 1, "the request to be counted")
+  finally:
+    server_log.removeHandler(caplog.handler)
   assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
 
 

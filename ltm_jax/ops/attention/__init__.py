@@ -144,9 +144,10 @@ def attention(
 
 def impl_for(impl: str, *, positions: bool = False, segments: bool = False) -> str:
   """The backend a layer configured with `impl` gives a call with explicit positions (over a cache: segment-wise
-  processing, decoding) or segment ids (left-padded prompts): `impl` where it takes them, else "auto", which picks
-  one that does (pallas takes no positions, cudnn neither positions nor segment ids). A model trained with either
-  kernel still prefills and decodes; training's calls have neither, so there an impl that cannot run them raises."""
+  processing, decoding) or segment ids (left-padded prompts, masked time series): `impl` where it takes them, else
+  "auto", which picks one that does (pallas takes no positions, cudnn neither positions nor segment ids). A model
+  trained with either kernel still prefills and decodes; a language model's training calls have neither, so there
+  an explicit kernel that cannot run them still raises."""
   refuses = {"pallas": positions, "cudnn": positions or segments}
   return "auto" if refuses.get(impl, False) else impl
 
