@@ -107,6 +107,9 @@ def _refuse_constant(name: str):
   raise ValueError(f"{name} is not valid JSON")
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 def parse_json(body: bytes) -> dict:
   """The request body as a JSON object, or a 400."""
   try:
@@ -115,11 +118,14 @@ def parse_json(body: bytes) -> dict:
     raise ApiError(400, f"the request body is not valid JSON: {str(e).splitlines()[0]}") from None
   except RecursionError:
     raise ApiError(400, "the request body is not valid JSON: it is nested too deeply") from None
-  try:  # JSON's \u escapes can spell a lone UTF-16 surrogate, which no text holds (nor encodes, nor answers).
-    json.dumps(value, ensure_ascii=False).encode("utf-8")
-  except UnicodeEncodeError as e:
-    raise ApiError(400, f"the request body holds a lone surrogate ({e.object[e.start:e.end]!a}), which is not "
-                        "text") from None
+  # JSON's \u escapes can spell a lone UTF-16 surrogate, which no text holds (nor encodes, nor answers); UTF-8 bytes
+  # cannot, so only a body with such an escape is encoded again to find one.
+  if _SURROGATE_ESCAPE.search(body):
+    try:
+      json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+      raise ApiError(400, f"the request body holds a lone surrogate ({e.object[e.start:e.end]!a}), which is not "
+                          "text") from None
   if not isinstance(value, dict):
     raise ApiError(400, f"the request body must be a JSON object, got {type(value).__name__}")
   return value

@@ -26,7 +26,7 @@ class MetricsWriter:
     self.dropped = [row["step"] for row in rows if row["step"] > resume_step]
     text = self.path.read_text() if self.path.exists() else ""
     # A line cut short by a crash (read_metrics skips it) would swallow the next row appended to it.
-    torn = text.count("\n") != len(rows) or not text.endswith("\n") if text else False
+    torn = bool(text) and (text.count("\n") != len(rows) or not text.endswith("\n"))
     if self.dropped or torn:
       kept = [json.dumps(row) for row in rows if row["step"] <= resume_step]
       tmp = self.path.with_suffix(".jsonl.tmp")
