@@ -270,7 +270,7 @@ class LM(nn.Module):
   `valid` [B, T] bool marks left padding (False) of ragged prompts: padding changes no state and is seen by no
   token, so each row's valid tokens get the logits and final state they would get alone. Padding must precede a
   row's tokens; with latent RoPE, `positions` must then count valid tokens only. `last_only` returns the logits of
-  the last position only ([B, 1, vocab_size]), as a prefill needs.
+  the last position only ([B, 1, vocab_size]) and every layer's state, as a prefill needs (under a pipeline mesh too).
 
   `trunk_only=True` returns the `Trunk` (the output of the blocks below the first latent-reading block) and nothing
   else; `trunk=` a Trunk of the same tokens starts from it instead, running only the latent-reading blocks and the
@@ -314,8 +314,9 @@ class LM(nn.Module):
         x, pending, _, v_first = _run_blocks(cfg, x, None, latent, None, positions, valid, self.cache_capacity, 0,
                                              first)
         return Trunk(_added(x, pending), v_first)
+      # A prefill (last_only) hands its state to decoding, so its scanned layers cannot run as pipeline stages.
       x, pending, new_state, _ = _run_blocks(cfg, x, state, latent, latents, positions, valid, self.cache_capacity,
-                                             0, None)
+                                             0, None, pipelined=not last_only)
     if last_only:  # A prefill needs the next token's logits only: skip the [B, T, vocab] head product.
       x, pending = x[:, -1:], None if pending is None else pending[:, -1:]
     # Nothing reads the final stream: XLA's form drops its sum and fuses the add into the norm, where the kernels
@@ -366,11 +367,12 @@ def run_blocks(cfg: ModelConfig, x, state: tuple[BlockState, ...] | None = None,
 
 
 def _run_blocks(cfg: ModelConfig, x, state, latent, latents, positions, valid, capacity, start: int,
-                stop: int | None, v_first=None):
+                stop: int | None, v_first=None, *, pipelined: bool = True):
   """Layers start..stop-1 (stop None: to the last) from x and v_first -> (x, pending, new state of those layers,
   v_first): the stream after them is x + pending (`Block`; pending None where nothing is left to add).
   The blocks from `first_latent_layer` on read latents[:, layer - first_latent_layer]; the layer scan runs only when
-  the range reaches the end and starts at or before the scanned repeats (a latent model that scans has no trunk)."""
+  the range reaches the end and starts at or before the scanned repeats (a latent model that scans has no trunk).
+  `pipelined`: whether a stateless call may run the scanned repeats as pipeline stages (`_scanned`)."""
   layout = scan_layout(cfg)
   first = first_latent_layer(cfg, latent)
   stop = cfg.n_layers if stop is None else stop
@@ -389,17 +391,20 @@ def _run_blocks(cfg: ModelConfig, x, state, latent, latents, positions, valid, c
     if start > layout.prefix_layers or (latent is not None and first):
       raise ValueError("the layer scan runs every scanned repeat, each reading z: it cannot start part-way")
     x, pending = _added(x, pending), None
-    x, v_first, scanned_state = _scanned(cfg, latent, capacity, layout, x, v_first, state, latents, positions, valid)
+    x, v_first, scanned_state = _scanned(cfg, latent, capacity, layout, x, v_first, state, latents, positions, valid,
+                                         pipelined)
     new_state.extend(scanned_state)
   return x, pending, tuple(new_state), v_first
 
 
-def _scanned(cfg: ModelConfig, latent, capacity, layout: ScanLayout, x, v_first, state, latents, positions, valid):
+def _scanned(cfg: ModelConfig, latent, capacity, layout: ScanLayout, x, v_first, state, latents, positions, valid,
+             pipelined: bool = True):
   """Runs the scanned repeats; v_first rides in the carry (made by a separate layer or None without RWKV-7).
 
-  Under a mesh with a pipeline axis of S > 1 stages, a stateless call whose batch divides into
+  Under a mesh with a pipeline axis of S > 1 stages, a stateless `pipelined` call whose batch divides into
   model.pipeline_micro_batches runs the repeats as S pipeline stages (`_Pipelined`), and returns no state for them
-  (None per unit block): training and scoring read none, and decoding passes a state, which takes the plain scan."""
+  (None per unit block): training and scoring read none. Decoding passes a state and a prefill is not `pipelined`,
+  so both take the plain scan and get every layer's state."""
   start, units, period = layout.prefix_layers, layout.scanned_units, layout.period
   states = None if state is None else tuple(state[start:])
   z = None
@@ -408,6 +413,8 @@ def _scanned(cfg: ModelConfig, latent, capacity, layout: ScanLayout, x, v_first,
   if latents is not None:  # [B, n_layers, n, d] -> [units, B, period, n, d]: repeat u's blocks are its layers.
     z = latents[:, start:].reshape(latents.shape[0], units, period, *latents.shape[2:]).swapaxes(0, 1)
   n_stages = pipeline.stages()
+  if not pipelined:
+    n_stages = 1
   if n_stages > 1 and state is None and x.shape[0] % cfg.pipeline_micro_batches:
     warnings.warn(f"model: a batch of {x.shape[0]} rows does not divide into model.pipeline_micro_batches="
                   f"{cfg.pipeline_micro_batches}, so the {n_stages} pipeline stages run as one plain scan (every "
