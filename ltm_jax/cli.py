@@ -588,8 +588,20 @@ def parser() -> argparse.ArgumentParser:
   return p
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+  """The command line's arguments. A command's key=value overrides may come before, between or after its options
+  (argparse alone takes only the first run of them, and its intermixed parsing refuses subcommands)."""
+  p = parser()
+  args, rest = p.parse_known_args(argv)
+  if rest and hasattr(args, "overrides") and all("=" in a and not a.startswith("-") for a in rest):
+    args.overrides = [*args.overrides, *rest]
+  elif rest:
+    p.error(f"unrecognized arguments: {' '.join(rest)}")
+  return args
+
+
 def main(argv: list[str] | None = None) -> int:
-  args = parser().parse_args(argv)
+  args = parse_args(argv)
   from absl import logging as absl_logging  # orbax logs routine notices as warnings; keep the terminal for results.
   absl_logging.set_verbosity(absl_logging.ERROR)
   from ltm_jax.errors import LtmError

@@ -40,3 +40,16 @@ def test_defaults_are_shown_as_values():
   assert "decoding rows (requests decoded together) (default: 32)" in text
   assert "(default: 128) (default" not in text
   assert "--max-new-tokens MAX_NEW_TOKENS default: 200" in " ".join(_subcommands()["generate"].format_help().split())
+
+
+def test_overrides_may_come_between_and_after_options(capsys):
+  args = cli.parse_args(["train", "model.d_model=32", "--config", "c.py", "model.n_layers=2", "--workdir", "w",
+                         "train.steps=3"])
+  assert (args.overrides, args.config, args.workdir) == (["model.d_model=32", "model.n_layers=2", "train.steps=3"],
+                                                         "c.py", "w")
+  with pytest.raises(SystemExit) as exit_info:  # An unknown option is still refused, overrides or not.
+    cli.parse_args(["train", "--config", "c.py", "--workdir", "w", "a=1", "--no-such-option"])
+  assert exit_info.value.code == 2 and "unrecognized arguments: --no-such-option" in capsys.readouterr().err
+  with pytest.raises(SystemExit) as exit_info:  # A command without overrides takes no stray key=value.
+    cli.parse_args(["convert-rwkv", "--checkpoint", "c.pth", "--out", "o", "a=1"])
+  assert exit_info.value.code == 2 and "unrecognized arguments: a=1" in capsys.readouterr().err
