@@ -180,3 +180,24 @@ def test_mismatched_model_is_refused_without_changes(workdir, capsys):
   _fails(capsys, "train", "--config", TINY, "--workdir", workdir, *SMALL, "model.d_model=64",
          match="model.d_model: checkpoint 32, config 64")
   assert {p: p.stat().st_mtime_ns for p in pathlib.Path(workdir).rglob("*")} == before
+
+
+def test_a_default_written_out_is_no_model_change():
+  """n_kv_heads, mlp_dim and the RWKV-7 LoRA widths default to None, which stands for a size: that size given
+  explicitly reads the same checkpoint; another size does not."""
+  from ltm_jax import config as config_lib
+  load_cfg = lambda *o: config_lib.load_config(TINY, [*SMALL, "model.d_model=64", "model.n_heads=4", "model.rwkv7_head_size=16", "model.layer_pattern=AW", *o])
+  saved = load_cfg()
+  lora = saved.model.rwkv7_lora_dims()
+  same = load_cfg("model.n_kv_heads=4", f"model.rwkv7_decay_lora={lora['decay']}",
+                  f"model.rwkv7_gate_lora={lora['gate']}")
+  assert ckpt_lib.model_differences(saved, same) == []
+  other = load_cfg("model.n_kv_heads=2", f"model.rwkv7_value_lora={lora['value'] + 32}")
+  assert [key for key, _, _ in ckpt_lib.model_differences(saved, other)] == ["model.n_kv_heads",
+                                                                             "model.rwkv7_value_lora"]
+  # mlp_dim=None is 4 d_model (256) for the RWKV-7 layer's channel mix and 8/3 d_model rounded up to 64 (192) for
+  # attention's SwiGLU here, so no one width equals it; in an attention-only model 192 does.
+  assert [k for k, _, _ in ckpt_lib.model_differences(saved, load_cfg("model.mlp_dim=256"))] == ["model.mlp_dim"]
+  attention = load_cfg("model.layer_pattern=A")
+  width = attention.model.ffn_dim("swiglu")
+  assert ckpt_lib.model_differences(attention, load_cfg("model.layer_pattern=A", f"model.mlp_dim={width}")) == []

@@ -264,13 +264,35 @@ STRUCTURAL_TIMESERIES_KEYS = ("enabled", "task", "patch", "pool", "branch", "spe
                               "head_hidden")
 
 
+def _resolved(model: config_lib.ModelConfig) -> dict[str, Any]:
+  """The sizes that the model keys defaulting to None stand for (n_kv_heads: n_heads, ...), where they stand for
+  one: mlp_dim is a width per feed-forward kind, one only where every layer's agrees."""
+  keys = {"n_kv_heads": model.kv_heads}
+  if "rwkv7" in model.mixers:
+    keys.update({f"rwkv7_{name}_lora": dim for name, dim in model.rwkv7_lora_dims().items()})
+  widths = {model.ffn_dim(model.ffn_kind(mixer)) for mixer in model.mixers}
+  if len(widths) == 1:
+    keys["mlp_dim"] = widths.pop()
+  return keys
+
+
+def _differ(key: str, old, new, saved: config_lib.ModelConfig, current: config_lib.ModelConfig) -> bool:
+  """Whether model key `key` differs, a None default and the size it stands for given explicitly being equal."""
+  if (old is None) != (new is None):
+    old = _resolved(saved).get(key) if old is None else old
+    new = _resolved(current).get(key) if new is None else new
+  return old != new
+
+
 def model_differences(saved: config_lib.Config, current: config_lib.Config) -> list[tuple[str, Any, Any]]:
   """(key, saved value, current value) of every model key (other than runtime choices, and the keys of layer kinds
-  neither model has) and structural latent and time-series key that differs: what a checkpoint cannot be read as."""
+  neither model has) and structural latent and time-series key that differs: what a checkpoint cannot be read as.
+  A None default and the size it stands for (n_kv_heads=None and n_heads) are equal."""
   a, b = saved.model.__dict__, current.model.__dict__
   has = lambda letters: any(set(letters) & set(c.layer_pattern) for c in (saved.model, current.model))
   ignored = RUNTIME_MODEL_KEYS + (() if has("MG") else MEMORY_MODEL_KEYS) + (() if has("D") else MMREC_MODEL_KEYS)
-  diffs = [(f"model.{k}", a[k], b[k]) for k in a if a[k] != b[k] and k not in ignored]
+  diffs = [(f"model.{k}", a[k], b[k]) for k in a
+           if k not in ignored and _differ(k, a[k], b[k], saved.model, current.model)]
   a, b = dict(saved.latent.__dict__), dict(current.latent.__dict__)
   if a["enabled"] or b["enabled"]:  # Without latents the other latent keys mean nothing.
     for keys, m in ((a, saved.model), (b, current.model)):  # top_layers None: every block, as n_layers says.
