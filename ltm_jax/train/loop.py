@@ -115,13 +115,13 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = N
   params_view = _qat_view(cfg, state.params)
   main = parallel.is_main_process()
 
+  if from_step is not None and not (workdir / "checkpoints").is_dir():  # Refused before the workdir is made.
+    raise CheckpointError(f"cannot resume from step {from_step}: {workdir} has no checkpoints")
   with contextlib.ExitStack() as cleanup:
     if main:
       cleanup.enter_context(workdir_lib.exclusive(workdir))
       workdir_lib.check_writable(workdir / "checkpoints")
       workdir_lib.check_checkpoints_kept(workdir, read_metrics(workdir))  # Refuses a metrics.jsonl it cannot extend.
-    if from_step is not None and not (workdir / "checkpoints").is_dir():  # Refused before orbax creates it.
-      raise CheckpointError(f"cannot resume from step {from_step}: {workdir} has no checkpoints")
     checkpointer = ckpt_lib.Checkpointer(workdir, t.keep_checkpoints, t.async_checkpoint, keep_every=t.keep_every)
     cleanup.callback(checkpointer.close)
     loader = task.make_loader()

@@ -107,6 +107,10 @@ def test_from_step_on_a_workdir_without_checkpoints_is_refused(tmp_path, capsys)
   assert _train(tmp_path, "train.steps=2", from_step=0) == 2
   assert capsys.readouterr().err.strip() == f"error: cannot resume from step 0: {tmp_path} has no checkpoints"
   assert list(tmp_path.iterdir()) == []
+  new = tmp_path / "new"  # A workdir that does not exist is not made.
+  assert _train(new, "train.steps=2", from_step=0) == 2
+  assert capsys.readouterr().err.strip() == f"error: cannot resume from step 0: {new} has no checkpoints"
+  assert not new.exists()
 
 
 def test_refused_runs_leave_the_workdir_byte_identical_with_its_mtimes(healthy, tmp_path):
