@@ -348,7 +348,7 @@ class LanguageModel:
     tokens, lengths = inputs.as_prompts(prompt, self.tokenizer.pad_id, m.vocab_size)
     if "attention" in m.mixers and m.window is None and tokens.shape[1] + max_new_tokens > m.max_seq_len:
       raise ValueError(f"prompt ({tokens.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
-                       f"model.max_seq_len={m.max_seq_len}, the attention cache capacity")
+                       f"model.max_seq_len={m.max_seq_len}, the longest context its full-attention layers take")
     extra_stops = np.array(list(stop_tokens))
     inputs.check_ids(extra_stops, m.vocab_size, "stop token id")
     stops = tuple(sorted({*extra_stops.tolist(), *([self.tokenizer.eos_id] if stop_at_eos else [])}))
