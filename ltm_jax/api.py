@@ -20,7 +20,7 @@ from ltm_jax import latent as latent_lib
 from ltm_jax import model as model_lib
 from ltm_jax import config as config_lib
 from ltm_jax.config import Config
-from ltm_jax.errors import CheckpointError, LtmError
+from ltm_jax.errors import CheckpointError, ConfigError, LtmError
 from ltm_jax.inference import diagnostics
 from ltm_jax.inference import generate as generation
 from ltm_jax.inference import inputs
@@ -443,6 +443,11 @@ def load(workdir: str | pathlib.Path, step: int | None = None, overrides: Sequen
   if quantize not in (None,) + quantize_lib.KINDS:
     raise ValueError(f"unknown quantization {quantize!r}; choose from {', '.join(quantize_lib.KINDS)}")
   ckpt_lib.read_config_json(workdir)  # A clear error for a folder that is not a workdir.
+  prior_keys = [o for o in overrides if isinstance(o, str) and o.strip().startswith("prior.")]
+  if prior_keys:  # The learned prior runs with the settings it was trained with, not the decoder's config.
+    raise ConfigError(f"{', '.join(prior_keys)}: prior.* keys are set when training the prior (`ltm train-prior`); "
+                      "choose how latents='dit' samples with dit_latents(sampler=, steps=) or `ltm generate "
+                      "--sampler/--sampler-steps`")
   checkpointer = ckpt_lib.Checkpointer(workdir, read_only=True)
   available = checkpointer.all_steps()
   if step is not None and step not in available:

@@ -350,6 +350,14 @@ def _seed(text: str) -> int:
   return value
 
 
+def _order_seed(text: str) -> int:
+  """A seed that numpy's generator (an order of windows) and jax.random.key both take."""
+  value = int(text)
+  if not 0 <= value < 2**63:
+    raise argparse.ArgumentTypeError(f"must be in [0, 2**63), got {value}")
+  return value
+
+
 def _add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--quantize", choices=("int8", "int4"), default=None,
                       help="int8: matmul weights stored as int8 with per-output-channel scales; int4: as int4 with a "
@@ -499,7 +507,7 @@ def parser() -> argparse.ArgumentParser:
                    help="the share of windows kept out of the prior's training, to evaluate it on")
   fit.add_argument("--batch-size", type=_positive_int, default=32)
   fit.add_argument("--shard-size", type=_positive_int, default=256, help="records per shard (a multiple of the batch)")
-  fit.add_argument("--seed", type=int, default=0)
+  fit.add_argument("--seed", type=_order_seed, default=0)
   fit.add_argument("overrides", nargs="*", metavar="key=value", help="runtime changes, e.g. model.attention_impl=xla")
   fit.set_defaults(run=_fit_prior)
 

@@ -5,8 +5,8 @@
 float32 [3, latent layers, n_per_layer, d_model] array stacking a posterior sample z = mu + sigma * eps, mu and logvar.
 ArrayRecord (the format grain reads with random access) because the set is read shuffled by the prior's training
 loader and may outgrow memory; a shard is written under a temporary name and renamed, then listed in manifest.json,
-so an interrupted run resumes at the first unlisted shard and, every shard being a pure function of (decoder, seed,
-shard index), produces the same files as an uninterrupted one.
+so an interrupted run resumes at the first unlisted shard and, every shard being a pure function of (decoder, its
+latent and data settings, seed, shard index), produces the same files as an uninterrupted one.
 
 The last `heldout` windows of the order are kept out of the prior's training (its evaluation set). When every shard
 is written, standardization.npz holds the aggregate posterior's per-coordinate mean and standard deviation over the
@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import numbers
 import os
 import pathlib
 from collections.abc import Callable
@@ -46,7 +47,8 @@ class Settings:
   decoder_step: int
   latent_shape: tuple[int, int, int]
   seq_len: int
-  inner_steps: int
+  latent: dict  # The decoder's latent.* keys (the inner loop that fits each posterior), overrides included.
+  data: dict  # Its data.* keys that choose the tokens (not the loader's threads and prefetch).
   sequences: int
   heldout: int
   batch_size: int
@@ -91,6 +93,8 @@ def collect(lm, workdir: str | pathlib.Path, *, sequences: int | None = None, he
                    "to fit a prior to")
   if not 0 < heldout_fraction < 1:
     raise LtmError(f"the held-out fraction must be in (0, 1), got {heldout_fraction}")
+  if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**63:
+    raise LtmError(f"the seed must be an integer in [0, 2**63), got {seed!r}")
   if batch_size < 1 or shard_size < 1 or shard_size % batch_size:
     raise LtmError(f"the shard size ({shard_size}) must be a positive multiple of the batch size ({batch_size})")
   cfg = lm.config
@@ -102,8 +106,9 @@ def collect(lm, workdir: str | pathlib.Path, *, sequences: int | None = None, he
     raise LtmError(f"--sequences must be in [2, {available}] (the training split's windows of {seq_len} tokens), "
                    f"got {sequences}")
   heldout = min(max(1, round(heldout_fraction * sequences)), sequences - 1)
-  settings = Settings(lm.trained_steps, tuple(lm.latent_shape(1)[1:]), seq_len, cfg.latent.inner_steps, sequences,
-                      heldout, batch_size, shard_size, seed)
+  data = {k: v for k, v in dataclasses.asdict(cfg.data).items() if k not in ("worker_threads", "prefetch")}
+  settings = Settings(lm.trained_steps, tuple(lm.latent_shape(1)[1:]), seq_len, dataclasses.asdict(cfg.latent), data,
+                      sequences, heldout, batch_size, shard_size, seed)
   folder = folder_of(workdir)
   with workdir_lib.exclusive(folder.parent):  # One writer; refused before anything is written.
     return _collect(lm, splits.train, folder, settings, on_shard)
@@ -115,8 +120,10 @@ def _collect(lm, tokens: np.ndarray, folder: pathlib.Path, settings: Settings, o
   available = (len(tokens) - 1) // seq_len
   folder.mkdir(parents=True, exist_ok=True)
   manifest = _read_manifest(folder)
-  expected = {"format": FORMAT, **{k: list(v) if isinstance(v, tuple) else v
-                                   for k, v in dataclasses.asdict(settings).items()}}
+  expected = {"format": FORMAT}
+  for k, v in dataclasses.asdict(settings).items():  # latent and data as latent.KEY, data.KEY: a refusal names each.
+    expected.update({f"{k}.{key}": value for key, value in v.items()} if isinstance(v, dict) else
+                    {k: list(v) if isinstance(v, tuple) else v})
   if manifest is None:
     manifest = {**expected, "shards": [], "complete": False}
   elif {k: manifest.get(k) for k in expected} != expected:

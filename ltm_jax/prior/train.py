@@ -46,11 +46,29 @@ class PriorTrainResult:
   seconds: float
 
 
-def batches(posteriors: posteriors_lib.PosteriorSet, batch_size: int, seed: int) -> grain.MapDataset:
-  """Batch i: float32 [batch_size, 2, *latent_shape] (mu, logvar) of training records, reshuffled every epoch."""
+def _check_batch_size(posteriors: posteriors_lib.PosteriorSet, batch_size: int) -> None:
   if posteriors.num_train < batch_size:
     raise ConfigError(f"prior.batch_size={batch_size} exceeds the {posteriors.num_train} training posteriors; "
                       "lower it or collect more")
+
+
+def _other_posteriors(folder: pathlib.Path, posteriors: posteriors_lib.PosteriorSet, logs: str) -> LtmError:
+  return LtmError(f"the prior in {folder} was trained on other posteriors than {posteriors.folder} holds now "
+                  f"(collected again?); to train a new prior on these, delete {folder / 'checkpoints'}, {logs}")
+
+
+def _check_same_posteriors(data_state: dict, posteriors: posteriors_lib.PosteriorSet, folder: pathlib.Path,
+                           logs: str) -> None:
+  """LtmError when a prior checkpoint's data record names another decoder step or record count than the posteriors
+  it would resume on."""
+  if (data_state.get("decoder_step"), data_state.get("posteriors")) != (posteriors.manifest["decoder_step"],
+                                                                        posteriors.num_records):
+    raise _other_posteriors(folder, posteriors, logs)
+
+
+def batches(posteriors: posteriors_lib.PosteriorSet, batch_size: int, seed: int) -> grain.MapDataset:
+  """Batch i: float32 [batch_size, 2, *latent_shape] (mu, logvar) of training records, reshuffled every epoch."""
+  _check_batch_size(posteriors, batch_size)
   return (grain.MapDataset.source(posteriors.source)[:posteriors.num_train].shuffle(seed=seed).repeat()
           .map(lambda record: posteriors_lib.decode_record(record)[1:]).batch(batch_size, drop_remainder=True))
 
@@ -99,33 +117,44 @@ def train_prior(workdir: str | pathlib.Path, overrides=(), *, log=None) -> Prior
                    f"{workdir} has {list(shape)}; collect them again with `ltm fit-prior`")
 
   cfg = prior_config(decoder, overrides)  # Bad keys are refused before the workdir is touched.
+  if not (folder / "checkpoints").is_dir():  # A new prior: its batch size is refused before anything is written.
+    _check_batch_size(posteriors, cfg.prior.batch_size)
+  logs = f"{folder / 'metrics.jsonl'} and {folder / 'tensorboard'} (the posteriors in {posteriors.folder} stay)"
+  start_over = f"delete {logs}"
   with contextlib.ExitStack() as cleanup:
     cleanup.enter_context(workdir_lib.exclusive(folder))
     workdir_lib.check_writable(folder / "checkpoints")
-    workdir_lib.check_checkpoints_kept(folder, read_metrics(folder))
+    workdir_lib.check_checkpoints_kept(folder, read_metrics(folder), start_over)
     checkpointer = ckpt_lib.Checkpointer(folder, keep=2)
     cleanup.callback(checkpointer.close)
-    start = 0
+    start, state = 0, None
     if checkpointer.all_steps():
-      latest = checkpointer.latest_step()
-      saved = checkpointer.saved_config(latest)
-      cfg = prior_config(saved, overrides)
-      changed = [k for k in STRUCTURAL_KEYS if getattr(saved.prior, k) != getattr(cfg.prior, k)]
-      if changed:
-        raise ConfigError(f"{folder} holds a prior with other {', '.join('prior.' + k for k in changed)}; use the "
-                          "saved values or remove its checkpoints")
-    p = cfg.prior
-    optimizer = make_optimizer(p)
-    if checkpointer.all_steps():
-      target = ckpt_lib.abstract(abstract_state(p, shape, optimizer))
-      start, (state, _), damaged = checkpointer.newest_readable(lambda at: checkpointer.restore(at, target))
-      aside = checkpointer.set_aside(damaged)
+
+      def read(at: int) -> tuple[Config, PriorState]:
+        saved = checkpointer.saved_config(at)
+        resumed = prior_config(saved, overrides)
+        changed = [k for k in STRUCTURAL_KEYS if getattr(saved.prior, k) != getattr(resumed.prior, k)]
+        if changed:
+          raise ConfigError(f"{folder} holds a prior with other {', '.join('prior.' + k for k in changed)}; use the "
+                            "saved values or remove its checkpoints")
+        _check_same_posteriors(checkpointer.restore_data(at), posteriors, folder, logs)
+        target = ckpt_lib.abstract(abstract_state(resumed.prior, shape, make_optimizer(resumed.prior)))
+        state, _ = checkpointer.restore(at, target)
+        if not (np.array_equal(state.mean, posteriors.mean) and np.array_equal(state.std, posteriors.std)):
+          raise _other_posteriors(folder, posteriors, logs)
+        return resumed, state
+
+      start, (cfg, state), damaged = checkpointer.newest_readable(read)
+      if start > cfg.prior.steps:
+        raise ConfigError(f"prior.steps={cfg.prior.steps} is below the prior checkpoint resumed from (step {start})")
+      _check_batch_size(posteriors, cfg.prior.batch_size)
+      aside = checkpointer.set_aside(damaged)  # Only once nothing refuses the run.
       if aside is not None:
         say(f"warning: moved unreadable checkpoint(s) {damaged} to {aside}")
-      if start > p.steps:
-        raise ConfigError(f"prior.steps={p.steps} is below the latest prior checkpoint (step {start})")
       say(f"resuming the prior from step {start}")
-    else:
+    p = cfg.prior
+    optimizer = make_optimizer(p)
+    if state is None:
       params = init_params(p, shape, jax.random.key(p.seed))
       state = PriorState(params, params, optimizer.init(params), jnp.zeros((), jnp.int32),
                          jnp.asarray(posteriors.mean), jnp.asarray(posteriors.std))

@@ -75,9 +75,10 @@ def check_writable(folder: str | pathlib.Path) -> None:
     raise WorkdirError(f"cannot write in {folder}: {reason}")
 
 
-def check_checkpoints_kept(workdir: str | pathlib.Path, logged: list[dict]) -> None:
+def check_checkpoints_kept(workdir: str | pathlib.Path, logged: list[dict], start_over: str | None = None) -> None:
   """WorkdirError when metrics.jsonl logs training (`logged`: its rows) but WORKDIR/checkpoints holds no checkpoint,
-  readable or not (emptied or deleted): starting over would replace a trained run's logs. Creates nothing."""
+  readable or not (emptied or deleted): starting over would replace a trained run's logs. `start_over` says how to
+  start over (default: delete the workdir or train in another). Creates nothing."""
   from ltm_jax.train import checkpoint as ckpt_lib  # Deferred: checkpointing imports orbax.
   workdir = pathlib.Path(workdir)
   if not logged or not (workdir / "checkpoints").is_dir():
@@ -90,8 +91,8 @@ def check_checkpoints_kept(workdir: str | pathlib.Path, logged: list[dict]) -> N
       checkpointer.close()
   if logged and not kept:
     raise WorkdirError(f"{workdir} holds no checkpoint, but its metrics.jsonl logs training up to step "
-                       f"{max(row['step'] for row in logged)}; to start over, delete {workdir} or train in another "
-                       "workdir")
+                       f"{max(row['step'] for row in logged)}; to start over, " +
+                       (start_over or f"delete {workdir} or train in another workdir"))
 
 
 def _read_only(path: pathlib.Path) -> bool:

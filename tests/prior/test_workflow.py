@@ -15,7 +15,7 @@ from ltm_jax import cli
 from ltm_jax import model as model_lib
 from ltm_jax.api import load
 from ltm_jax.config import LatentConfig, validate
-from ltm_jax.errors import LtmError, WorkdirError
+from ltm_jax.errors import ConfigError, LtmError, WorkdirError
 from ltm_jax.prior import posteriors
 from ltm_jax.prior.model import load_prior
 from ltm_jax.prior.train import train_prior
@@ -95,6 +95,9 @@ def test_collection_refuses_other_settings_and_changes_nothing(workdir):
   before = _files(folder)
   with pytest.raises(LtmError, match="other settings: sequences 20"):
     posteriors.collect(load(workdir), workdir, **{**COLLECT, "sequences": 12})
+  # The decoder's overrides are settings too: another inner learning rate fits other posteriors.
+  with pytest.raises(LtmError, match=r"other settings: latent.inner_lr \S+ \(now 0.9\)"):
+    posteriors.collect(load(workdir, overrides=["latent.inner_lr=0.9"]), workdir, **COLLECT)
   assert _files(folder) == before
 
 
@@ -117,9 +120,43 @@ def test_a_prior_whose_checkpoints_are_gone_is_refused_and_nothing_is_written(wo
   shutil.rmtree(other / "prior" / "checkpoints")
   before = _files(other)
   with pytest.raises(WorkdirError, match=r"prior holds no checkpoint, but its metrics.jsonl logs training up to step "
-                                         r"6; to start over, delete "):
+                                         r"6; to start over, delete \S+/prior/metrics.jsonl and \S+/prior/tensorboard "
+                                         r"\(the posteriors in \S+ stay\)"):
     train_prior(other, PRIOR, log=lambda _: None)
   assert _files(other) == before and not (other / "prior" / "checkpoints").exists()
+  for name in ("metrics.jsonl", "tensorboard"):  # As the advice says.
+    shutil.rmtree(other / "prior" / name) if name == "tensorboard" else (other / "prior" / name).unlink()
+  before = _files(other)  # A refused new prior writes nothing either.
+  with pytest.raises(ConfigError, match="prior.batch_size=100 exceeds the 16 training posteriors"):
+    train_prior(other, PRIOR + ["prior.batch_size=100"], log=lambda _: None)
+  assert _files(other) == before and not (other / "prior" / "checkpoints").exists()
+
+
+def test_a_damaged_newest_prior_checkpoint_falls_back_and_a_refused_resume_moves_nothing(workdir, tmp_path):
+  other = tmp_path / "w"
+  shutil.copytree(workdir, other)
+  (other / "prior" / "checkpoints" / "6" / "config" / "metadata").write_text("{not json")
+  before = _files(other)
+  with pytest.raises(ConfigError, match=r"prior.steps=2 is below the prior checkpoint resumed from \(step 3\)"):
+    train_prior(other, ["prior.steps=2"], log=lambda _: None)
+  assert _files(other) == before
+  said = []
+  assert train_prior(other, ["prior.steps=6"], log=said.append).step == 6
+  assert said[0] == f"warning: moved unreadable checkpoint(s) [6] to {other / 'prior' / 'damaged-checkpoints'}"
+  assert said[1] == "resuming the prior from step 3"
+  resumed, straight = load_prior(other, load(other).config), load_prior(workdir, load(workdir).config)
+  jax.tree.map(np.testing.assert_array_equal, resumed.params, straight.params)
+
+
+def test_a_prior_is_not_resumed_on_posteriors_collected_again(workdir, tmp_path):
+  other = tmp_path / "w"
+  shutil.copytree(workdir, other)
+  shutil.rmtree(posteriors.folder_of(other))
+  posteriors.collect(load(other), other, **{**COLLECT, "seed": 1})  # As many records, of the same decoder step.
+  before = _files(other)
+  with pytest.raises(LtmError, match="was trained on other posteriors than .* holds now"):
+    train_prior(other, ["prior.steps=9"], log=lambda _: None)
+  assert _files(other) == before
 
 
 def test_dit_latents_through_the_api(workdir):
@@ -169,6 +206,16 @@ def test_refusals_are_one_line_and_write_nothing(workdir, tmp_path, capsys):
   fails("trained for latents of shape [1, 2, 32]", "generate", "--workdir", wider, "--latents", "dit")
   fails("only prior.* keys", "train-prior", "--workdir", workdir, "train.lr=1")
   fails("--sampler and --sampler-steps", "generate", "--workdir", workdir, "--sampler-steps", "5")
+  # The prior samples as it was trained to: a prior.* override on the decoder would be ignored.
+  fails("prior.sampler=ddpm: prior.* keys are set when training the prior", "generate", "--workdir", workdir,
+        "--latents", "dit", "prior.sampler=ddpm")
+  with pytest.raises(LtmError, match=r"the seed must be an integer in \[0, 2\*\*63\), got 18446744073709551616"):
+    posteriors.collect(load(bare), bare, **{**COLLECT, "seed": 2**64})
+  assert not (bare / "prior").exists()
+  for seed in ("-1", str(2**64)):
+    with pytest.raises(SystemExit) as exit_info:
+      cli.main(["fit-prior", "--workdir", str(bare), "--seed", seed])
+    assert exit_info.value.code == 2 and f"--seed: must be in [0, 2**63), got {seed}" in capsys.readouterr().err
   with pytest.raises(SystemExit) as exit_info:
     cli.main(["generate", "--workdir", str(workdir), "--latents", "dit", "--sampler-steps", "0"])
   assert exit_info.value.code == 2 and "--sampler-steps: must be >= 1, got 0" in capsys.readouterr().err
