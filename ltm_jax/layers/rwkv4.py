@@ -89,7 +89,7 @@ class TimeMix(nn.Module):
       padding = (length - jnp.sum(valid, axis=1)).astype(jnp.float32)
       wkv_in = wkv_in._replace(max=wkv_in.max + padding[:, None] * jnp.exp(time_decay))
     wkv, wkv_state = ops.wkv4(-jnp.exp(time_decay), time_first, k, v, wkv_in, impl=self.impl)
-    if valid is not None:  # Padding before any real token reads an empty state, 0 / 0: keep NaN out of later layers.
+    if valid is not None:  # Padding reads the state before the row's first token: its output is not the token's.
       wkv = jnp.where(valid[..., None], wkv, 0).astype(r.dtype)
     y = dense(d, ("wkv", "embed"), self.out_std, self.dtype, "output", fp8=self.fp8)(nn.sigmoid(r) * wkv)
     return y, TimeMixState(wkv_state, x[:, -1].astype(jnp.float32))

@@ -214,6 +214,33 @@ def test_none_state_is_empty_state(impl):
 
 
 @pytest.mark.parametrize("impl", AVAILABLE)
+def test_weightless_tokens_on_an_empty_state_give_zero_and_finite_gradients(impl):
+  """Left padding: the first tokens of an empty state with k at float32's lowest (weight 0). Their y is 0 / 0 in
+  the recurrence; the op gives 0 there, and a loss that leaves those outputs out has finite gradients, those of the
+  real tokens alone (the reference without the padding), and 0 for the padding's k and v."""
+  b, t, c, pad = 2, 37, 5, 6  # The shapes of the tests above, so nothing compiles again.
+  w, u, k, v, _ = _inputs(9, b, t, c)
+  k = k.at[:, :pad].set(jnp.finfo(jnp.float32).min)
+  cy, cr, cb = _cotangents(9, b, t, c)
+  cy = cy.at[:, :pad].set(0.0)
+  (y, state), grads = _JITTED[impl]((w, u, k, v, empty_state(b, c)), (cy, cr, cb))
+  assert all(np.all(np.isfinite(np.asarray(g))) for g in jax.tree.leaves(grads))
+  np.testing.assert_array_equal(y[:, :pad], 0.0)
+  (y_ref, a_ref, b_ref), grads_ref = _run_reference((w, u, k[:, pad:], v[:, pad:], empty_state(b, c)),
+                                                     (cy[:, pad:], cr, cb))
+  _assert_close(y[:, pad:], y_ref, F32_RTOL, "y")
+  a_final, b_final = _plain(state)
+  _assert_close(a_final, a_ref, F32_RTOL, "final a")
+  _assert_close(b_final, b_ref, F32_RTOL, "final b")
+  dw, du, dk, dv, _ = grads
+  dw_ref, du_ref, dk_ref, dv_ref, _ = grads_ref
+  for name, g, g_ref in (("w", dw, dw_ref), ("u", du, du_ref), ("k", dk[:, pad:], dk_ref), ("v", dv[:, pad:], dv_ref)):
+    _assert_close(g, g_ref, F32_RTOL, f"grad {name}")
+  np.testing.assert_array_equal(dk[:, :pad], 0.0)
+  np.testing.assert_array_equal(dv[:, :pad], 0.0)
+
+
+@pytest.mark.parametrize("impl", AVAILABLE)
 def test_jit_checkpoint_vmap_agree(impl):
   b, t, c = 2, 6, 3
   inputs, cot = _inputs(6, b, t, c), _cotangents(6, b, t, c)

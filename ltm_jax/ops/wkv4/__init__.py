@@ -8,6 +8,8 @@ For every batch row and channel, with a_0, b_0 the incoming state:
 
 The state is stored as (num, den, max) with a = num·e^max and b = den·e^max, the running-max trick of the official
 RWKV-4 CUDA kernel, so nothing overflows for any T, key or decay. Accumulation is float32 whatever the input dtype.
+A token of weight 0 (k far below every log-scale) on an empty state has y_t = 0 / 0: every backend gives 0 there,
+with finite gradients, so left padding ahead of a row's first token can be masked out of a loss.
 """
 
 from __future__ import annotations

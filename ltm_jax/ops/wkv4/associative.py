@@ -12,6 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ltm_jax.ops.wkv4 import scan
+
 
 def _combine(w: jax.Array):
   """The associative operator on (n, mx, nd): `left` covers the earlier tokens, `right` the later ones.
@@ -71,5 +73,5 @@ def wkv4(
   uk = u + k32[0]
   p = jnp.maximum(prev_mx, uk)
   e_state, e_tok = jnp.exp(prev_mx - p), jnp.exp(uk - p)
-  y = (e_state * prev_num + e_tok * v32) / (e_state * prev_den + e_tok)
+  y = (e_state * prev_num + e_tok * v32) / scan.nonzero(e_state * prev_den + e_tok)
   return y.astype(v.dtype), (nd[0, :, -1], nd[1, :, -1], mx[0, :, -1])

@@ -12,6 +12,12 @@ import jax
 import jax.numpy as jnp
 
 
+def nonzero(denominator: jax.Array) -> jax.Array:
+  """y_t's denominator, 1 where it is 0: only a token of weight 0 on an empty state (left padding) has 0 there, and
+  its y_t = 0 / 0 would be NaN, as would every gradient through it even where the output is masked."""
+  return jnp.where(denominator > 0, denominator, 1.0)
+
+
 def wkv4(
     w: jax.Array,
     u: jax.Array,
@@ -37,7 +43,7 @@ def wkv4(
     uk = u + k_t
     p = jnp.maximum(mx, uk)
     e_state, e_tok = jnp.exp(mx - p), jnp.exp(uk - p)
-    y_t = (e_state * num + e_tok * v_t) / (e_state * den + e_tok)
+    y_t = (e_state * num + e_tok * v_t) / nonzero(e_state * den + e_tok)
     # State update: decay the old state by e^w and add the current token weighted by e^k.
     decayed = anchor + (n + 1).astype(jnp.float32) * w
     p = jnp.maximum(decayed, k_t)
