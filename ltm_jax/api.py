@@ -442,7 +442,9 @@ def load(workdir: str | pathlib.Path, step: int | None = None, overrides: Sequen
   quantised (`LanguageModel.quantize`)."""
   if quantize not in (None,) + quantize_lib.KINDS:
     raise ValueError(f"unknown quantization {quantize!r}; choose from {', '.join(quantize_lib.KINDS)}")
-  ckpt_lib.read_config_json(workdir)  # A clear error for a folder that is not a workdir.
+  if ckpt_lib.read_config_json(workdir).timeseries.enabled:  # Read first: a clear error for a non-workdir too.
+    raise LtmError(f"{workdir} holds a time-series model (timeseries.enabled); load reads decoder LMs: its val_* "
+                   "and final test_* metrics are in the workdir's metrics.jsonl")
   prior_keys = [o for o in overrides if isinstance(o, str) and o.strip().startswith("prior.")]
   if prior_keys:  # The learned prior runs with the settings it was trained with, not the decoder's config.
     raise ConfigError(f"{', '.join(prior_keys)}: prior.* keys are set when training the prior (`ltm train-prior`); "

@@ -661,6 +661,8 @@ def validate(config: Config) -> Config:
   need(t.qat_group >= 2 and t.qat_group % 2 == 0, f"train.qat_group must be even and >= 2, got {t.qat_group}")
   need(t.qat == "none" or not config.timeseries.enabled, "train.qat quantises a language model's weights; set "
        "train.qat=none for a time-series model")
+  need(not (config.latent.enabled and config.timeseries.enabled), "latent thought vectors are read by decoder LMs; "
+       "a time-series model has none: set latent.enabled=false")
   need(not t.memory_stats or bool(set("MG") & set(m.layer_pattern)),
        f"train.memory_stats needs a Titans memory layer (M or G) in model.layer_pattern={m.layer_pattern!r}")
   has_full_attention = bool(set(ATTENTION_LETTERS) & set(m.layer_pattern)) and m.window is None

@@ -31,6 +31,10 @@ class DamagedCheckpointError(CheckpointError):
     self.step = step
 
 
+class ShapeMismatchError(CheckpointError):
+  """A checkpoint whose arrays have other shapes than the model restoring it: a model of other sizes."""
+
+
 class TrainingError(LtmError):
   """Training diverged (non-finite loss or gradients); the last good checkpoint is kept."""
 

@@ -13,6 +13,8 @@ import dataclasses
 import functools
 import hashlib
 import pathlib
+import zipfile
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -77,8 +79,13 @@ def from_arrays(x, y, mask=None, *, task: str, classes: Sequence[str] | None = N
   naming the first bad row of `where`: rows of different lengths without a mask, a NaN or infinity among a row's
   valid steps, valid steps after padding, a row with no valid step, a label outside `classes`, a non-finite target.
   """
+  if not hasattr(x, "__len__") or isinstance(x, np.ndarray) and x.ndim == 0 or len(x) == 0:
+    raise DataError(f"{where} holds no series")
   rows = list(x) if not isinstance(x, np.ndarray) else x
-  if mask is None and len(rows):
+  flat = next((i for i, r in enumerate(rows) if np.ndim(r) not in (1, 2)), None)
+  if flat is not None:
+    raise DataError(f"{where}: series must be [N, T] or [N, T, F]; row {flat} has {np.ndim(rows[flat])} dimensions")
+  if mask is None:
     lengths = [np.shape(r)[0] for r in rows]
     for i, n in enumerate(lengths):
       if n != lengths[0]:
@@ -165,6 +172,11 @@ def split(data: SeriesSet, fraction: float, seed: int) -> tuple[SeriesSet, Serie
   held = np.zeros(len(data), bool)
   for rows in groups:
     held[rng.permutation(rows)[:int(round(fraction * len(rows)))]] = True
+  emptied = [data.classes[c] for c, rows in enumerate(groups) if data.classes and rows.size and held[rows].all()]
+  if emptied:
+    raise DataError(f"timeseries.val_fraction={fraction} holds out every training series of class "
+                    f"{emptied[0]!r} ({int(np.sum(data.y == data.classes.index(emptied[0])))} series); choose a "
+                    "smaller fraction or add series")
   if held.all() or not held.any():
     raise DataError(f"timeseries.val_fraction={fraction} leaves {int((~held).sum())} training and "
                     f"{int(held.sum())} validation series of {len(data)}; choose another fraction")
@@ -185,7 +197,7 @@ class Splits:
 def load_splits(ts, seed: int) -> Splits:
   """The data of a TimeSeriesConfig `ts`: its source's training split (less the validation rows) and test split,
   checked row by row and normalised as configured. DataError on anything that cannot be used."""
-  train_raw, test_raw = _read_source(ts.source, ts.test_source)
+  train_raw, test_raw = _read_source(ts.source, ts.test_source, ts.task)
   train = from_arrays(*train_raw, task=ts.task, where=_name(ts.source, "train"))
   test = None
   if test_raw is not None:
@@ -212,27 +224,30 @@ def _to_length(data: SeriesSet, length: int) -> SeriesSet:
                              mask=np.pad(data.mask, ((0, 0), (pad, 0))))
 
 
-def _read_source(source: str, test_source: str | None):
+def _read_source(source: str, test_source: str | None, task: str):
   """((x, y, mask), (x, y, mask) or None) of a source, unchecked."""
   if source.startswith(AEON_PREFIX):
     if test_source is not None:
       raise DataError(f"timeseries.test_source is for file sources; {source} has its own test split")
     name = source[len(AEON_PREFIX):]
-    return _read_aeon(name, "train"), _read_aeon(name, "test")
+    return _read_aeon(name, "train", task), _read_aeon(name, "test", task)
   return _read_file(source), None if test_source is None else _read_file(test_source)
 
 
-def _read_aeon(name: str, part: str):
+def _read_aeon(name: str, part: str, task: str):
   """A dataset shipped inside the aeon package (never downloaded: names aeon does not ship are refused)."""
   try:
     from aeon import datasets
   except ImportError as error:  # aeon missing, or one of its own imports (its message says which).
     raise DataError(f"aeon: sources need the aeon package: pip install 'ltm-jax[timeseries]' ({error})") from None
   shipped = pathlib.Path(datasets.__file__).parent / "data"
-  if not (shipped / name).is_dir():
+  if not name or "/" in name or name in (".", "..") or not (shipped / name / f"{name}_TRAIN.ts").is_file():
     available = sorted(p.name for p in shipped.iterdir() if (p / f"{p.name}_TRAIN.ts").is_file())
     raise DataError(f"aeon does not ship a dataset called {name!r}; shipped: {', '.join(available)}")
   regression = "@targetlabel true" in (shipped / name / f"{name}_TRAIN.ts").read_text(errors="replace").lower()
+  if regression != (task == "regression"):
+    kind = "regression" if regression else "classification"
+    raise DataError(f"aeon:{name} is a {kind} dataset; set timeseries.task={kind}")
   load = datasets.load_regression if regression else datasets.load_classification
   x, y = load(name, split=part, extract_path=str(shipped))
   # aeon gives [N, F, T] for equal lengths, a list of [F, T_i] otherwise: both become [T_i, F] rows.
@@ -251,7 +266,7 @@ def _read_file(path_text: str):
     try:
       with np.load(path, allow_pickle=False) as f:
         arrays = {k: f[k] for k in f.files}
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error) as e:  # Not numpy's, damaged, cut short.
       raise DataError(f"{path} is not a readable .npz of numeric arrays: {e}") from None
     missing = [k for k in ("x", "y") if k not in arrays]
     if missing:
@@ -289,9 +304,11 @@ def _gather(data: SeriesSet, rows: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def fingerprint(data: SeriesSet) -> str:
-  """A digest of the series, mask and labels: a resumed stream must read the same data."""
+  """A digest of the series, mask and labels: a resumed stream must read the same data. Steps that pad every row
+  are left out, so the same series padded to a longer test split's length (`load_splits`) are the same data."""
+  first = int(np.argmax(data.mask.any(axis=0)))
   digest = hashlib.sha256()
-  for a in (data.x, data.mask, data.y):
+  for a in (data.x[:, first:], data.mask[:, first:], data.y):
     digest.update(np.ascontiguousarray(a).tobytes())
   return digest.hexdigest()[:16]
 

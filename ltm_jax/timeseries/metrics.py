@@ -24,13 +24,15 @@ class TargetScale(NamedTuple):
 
 
 def loss(outputs, labels, task: str, scale: TargetScale | None = None):
-  """outputs [B, n_outputs] float32, labels [B] -> (mean loss, {"accuracy"} or {"rmse"} over the batch)."""
+  """outputs [B, n_outputs] float32, labels [B] -> (mean loss, {"accuracy"} or {"mse"} over the batch). The
+  regression's mse is in the target's own units: a mean, so a step's micro-batches (train.grad_accum) average to the
+  whole batch's, which a root of each would not."""
   if task == "classification":
     ce = optax.softmax_cross_entropy_with_integer_labels(outputs, labels)
     return ce.mean(), {"accuracy": (jnp.argmax(outputs, -1) == labels).mean()}
   error = outputs[:, 0] - (labels - scale.mean) / scale.std
   mse = jnp.mean(error**2)
-  return mse, {"rmse": jnp.sqrt(mse) * scale.std}
+  return mse, {"mse": mse * scale.std**2}
 
 
 def evaluate(predict, params, batches, task: str, scale: TargetScale | None = None,

@@ -23,7 +23,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from ltm_jax import config as config_lib
-from ltm_jax.errors import CheckpointError, DamagedCheckpointError, LtmError, first_line
+from ltm_jax.errors import CheckpointError, DamagedCheckpointError, LtmError, ShapeMismatchError, first_line
 
 CHECKSUMS = "ltm_checksums.json"  # In each step folder: {"sha256": {relative path: hex digest}}.
 T = TypeVar("T")
@@ -38,6 +38,11 @@ def _absl_errors_only():
     yield
   finally:
     logger.setLevel(level)
+
+
+def _names(path) -> tuple[str, ...]:
+  """A pytree key path as names, alike for the dicts orbax stores and the NamedTuples and lists restored into."""
+  return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
 class Checkpointer:
@@ -153,10 +158,24 @@ class Checkpointer:
     """Restores step `step` into the structure/shapes of `abstract_state` (e.g. from jax.eval_shape), after checking
     its files against their checksums; DamagedCheckpointError when it cannot be read."""
     self.verify(step)
+    self._check_shapes(step, abstract_state)
     args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore())
     with self._reading(step):
       restored = self._manager.restore(step, args=args)
     return restored["state"], restored["data"]
+
+  def _check_shapes(self, step: int, abstract_state) -> None:
+    """ShapeMismatchError naming the first array stored at another shape than `abstract_state` has (orbax would
+    report the checkpoint as unreadable)."""
+    with self._reading(step):
+      stored = ocp.StandardCheckpointHandler().metadata(self.directory / str(step) / "state")
+    shapes = {_names(path): tuple(leaf.shape) for path, leaf in jax.tree_util.tree_leaves_with_path(stored)
+              if hasattr(leaf, "shape")}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(abstract_state):
+      stored_shape = shapes.get(_names(path))
+      if stored_shape is not None and stored_shape != tuple(leaf.shape):
+        raise ShapeMismatchError(f"checkpoint step {step} is of a model of other sizes: its {'/'.join(_names(path))} "
+                                 f"is {list(stored_shape)}, this model's {list(leaf.shape)}")
 
   @contextlib.contextmanager
   def _reading(self, step: int):

@@ -19,7 +19,7 @@ from ltm_jax import model as model_lib
 from ltm_jax import parallel
 from ltm_jax import quantize as quantize_lib
 from ltm_jax.config import Config
-from ltm_jax.errors import CheckpointError, ConfigError, TrainingError
+from ltm_jax.errors import CheckpointError, ConfigError, ShapeMismatchError, TrainingError
 from ltm_jax.layers import pipeline
 from ltm_jax.train import checkpoint as ckpt_lib
 from ltm_jax.train import divergence
@@ -136,7 +136,12 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = N
 
       def read(step):
         ckpt_lib.check_compatible(checkpointer.saved_config(step), cfg, str(workdir))
-        return checkpointer.restore(step, target)
+        try:
+          return checkpointer.restore(step, target)
+        except ShapeMismatchError as e:  # Sizes no config key names: a time-series model's come from its data.
+          data = (f"; {cfg.timeseries.source} has other classes or features than the data it was trained on"
+                  if cfg.timeseries.enabled else "")
+          raise ShapeMismatchError(f"{workdir}: {e}{data}; use another workdir") from None
 
       start, (state, data_state), damaged = checkpointer.newest_readable(
           read, None if from_step is None else [from_step])
@@ -200,7 +205,7 @@ def train(cfg: Config, workdir: str | pathlib.Path, *, progress: bool | None = N
                      **throughput(task.flops_per_step, interval_steps, elapsed, devices, device_kind, bubble))
           bar.set_postfix(loss=f"{row['loss']:.3f}", per_s=f"{row[f'{unit}_per_sec']:.0f}")
           if not show_bar:
-            extra = "".join(f" {k} {row[k]:.4f}" for k in ("kl", "accuracy", "rmse") if k in row)
+            extra = "".join(f" {k} {row[k]:.4f}" for k in ("kl", "accuracy", "mse") if k in row)
             say(f"step {step}/{t.steps} loss {row['loss']:.4f}{extra} lr {row['lr']:.2e} "
                 f"grad_norm {row['grad_norm']:.3f} {unit}/s {row[f'{unit}_per_sec']:.0f}")
         if step % t.eval_every == 0 or step == last_step:

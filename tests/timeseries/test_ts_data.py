@@ -108,3 +108,44 @@ def test_labels_outside_the_classes_and_bad_targets_are_named():
   mask = np.array([[True, False, True]] * 4)
   with pytest.raises(DataError, match="row 0 has a masked step 1 after a valid one"):
     data.from_arrays(x, np.zeros(4), mask, task="regression")
+
+
+def test_sets_without_series_and_files_numpy_cannot_read_are_refused(tmp_path):
+  with pytest.raises(DataError, match="^test.npz holds no series$"):
+    data.from_arrays(np.zeros((0, 5)), np.zeros(0), task="classification", where="test.npz")
+  with pytest.raises(DataError, match="^x.npz holds no series$"):
+    data.from_arrays(np.float32(1.0), np.zeros(1), task="regression", where="x.npz")
+  with pytest.raises(DataError, match=r"series must be \[N, T\] or \[N, T, F\]; row 0 has 0 dimensions"):
+    data.from_arrays(np.arange(5.0), np.zeros(5), task="regression")
+  np.savez(tmp_path / "whole.npz", x=np.zeros((4, 3)), y=np.zeros(4))
+  (tmp_path / "cut.npz").write_bytes((tmp_path / "whole.npz").read_bytes()[:200])
+  with pytest.raises(DataError, match="cut.npz is not a readable .npz of numeric arrays"):
+    data.load_splits(TimeSeriesConfig(enabled=True, source=str(tmp_path / "cut.npz")), seed=0)
+
+
+def test_a_validation_split_never_takes_a_class_whole():
+  x = np.random.default_rng(0).standard_normal((12, 4))
+  labels = np.array(["a"] * 10 + ["b"] * 2)  # round(0.75 * 2) = 2: both "b" series would be held out.
+  full = data.from_arrays(x, labels, task="classification")
+  with pytest.raises(DataError, match="val_fraction=0.75 holds out every training series of class 'b' \\(2 series\\)"):
+    data.split(full, 0.75, seed=0)
+  train, _ = data.split(full, 0.5, seed=0)
+  assert np.bincount(train.y).tolist() == [5, 1]
+
+
+def test_the_stream_fingerprint_ignores_padding_every_row_shares():
+  """load_splits pads the training series to a longer test split's length: the same data, the same stream."""
+  full = _labelled(n=12)
+  assert data.fingerprint(data._to_length(full, full.length + 5)) == data.fingerprint(full)
+  changed = dataclasses.replace(full, x=full.x.copy())
+  changed.x[3, -1, 0] += 1.0
+  assert data.fingerprint(changed) != data.fingerprint(full)
+
+
+def test_aeon_names_and_tasks_are_checked():
+  pytest.importorskip("aeon")
+  for name in ("..", "GunPoint/", "", "NoSuchSet"):
+    with pytest.raises(DataError, match=f"aeon does not ship a dataset called {name!r}; shipped: .*GunPoint"):
+      data.load_splits(TimeSeriesConfig(enabled=True, source=f"aeon:{name}"), seed=0)
+  with pytest.raises(DataError, match="^aeon:GunPoint is a classification dataset; set timeseries.task=classification$"):
+    data.load_splits(TimeSeriesConfig(enabled=True, source="aeon:GunPoint", task="regression"), seed=0)

@@ -67,6 +67,21 @@ def test_left_padding_under_a_mask_changes_nothing(params):
   assert float(jnp.abs(unmasked[0] - y[0]).max()) > 100 * TOL
 
 
+def test_left_padding_under_a_mask_changes_no_gradient(params):
+  """Training on ragged series: a loss on left-padded, masked rows has the gradients of the rows alone (a masked
+  output still carries a zero cotangent through its layer's backward, where 0 / 0 would make every gradient NaN)."""
+  apply = _apply(TS)
+  x = _series(jax.random.key(4), 2, 8)
+  padded = jnp.concatenate([jnp.zeros((2, 6, FEATURES)), x], axis=1)  # 3 whole patches of padding before each row.
+  mask = jnp.arange(14)[None, :] >= 6
+  loss = lambda p, x, m: jnp.sum(apply(p, x, m, None)[0] ** 2)
+  grads = jax.jit(jax.grad(loss))(params, padded, jnp.broadcast_to(mask, (2, 14)))
+  expected = jax.jit(jax.grad(loss))(params, x, None)
+  for (path, g), e in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(g, e, atol=TOL * max(1.0, float(jnp.abs(e).max())), rtol=0,
+                               err_msg=jax.tree_util.keystr(path))
+
+
 def test_streaming_one_patch_at_a_time_equals_the_whole_series(params):
   ts = TS
   apply = _apply(ts)

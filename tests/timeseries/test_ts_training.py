@@ -76,7 +76,7 @@ def test_a_regression_run_reports_rmse_in_the_targets_units(tmp_path, capsys):
                           "timeseries.val_fraction=0.25", "timeseries.normalize=false", "model.layer_pattern=R")
   assert code == 0, err
   last = read_metrics(tmp_path / "w")[-1]
-  assert {"rmse", "val_rmse", "val_mae", "test_rmse", "test_mae"} <= set(last) and last["test_series"] == 8
+  assert {"mse", "val_rmse", "val_mae", "test_rmse", "test_mae"} <= set(last) and last["test_series"] == 8
   assert last["test_rmse"] >= last["test_mae"] > 0
 
 
@@ -106,3 +106,27 @@ def test_bad_rows_are_refused_on_one_line_before_anything_is_written(tmp_path, c
   assert code == 2 and out == "" and len(err.splitlines()) == 1, (out, err)
   assert err.startswith("error: ") and expected in err, err
   assert not workdir.exists()
+
+
+def test_a_resume_on_data_of_other_classes_is_refused_on_one_line_and_a_longer_test_split_resumes(tmp_path, capsys):
+  rng = np.random.default_rng(2)
+  x = rng.standard_normal((24, 12))
+  np.savez(tmp_path / "two.npz", x=x, y=np.array([0, 1] * 12))
+  np.savez(tmp_path / "three.npz", x=x, y=np.array([0, 1, 2] * 8))
+  np.savez(tmp_path / "long_test.npz", x=rng.standard_normal((6, 16)), y=np.array([0, 1] * 3))
+  workdir = tmp_path / "w"
+  code, _, err = _train(capsys, workdir, "train.steps=2", f"timeseries.source={tmp_path / 'two.npz'}",
+                        "model.layer_pattern=R")
+  assert code == 0, err
+  before = {p: p.stat().st_mtime_ns for p in workdir.rglob("*")}
+  code, out, err = _train(capsys, workdir, "train.steps=4", f"timeseries.source={tmp_path / 'three.npz'}",
+                          "model.layer_pattern=R")
+  assert code == 2 and len(err.splitlines()) == 1, err
+  assert (f"error: {workdir}: checkpoint step 2 is of a model of other sizes: its params/head/bias is [2], this "
+          f"model's [3]; {tmp_path / 'three.npz'} has other classes or features") in err, err
+  assert {p: p.stat().st_mtime_ns for p in workdir.rglob("*")} == before
+  # A test split of longer series pads the training series to its length: the same training stream resumes.
+  code, out, err = _train(capsys, workdir, "train.steps=4", f"timeseries.source={tmp_path / 'two.npz'}",
+                          f"timeseries.test_source={tmp_path / 'long_test.npz'}", "model.layer_pattern=R")
+  assert code == 0 and "resuming from step 2" in out and "test_accuracy" in out, err
+  assert np.isfinite(read_metrics(workdir)[-1]["loss"])
