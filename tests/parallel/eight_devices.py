@@ -251,6 +251,18 @@ def scanned_latent_remat():
   base = _config(MESHES["mixed"], layer_pattern="R", scan_layers=True, remat="full", wkv_impl="pallas")
   base = config_lib.validate(config_lib.apply_overrides(base, CLASSIC_OVERRIDES + ["latent.n_per_layer=2",
                                                                                    "latent.inner_steps=2"]))
+  return _against_one_device(base)
+
+
+def memory_mixers():
+  """MM-Rec and Titans layers (D, M): one train step on the 2x2x2 mesh against one device. Rows split over two mesh
+  axes and channels over a third is the layout where XLA's own partitioning of MM-Rec's recurrence gave wrong
+  gradients (the op now runs per shard of rows)."""
+  return _against_one_device(_config(MESHES["mixed"], layer_pattern="DM", n_layers=2))
+
+
+def _against_one_device(base):
+  """Loss and gradients of one train step of `base` on its mesh and on one device."""
   optimizer = make_optimizer(base.train)
   host_state = jax.device_get(create_train_state(
       model_lib.init_params(base.model, jax.random.key(0), base.latent), optimizer, 0))

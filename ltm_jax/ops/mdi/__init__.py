@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ltm_jax.ops import backend
+from ltm_jax.ops import backend, sharding
 from ltm_jax.ops.mdi import adjoint, scan
 
 # The first entry is the reference.
@@ -93,7 +93,12 @@ def mdi(
   keep = jnp.ones(gate_z.shape[:2], dtype) if mask is None else mask.astype(dtype)
   if gate_z.shape[1] == 0:
     return jnp.zeros(gate_z.shape, dtype), h0
-  return run(gate_z, z, gamma, keep, w_h, scale, h0)
+  # Rows are independent: under a mesh each shard of rows runs the recurrence alone. Left to XLA's partitioner, a
+  # layout splitting rows over two mesh axes and channels over a third gave wrong gradients.
+  seq, row = ("batch", None, None), ("batch", None)
+  return sharding.per_shard(run, (gate_z, z, gamma, keep, w_h, scale, h0),
+                            in_axes=(seq, seq, seq, row, (None, None), (None,), row), out_axes=(seq, row),
+                            sizes={"batch": gate_z.shape[0]})
 
 
 def mdi_step(gate_z, z, gamma, w_h, scale, h, *, keep=None, eps: float = EPS, clip: float = CLIP) -> jax.Array:
