@@ -74,6 +74,9 @@ class TrainSection(Protocol):
   @property
   def grad_accum(self) -> int: ...
 
+  @property
+  def seq_len(self) -> int: ...
+
 
 class LatentSection(Protocol):
 
@@ -138,6 +141,7 @@ def model_dims(config: MeshedConfig, stages: int = 1) -> dict[str, list[tuple[st
              rows)
   dims: dict[str, list[tuple[str, int]]] = {
       "batch": [batch],
+      "length": [(f"train.seq_len={t.seq_len}", t.seq_len)],
       "embed": [(f"model.d_model={m.d_model}", m.d_model)],
       "vocab": [(f"the padded vocabulary {m.padded_vocab_size}", m.padded_vocab_size)],
       "heads": [], "kv_heads": [], "mlp": [], "wkv": []}

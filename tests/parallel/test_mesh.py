@@ -138,6 +138,8 @@ def test_make_mesh_refuses_before_compiling():
     (["model.layer_pattern=W", "model.rwkv7_head_size=8", "mesh.tensor=8"], r"RWKV-7 heads .*=4 is not divisible"),
     (["mesh.fsdp=3", "mesh.data=1", "train.batch_size=12"], r"model.d_model=32 is not divisible by .*fsdp=3"),
     (["mesh.data=8"], r"micro-batch\) is not divisible by the mesh size data=8\*fsdp=1"),
+    (["mesh.fsdp=8", "mesh.data=1", "mesh.batch=data", "mesh.length=fsdp", "train.seq_len=12", "model.d_model=64"],
+     r"train.seq_len=12 is not divisible by the mesh size fsdp=8 it is split over \(mesh.length=fsdp\)"),
     (["mesh.data=2", "mesh.fsdp=-1", "mesh.tensor=-1"], "at most one mesh size may be -1"),
     (["mesh.tensor=0"], r"mesh.tensor must be >= 1 or -1"),
     (["mesh.heads=tensr"], "names unknown mesh axis 'tensr'"),
