@@ -76,8 +76,14 @@ def language_task(cfg: Config, optimizer: optax.GradientTransformation) -> Task:
   shard = (start_row // (stop_row - start_row), t.batch_size // (stop_row - start_row))
   eval_batches = source.validation_batches(t.batch_size, t.eval_batches)
   if sharded is not None:
-    eval_batches = [parallel.put_batch(b, parallel.batch_sharding(layout.mesh, layout.rules, len(b["inputs"])))
-                    for b in eval_batches]
+    shardings = [parallel.batch_sharding(layout.mesh, layout.rules, len(b["inputs"])) for b in eval_batches]
+    short = next((i for i, (b, s) in enumerate(zip(eval_batches, shardings))
+                  if s.is_fully_replicated and len(b["inputs"]) != t.batch_size), None)
+    if sharded.strict and short is not None:  # Refused now, not at the first evaluation after training steps.
+      raise ConfigError(f"validation batch {short} holds {len(eval_batches[short]['inputs'])} rows (the validation "
+                        f"split's last), which the mesh's batch axes do not divide, and mesh.strict refuses an op "
+                        f"it cannot split: set train.eval_batches={short} or mesh.strict=false")
+    eval_batches = [parallel.put_batch(b, s) for b, s in zip(eval_batches, shardings)]
   metrics_fn = make_batch_metrics(model, sharded)
 
   def evaluate(params, final: bool) -> dict[str, Any]:

@@ -27,6 +27,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from conftest import CLASSIC_OVERRIDES, micro_config  # noqa: E402
 
 from ltm_jax import config as config_lib  # noqa: E402
+from ltm_jax import data as data_lib  # noqa: E402
 from ltm_jax import model as model_lib  # noqa: E402
 from ltm_jax import ops, parallel  # noqa: E402
 from ltm_jax.ops import ffn as ffn_op  # noqa: E402
@@ -259,6 +260,31 @@ def memory_mixers():
   axes and channels over a third is the layout where XLA's own partitioning of MM-Rec's recurrence gave wrong
   gradients (the op now runs per shard of rows)."""
   return _against_one_device(_config(MESHES["mixed"], layer_pattern="DM", n_layers=2))
+
+
+def strict_short_validation():
+  """mesh.strict with a validation split whose last batch the data axis cannot split: refused by the task, before
+  any step (it failed at the first evaluation, after training steps and before any checkpoint)."""
+  from ltm_jax.errors import ConfigError
+  from ltm_jax.train import task as task_lib
+  open_source = data_lib.open_source
+
+  def short_last(*args, **kwargs):  # The validation split ends in a batch of 5 rows.
+    source = open_source(*args, **kwargs)
+    full = source.validation_batches
+    source.validation_batches = lambda b, n: [*full(b, n - 1), {k: v[:5] for k, v in full(b, 1)[0].items()}]
+    return source
+
+  out = {}
+  for strict in (True, False):
+    cfg = config_lib.validate(config_lib.apply_overrides(_config(MESHES["data"]), [f"mesh.strict={strict}"]))
+    try:
+      with unittest.mock.patch.object(task_lib.data_lib, "open_source", short_last):
+        task_lib.language_task(cfg, make_optimizer(cfg.train))
+      out[strict] = None
+    except ConfigError as e:
+      out[strict] = str(e)
+  return out
 
 
 def _against_one_device(base):

@@ -71,7 +71,7 @@ def test_meshes_match_one_device():
 @pytest.mark.long
 def test_kernels_init_and_checkpoints_across_meshes(tmp_path):
   result = run_checks("kernels_under_mesh", "init_matches", f"checkpoint_across_meshes:{tmp_path / 'run'}",
-                      "scanned_latent_remat", "memory_mixers")
+                      "scanned_latent_remat", "memory_mixers", "strict_short_validation")
   # The feed-forward op's kernel path runs per shard with its weights whole: same values and gradients (the weights'
   # summed over the shards); it gathers the weights, not the activations.
   assert result["kernels_under_mesh"].pop("ffn")["diff"] <= 1e-4
@@ -99,6 +99,9 @@ def test_kernels_init_and_checkpoints_across_meshes(tmp_path):
   # alone was off by 2.5e-3).
   r = result["memory_mixers"]
   assert abs(r["loss"] - r["ref_loss"]) < 1e-5 and r["grad_diff"] < 1e-5 * max(r["grad_scale"], 1e-3), r
+  # A last validation batch of 5 rows on data=8: replicated on purpose, which mesh.strict refuses before training.
+  r = result["strict_short_validation"]
+  assert r["false"] is None and r["true"].startswith("validation batch 1 holds 5 rows"), r
 
 
 # ------------------------------------------------------------------------------------------------------ bad input
