@@ -21,11 +21,14 @@ def default_folder() -> pathlib.Path:
 
 def use(folder: str | None) -> str | None:
   """Turns the cache on in `folder` ("none": off; None: the folder already set, e.g. by JAX_COMPILATION_CACHE_DIR,
-  else `default_folder()`) and returns the folder used (None when off). Call it before the first compilation: JAX
-  sets its cache up once per process."""
+  else `default_folder()`, unless the cache was turned off, e.g. by JAX_ENABLE_COMPILATION_CACHE=false) and returns
+  the folder used (None when off). Call it before the first compilation: JAX sets its cache up once per process."""
   if folder == OFF:
     jax.config.update("jax_enable_compilation_cache", False)
     return None
+  if folder is None and not jax.config.jax_enable_compilation_cache:
+    return None
   folder = folder or jax.config.jax_compilation_cache_dir or str(default_folder())
+  jax.config.update("jax_enable_compilation_cache", True)  # A folder named explicitly is used, whatever was set.
   jax.config.update("jax_compilation_cache_dir", folder)
   return folder

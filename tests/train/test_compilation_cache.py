@@ -46,6 +46,9 @@ def test_the_cache_folder_is_chosen_in_this_order(tmp_path, monkeypatch):
     assert compilation_cache.use(str(tmp_path / "mine")) == str(tmp_path / "mine")
     assert compilation_cache.use(None) == str(tmp_path / "mine")
     assert compilation_cache.use("none") is None and not jax.config.jax_enable_compilation_cache
+    assert compilation_cache.use(None) is None and not jax.config.jax_enable_compilation_cache  # Off stays off.
+    assert compilation_cache.use(str(tmp_path / "again")) == str(tmp_path / "again")  # Unless a folder is named.
+    assert jax.config.jax_enable_compilation_cache
   finally:
     for key, value in previous.items():
       jax.config.update(key, value)
