@@ -6,8 +6,8 @@ RWKV layers are left out on purpose: their recurrence carries context past any w
 a second route around z. `configs/ltm_window_plain.py` is the same decoder without latents, the baseline.
 
 It keeps the form of the windowed-regime studies (docs/latent-thoughts.md, `benchmarks/latent.py window`, whose
-variants are changes from it): z in every block, 8 inner steps from the prior-like start on whole rows, 7.2x
-the plain step's training FLOPs. `configs/ltm_code.py` is the same decoder in the efficient form (1.5x)."""
+variants are changes from it): z in every block, 8 inner steps from the prior-like start on whole rows, 6.98x
+the plain step's training FLOPs. `configs/ltm_code.py` is the same decoder in the efficient form (1.45x)."""
 
 from ltm_jax.config import Config, DataConfig, LatentConfig, ModelConfig, TrainConfig
 

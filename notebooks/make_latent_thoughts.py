@@ -133,8 +133,8 @@ for seed in range(1 if TESTING else 3):
   print(repr(prior_lm.generate("", latents="dit", seed=seed, **sampling)))"""),
     ("markdown", """## Where to go from here
 This notebook trains z the original way, as `configs/ltm_window.py` pins it: every block reads z, and 8 inner steps
-of Adam from a prior-like start fit it, at 7.2x the plain decoder's training FLOPs, on the small embedded corpus,
-where nothing beyond the window is worth much. `LatentConfig`'s defaults cost 1.50x (`ltm info` prints the ratio for
+of Adam from a prior-like start fit it, at 6.98x the plain decoder's training FLOPs, on the small embedded corpus,
+where nothing beyond the window is worth much. `LatentConfig`'s defaults cost 1.45x (`ltm info` prints the ratio for
 any config): the top block alone reads z, and an encoder's proposal is refined by 2 inner steps on the prefix. `docs/latent-thoughts.md` measures z where it has something to carry:
 synthetic Markov documents whose Bayes-optimal continuation is known in closed form (`configs/ltm_markov.py`), and a
 107 MB corpus of Python source (`ltm build-corpus`, `configs/ltm_code.py`), at equal tokens and at equal training
