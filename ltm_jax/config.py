@@ -605,6 +605,8 @@ def validate(config: Config) -> Config:
        f"model.window={m.window} is longer than train.seq_len={config.train.seq_len}, so it limits nothing; "
        "use model.window=none for full attention")
   need(m.rope_theta > 0 and m.norm_eps > 0 and m.init_std > 0, "model.rope_theta, norm_eps, init_std must be > 0")
+  need(not (m.fp8 and m.dtype == "float16"), "model.fp8 rounds in the compute dtype, where float16 makes the scales "
+       "of ordinary magnitudes subnormal or 0 (NaN gradients): use model.dtype=bfloat16 with model.fp8")
   need(m.residual_dtype in ("float32", m.dtype) and m.residual_dtype in ("float32", "bfloat16"),
        f"model.residual_dtype={m.residual_dtype!r} must be float32, or bfloat16 with model.dtype=bfloat16")
   for key, choices in (("ffn", FFNS), ("norm", NORMS), ("dtype", DTYPES), ("remat", REMAT_POLICIES),

@@ -108,6 +108,20 @@ def test_an_all_zero_operand_gives_zeros_not_nans():
   assert float(y) == 0 and np.all(np.isfinite(dx)) and np.all(np.asarray(dw) == 0)
 
 
+def test_an_overflow_stays_visible():
+  """An infinity in an operand or in the gradient arriving at the output comes out non-finite (the clip to the FP8
+  range alone would turn it into 448 or 57344, which no overflow check sees); finite inputs stay finite."""
+  x, w = jnp.asarray(_normal(6, (4, 16))), jnp.asarray(_normal(7, (16, 8)))
+  assert not np.all(np.isfinite(fp8.round_to(x.at[1, 3].set(jnp.inf), fp8.E4M3)))
+  product = lambda x, w: fp8.dot_general(x, w, (((1,), (0,)), ((), ())))
+  y, pullback = jax.vjp(product, x, w)
+  assert np.all(np.isfinite(y))
+  dx, dw = pullback(jnp.ones_like(y).at[0, 0].set(jnp.inf))
+  assert not np.all(np.isfinite(dx)) and not np.all(np.isfinite(dw))
+  dx, dw = pullback(jnp.ones_like(y))
+  assert np.all(np.isfinite(dx)) and np.all(np.isfinite(dw))
+
+
 RMS_DRIFT = 0.12
 
 
