@@ -134,7 +134,13 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, s
     grad_norm, loss_scale = global_norm(grads), state.loss_scale  # The clip's own norm: XLA computes it once.
     if scaled:
       finite = loss_scale_lib.all_finite(grads)
-      params, opt_state = loss_scale_lib.select(finite, (params, opt_state), (state.params, state.opt_state))
+      skipped_state = loss_scale_lib.select(finite, opt_state, state.opt_state)
+      params = loss_scale_lib.select(finite, params, state.params)
+      # The learning-rate schedule still counts a skipped step: it follows state.step, as the logged lr does, and
+      # reaches its end at train.steps. The moments and Adam's bias correction do not.
+      is_schedule = lambda x: isinstance(x, optax.ScaleByScheduleState)
+      opt_state = jax.tree.map(lambda kept, stepped: stepped if is_schedule(kept) else kept, skipped_state,
+                               opt_state, is_leaf=is_schedule)
       loss_scale = loss_scale_lib.update(state.loss_scale, finite)
       # A skipped step is routine under loss scaling, not a divergence: log it instead of an infinite norm.
       metrics.update(loss_scale=state.loss_scale.scale, skipped=(~finite).astype(jnp.float32))

@@ -14,6 +14,7 @@ from conftest import micro_config
 from ltm_jax import model as model_lib
 from ltm_jax import loss_scale as ls_lib
 from ltm_jax.train.step import create_train_state, make_train_step
+from ltm_jax.train.optimizer import learning_rate, make_optimizer
 
 
 def test_scale_halves_on_overflow_and_doubles_after_a_period_of_finite_steps():
@@ -103,3 +104,22 @@ def test_float16_train_step_scales_and_skips_overflowing_steps():
   assert float(metrics["skipped"]) == 1 and float(state.loss_scale.scale) == 2.0**99
   same = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), state.params, fresh.params)
   assert all(jax.tree.leaves(same))
+
+
+def test_a_skipped_step_keeps_the_moments_and_advances_the_learning_rate_schedule():
+  """The schedule follows state.step (what the log's lr reads and train.steps ends); the moments and Adam's bias
+  correction count only the steps applied."""
+  cfg = micro_config(dtype="float16")
+  model, optimizer = model_lib.LM(cfg.model), make_optimizer(cfg.train)
+  step = make_train_step(model, optimizer, learning_rate(cfg.train), grad_accum=1)
+  tokens = jax.random.randint(jax.random.key(2), (4, 17), 0, 256)
+  fresh = create_train_state(model_lib.init_params(cfg.model, jax.random.key(3)), optimizer, 0)
+  huge = fresh.replace(loss_scale=fresh.loss_scale.replace(scale=jnp.asarray(2.0**100, jnp.float32)))
+  state, metrics = step(huge, {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
+  assert float(metrics["skipped"]) == 1 and int(state.step) == 1
+  is_schedule = lambda x: isinstance(x, optax.ScaleByScheduleState)
+  schedules = [s for s in jax.tree.leaves(state.opt_state, is_leaf=is_schedule) if is_schedule(s)]
+  adam = [s for s in jax.tree.leaves(state.opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+          if isinstance(s, optax.ScaleByAdamState)]
+  assert [int(s.count) for s in schedules] == [1] and [int(s.count) for s in adam] == [0]
+  assert all(float(jnp.abs(m).max()) == 0 for m in jax.tree.leaves((adam[0].mu, adam[0].nu)))
