@@ -38,7 +38,9 @@ def model_info(cfg: Config) -> dict[str, Any]:
     ffn = m.ffn_kind(kind)
     per_layer += 2 + (3 if ffn == "swiglu" else 2) * m.ffn_dim(ffn) / m.d_model
   activation_bytes = tokens / t.grad_accum * m.d_model * per_layer * compute_bytes
-  activation_bytes += tokens / t.grad_accum * m.vocab_size * 4 * 2  # float32 logits and their softmax.
+  # Float32 logits over the padded vocabulary and their softmax: loss_chunk positions of each row at a time.
+  logit_positions = m.loss_chunk if 0 < m.loss_chunk < t.seq_len else t.seq_len
+  activation_bytes += t.batch_size / t.grad_accum * logit_positions * m.padded_vocab_size * 4 * 2
   # A mesh.pipeline of -1 is only known against the devices; it is reported as the one stage it may turn out to be.
   stages = max(cfg.mesh.pipeline, 1)
   micro_batches = m.pipeline_micro_batches if stages > 1 else 1

@@ -70,6 +70,17 @@ def test_scanned_model_has_the_same_counts():
     assert a[key] == b[key], key
 
 
+def test_the_logits_estimate_follows_the_loss_chunk():
+  """The float32 logits and their softmax [rows, positions held at once, padded vocabulary]: the whole sequence
+  without a chunk, loss_chunk positions with one."""
+  cfg = micro_config(vocab_size=1000)  # Padded to 1024.
+  whole = model_info(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, loss_chunk=0)))
+  chunked = model_info(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, loss_chunk=8)))
+  t = cfg.train
+  expected = t.batch_size / t.grad_accum * (t.seq_len - 8) * 1024 * 4 * 2
+  assert whole["activation_bytes_estimate"] - chunked["activation_bytes_estimate"] == expected
+
+
 def test_compiled_memory_of_the_train_step_follows_the_remat_policy(capsys):
   overrides = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "train.batch_size=2", "train.seq_len=128",
                "model.max_seq_len=128"]
