@@ -9,7 +9,9 @@ with the sequence.
 
 The head may be padded to V >= vocab_size columns (fast matmul shapes); the padded columns are masked out of the
 softmax rather than sliced off, so the logits keep the kernel's column layout (a vocabulary split evenly over
-devices stays split evenly) and the padded columns get exactly zero gradient. optax's integer-label cross-entropy
+devices stays split evenly) and the padded columns get exactly zero gradient. Targets must lie in [0, vocab_size)
+(every data path checks its ids): one in a padded column would read that column's logit. optax's integer-label
+cross-entropy
 does the per-chunk work: its `where` masks the columns, and its label gather partitions over a sharded vocabulary
 without gathering the logits.
 """
@@ -64,7 +66,7 @@ def reference_nll(x: jax.Array, kernel: jax.Array, targets: jax.Array, vocab_siz
 def token_nll(x: jax.Array, kernel: jax.Array, targets: jax.Array, vocab_size: int, chunk: int) -> jax.Array:
   """`reference_nll` computed `chunk` positions at a time (0, or chunk >= T: all at once).
 
-  T need not divide by `chunk`: the last chunk is padded (with position 0's tokens, whose results are dropped)."""
+  T need not divide by `chunk`: the last chunk is padded (zero vectors with target 0, whose results are dropped)."""
   batch, length, width = x.shape
   if chunk <= 0 or chunk >= length:
     return reference_nll(x, kernel, targets, vocab_size)
