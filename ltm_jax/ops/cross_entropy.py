@@ -11,9 +11,8 @@ The head may be padded to V >= vocab_size columns (fast matmul shapes); the padd
 softmax rather than sliced off, so the logits keep the kernel's column layout (a vocabulary split evenly over
 devices stays split evenly) and the padded columns get exactly zero gradient. Targets must lie in [0, vocab_size)
 (every data path checks its ids): one in a padded column would read that column's logit. optax's integer-label
-cross-entropy
-does the per-chunk work: its `where` masks the columns, and its label gather partitions over a sharded vocabulary
-without gathering the logits.
+cross-entropy does the per-chunk work: its `where` masks the columns, and its label gather partitions over a sharded
+vocabulary without gathering the logits.
 """
 
 from __future__ import annotations
