@@ -172,7 +172,8 @@ class MMRec(nn.Module):
         h = mdi_step(gate_z, z, gamma, w_h, scale, h, keep=valid_t, eps=EPS, clip=CLIP)
         return h, (h, q, v)
 
-      h, (hs, q, v) = jax.lax.scan(body, h0.astype(jnp.float32), (jnp.moveaxis(x, 1, 0), valid.T))
+      carry = h0.astype(jnp.result_type(jnp.float32, h0.dtype, x.dtype, w_h.dtype, scale.dtype))  # mdi_step's.
+      h, (hs, q, v) = jax.lax.scan(body, carry, (jnp.moveaxis(x, 1, 0), valid.T))
       hs, q, v = (jnp.moveaxis(a, 0, 1) for a in (hs, q, v))
       return hs, h, q, v
 

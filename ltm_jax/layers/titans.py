@@ -54,15 +54,17 @@ def memory_dims(head_dim: int, depth: int, expansion: int) -> list[int]:
 
 def _causal_conv(x, history, kernel, valid):
   """Depthwise causal convolution over time. x [B, T, ...]; history [B, K-1, ...] (the inputs before x, newest last);
-  kernel [K, ...] (tap 0 reads the current input, tap j the j-th real input before it). Padding (valid False) is
-  skipped: every tap reads real inputs only. Returns (y [B, T, ...], the new history)."""
+  kernel [K, ...] (tap 0 reads the current input, tap j the j-th real input before it). Left padding (valid False
+  before a row's first real token, as `NeuralMemory` takes) is skipped: every tap reads real inputs or the history
+  only. A gap after a real token would read the history, not the inputs before the gap. Returns (y [B, T, ...], the
+  new history)."""
   width = kernel.shape[0]
   if width == 1:
     return x * kernel[0].astype(x.dtype), history
   flat = lambda a: a.reshape(a.shape[:2] + (-1,))
   shape, x, history = x.shape, flat(x), flat(history).astype(x.dtype)
   y = x * kernel[0].reshape(-1).astype(x.dtype)
-  held = hold_last(x, history[:, -1], valid)  # Padding repeats the newest real input before it.
+  held = hold_last(x, history[:, -1], valid)  # Left padding repeats the history's newest input.
   new_history = [held[:, -1]]
   for tap in range(1, width):
     # Shifting `held` by one gives, at every real token, the real input just before it; holding again over the

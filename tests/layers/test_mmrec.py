@@ -183,3 +183,15 @@ def test_flops_match_a_hand_count():
   visible = sum(min(p // 5, 3) for p in range(length)) / length  # Bank entries a token attends to, on average.
   expected = 2 * matmul + m.n_layers * 4 * d * visible
   assert model_info(cfg)["flops_per_token_forward"] == pytest.approx(expected)
+
+
+def test_both_projection_forms_run_and_agree_in_float64():
+  """The per-token form carries h in the step's compute dtype: float64 here, as the precomputed form does."""
+  with jax.enable_x64(True):
+    x = jax.random.normal(jax.random.key(0), (2, 5, 16), jnp.float64)
+    params = MMRec(n_heads=4, segment=2, slots=2, dtype="float64").init(jax.random.key(1), x)
+    params = jax.tree.map(lambda p: p + 0.05 * jax.random.normal(jax.random.key(2), p.shape, p.dtype), params)
+    forms = [MMRec(n_heads=4, segment=2, slots=2, dtype="float64", precompute=pre).apply(params, x)[0]
+             for pre in (True, False)]
+    assert forms[0].dtype == forms[1].dtype == jnp.float64
+    np.testing.assert_allclose(forms[1], forms[0], rtol=0, atol=1e-12)
