@@ -186,7 +186,8 @@ def test_a_default_written_out_is_no_model_change():
   """n_kv_heads, mlp_dim and the RWKV-7 LoRA widths default to None, which stands for a size: that size given
   explicitly reads the same checkpoint; another size does not."""
   from ltm_jax import config as config_lib
-  load_cfg = lambda *o: config_lib.load_config(TINY, [*SMALL, "model.d_model=64", "model.n_heads=4", "model.rwkv7_head_size=16", "model.layer_pattern=AW", *o])
+  shape = ["model.d_model=64", "model.n_heads=4", "model.rwkv7_head_size=16", "model.layer_pattern=AW"]
+  load_cfg = lambda *o: config_lib.load_config(TINY, [*SMALL, *shape, *o])
   saved = load_cfg()
   lora = saved.model.rwkv7_lora_dims()
   same = load_cfg("model.n_kv_heads=4", f"model.rwkv7_decay_lora={lora['decay']}",
