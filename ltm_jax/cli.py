@@ -351,10 +351,10 @@ def _seed(text: str) -> int:
 
 
 def _order_seed(text: str) -> int:
-  """A seed that numpy's generator (an order of windows) and jax.random.key both take."""
+  """A seed that numpy's generator (an order of windows) takes and jax's 32-bit keys do not repeat."""
   value = int(text)
-  if not 0 <= value < 2**63:
-    raise argparse.ArgumentTypeError(f"must be in [0, 2**63), got {value}")
+  if not 0 <= value < 2**32:
+    raise argparse.ArgumentTypeError(f"must be in [0, 2**32), got {value}")
   return value
 
 

@@ -683,7 +683,7 @@ def validate(config: Config) -> Config:
   need(0 <= p.ema_decay < 1, f"prior.ema_decay must be in [0, 1), got {p.ema_decay}")
   need(p.sampler in SAMPLERS, f"prior.sampler={p.sampler!r} is not one of {', '.join(SAMPLERS)}")
   need(0 <= p.seed < 2**32, f"prior.seed must be in [0, 2**32) (grain's shuffle takes no other), got {p.seed}")
-  need(-2**63 <= t.seed < 2**63, f"train.seed must be in [-2**63, 2**63) (jax.random.key's range), got {t.seed}")
+  need(0 <= t.seed < 2**32, f"train.seed must be in [0, 2**32) (jax's 32-bit keys repeat larger seeds), got {t.seed}")
 
   z = config.latent
   need(z.n_per_layer >= 1, f"latent.n_per_layer must be >= 1, got {z.n_per_layer}")

@@ -65,7 +65,7 @@ def test_bad_overrides_name_the_problem(override, message):
      r"a time-series model has none: set latent.enabled=false"),
     (["model.dtype=float16", "model.fp8=true"], r"use model.dtype=bfloat16 with model.fp8"),
     (["prior.seed=-1"], r"prior.seed must be in \[0, 2\*\*32\) \(grain's shuffle takes no other\), got -1"),
-    ([f"train.seed={2**63}"], r"train.seed must be in \[-2\*\*63, 2\*\*63\)"),
+    ([f"train.seed={2**32}"], r"train.seed must be in \[0, 2\*\*32\) \(jax's 32-bit keys repeat larger seeds\)"),
     (["model.memory_chunk=0"], r"model.memory_chunk must be >= 1, got 0"),
     (["model.memory_depth=0"], r"model.memory_depth must be >= 1, got 0"),
     (["model.memory_max_lr=1.5"], r"model.memory_max_lr must be in \(0, 1\], got 1.5"),

@@ -42,8 +42,8 @@ def gpu_flag_warning(platform: str, xla_flags: str) -> str | None:
 
 def scale_for(x: jax.Array, dtype) -> jax.Array:
   """max|x| / (dtype's largest finite value) as a float32 scalar; 1 when x is all zeros. When x holds an infinity
-  or a NaN the scale is that max (inf or NaN), so the rounded x is NaN where x was not finite: the clip to the FP8
-  range would otherwise make an overflow finite, hiding it from loss scaling and the divergence checks."""
+  or a NaN the scale is that max (inf or NaN), so the whole rounded x is NaN: the clip to the FP8 range would
+  otherwise make an overflow finite, hiding it from loss scaling and the divergence checks."""
   amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
   return jnp.where(amax > 0, amax / float(jnp.finfo(dtype).max), jnp.where(amax == 0, 1.0, amax))
 

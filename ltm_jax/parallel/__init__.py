@@ -12,7 +12,7 @@ _NAMES = {
                                 "sharded_if_multi_device"),
     "ltm_jax.parallel.distributed": ("initialize", "is_main_process"),
     "ltm_jax.parallel.mesh": ("activate", "make_mesh", "resolve_sizes", "rules"),
-    "ltm_jax.parallel.sharding": ("batch_sharding", "param_shardings", "param_specs", "process_rows", "put_batch",
+    "ltm_jax.parallel.sharding": ("batch_shards", "batch_sharding", "param_shardings", "param_specs", "process_rows", "put_batch",
                                   "replicated", "state_shardings"),
 }
 _HOME = {name: module for module, names in _NAMES.items() for name in names}

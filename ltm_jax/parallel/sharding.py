@@ -80,16 +80,20 @@ def batch_spec(axis_rules) -> PartitionSpec:
   return nn.logical_to_mesh_axes(("batch", "length"), axis_rules)
 
 
+def batch_shards(mesh: Mesh, axis_rules) -> int:
+  """How many ways the batch axes of `mesh` split a batch's rows (1 when the batch is not split)."""
+  spec = batch_spec(axis_rules)
+  axes = spec[0] if len(spec) else None
+  axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+  return math.prod(mesh.shape[a] for a in axes)
+
+
 def batch_sharding(mesh: Mesh, axis_rules, batch_size: int | None = None) -> NamedSharding:
   """The sharding of a [B, T] batch; replicated when `batch_size` is given and the batch axes do not divide it
-  (e.g. a short last validation batch)."""
-  spec = batch_spec(axis_rules)
-  if batch_size is not None:
-    axes = spec[0] if len(spec) else None
-    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-    if batch_size % math.prod(mesh.shape[a] for a in axes):
-      return replicated(mesh)
-  return NamedSharding(mesh, spec)
+  (e.g. a validation split smaller than one batch)."""
+  if batch_size is not None and batch_size % batch_shards(mesh, axis_rules):
+    return replicated(mesh)
+  return NamedSharding(mesh, batch_spec(axis_rules))
 
 
 def process_rows(sharding: NamedSharding, global_batch: int, seq_len: int) -> tuple[int, int]:

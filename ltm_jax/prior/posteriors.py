@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ltm_jax import config as config_lib
 from ltm_jax import data as data_lib
 from ltm_jax import latent as latent_lib
 from ltm_jax.errors import LtmError
@@ -93,8 +94,8 @@ def collect(lm, workdir: str | pathlib.Path, *, sequences: int | None = None, he
                    "to fit a prior to")
   if not 0 < heldout_fraction < 1:
     raise LtmError(f"the held-out fraction must be in (0, 1), got {heldout_fraction}")
-  if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**63:
-    raise LtmError(f"the seed must be an integer in [0, 2**63), got {seed!r}")
+  if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**32:
+    raise LtmError(f"the seed must be an integer in [0, 2**32), got {seed!r}")
   if batch_size < 1 or shard_size < 1 or shard_size % batch_size:
     raise LtmError(f"the shard size ({shard_size}) must be a positive multiple of the batch size ({batch_size})")
   cfg = lm.config
@@ -124,10 +125,18 @@ def _collect(lm, tokens: np.ndarray, folder: pathlib.Path, settings: Settings, o
   for k, v in dataclasses.asdict(settings).items():  # latent and data as latent.KEY, data.KEY: a refusal names each.
     expected.update({f"{k}.{key}": value for key, value in v.items()} if isinstance(v, dict) else
                     {k: list(v) if isinstance(v, tuple) else v})
+  if manifest is not None and "inner_steps" in manifest:  # Recorded the inner loop's step count alone.
+    raise LtmError(f"{folder} was collected by an earlier ltm_jax that did not record the decoder's latent.* and "
+                   "data.* settings; remove it to collect again")
+  # A key added to LatentConfig or DataConfig after a folder was collected held its default then.
+  defaults = {f"{part}.{key}": value for part, config in (("latent", config_lib.LatentConfig()),
+                                                          ("data", config_lib.DataConfig()))
+              for key, value in dataclasses.asdict(config).items()}
+  saved = lambda k: manifest.get(k, defaults.get(k))
   if manifest is None:
     manifest = {**expected, "shards": [], "complete": False}
-  elif {k: manifest.get(k) for k in expected} != expected:
-    differ = ", ".join(f"{k} {manifest.get(k)!r} (now {v!r})" for k, v in expected.items() if manifest.get(k) != v)
+  elif {k: saved(k) for k in expected} != expected:
+    differ = ", ".join(f"{k} {saved(k)!r} (now {v!r})" for k, v in expected.items() if saved(k) != v)
     raise LtmError(f"{folder} holds posteriors collected with other settings: {differ}; remove it or collect with "
                    "the same settings")
   windows = np.random.default_rng(seed).permutation(available)[:sequences]

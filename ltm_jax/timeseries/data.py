@@ -166,7 +166,7 @@ def split(data: SeriesSet, fraction: float, seed: int) -> tuple[SeriesSet, Serie
   their order. fraction 0: (data, None)."""
   if fraction == 0:
     return data, None
-  rng = np.random.default_rng([seed, 0x5E1E5])
+  rng = np.random.default_rng([seed % 2**64, 0x5E1E5])
   groups = [np.arange(len(data))] if not data.classes else [np.flatnonzero(data.y == c)
                                                             for c in range(len(data.classes))]
   held = np.zeros(len(data), bool)

@@ -76,14 +76,19 @@ def language_task(cfg: Config, optimizer: optax.GradientTransformation) -> Task:
   shard = (start_row // (stop_row - start_row), t.batch_size // (stop_row - start_row))
   eval_batches = source.validation_batches(t.batch_size, t.eval_batches)
   if sharded is not None:
-    shardings = [parallel.batch_sharding(layout.mesh, layout.rules, len(b["inputs"])) for b in eval_batches]
-    short = next((i for i, (b, s) in enumerate(zip(eval_batches, shardings))
-                  if s.is_fully_replicated and len(b["inputs"]) != t.batch_size), None)
-    if sharded.strict and short is not None:  # Refused now, not at the first evaluation after training steps.
-      raise ConfigError(f"validation batch {short} holds {len(eval_batches[short]['inputs'])} rows (the validation "
-                        f"split's last), which the mesh's batch axes do not divide, and mesh.strict refuses an op "
-                        f"it cannot split: set train.eval_batches={short} or mesh.strict=false")
-    eval_batches = [parallel.put_batch(b, s) for b, s in zip(eval_batches, shardings)]
+    shards = parallel.batch_shards(layout.mesh, layout.rules)
+    rows = [len(b["inputs"]) for b in eval_batches]
+    # A validation split smaller than one batch makes one short batch, replicated where the batch axes cannot split
+    # it; mesh.strict refuses the ops that then cannot split their rows: refused now, not after training steps.
+    if sharded.strict and any(n % shards for n in rows):
+      short = next(n for n in rows if n % shards)
+      fits = short // shards * shards  # The largest batch of its windows that the axes split.
+      raise ConfigError(f"the validation split makes a batch of {short} rows, which the mesh's batch axes "
+                        f"({shards} ways) do not divide, and mesh.strict refuses an op it cannot split: "
+                        + (f"set train.batch_size={fits}, " if fits else "") +
+                        "use a larger validation split, or set mesh.strict=false")
+    eval_batches = [parallel.put_batch(b, parallel.batch_sharding(layout.mesh, layout.rules, n))
+                    for b, n in zip(eval_batches, rows)]
   metrics_fn = make_batch_metrics(model, sharded)
 
   def evaluate(params, final: bool) -> dict[str, Any]:

@@ -263,27 +263,29 @@ def memory_mixers():
 
 
 def strict_short_validation():
-  """mesh.strict with a validation split whose last batch the data axis cannot split: refused by the task, before
-  any step (it failed at the first evaluation, after training steps and before any checkpoint)."""
+  """mesh.strict with a validation split smaller than one batch, whose one batch the data axis cannot split:
+  refused by the task, before any step (it failed at the first evaluation, after training steps and before any
+  checkpoint); taken where the batch axes do not split the batch at all."""
   from ltm_jax.errors import ConfigError
   from ltm_jax.train import task as task_lib
   open_source = data_lib.open_source
 
-  def short_last(*args, **kwargs):  # The validation split ends in a batch of 5 rows.
+  def short_split(*args, **kwargs):  # A validation split of 5 windows: one batch of 5 rows.
     source = open_source(*args, **kwargs)
     full = source.validation_batches
-    source.validation_batches = lambda b, n: [*full(b, n - 1), {k: v[:5] for k, v in full(b, 1)[0].items()}]
+    source.validation_batches = lambda b, n: [{k: v[:5] for k, v in full(b, 1)[0].items()}]
     return source
 
   out = {}
-  for strict in (True, False):
-    cfg = config_lib.validate(config_lib.apply_overrides(_config(MESHES["data"]), [f"mesh.strict={strict}"]))
+  for name, sizes, strict, model in (("data8", (8, 1, 1), True, {}), ("data8_lenient", (8, 1, 1), False, {}),
+                                     ("tensor8", (1, 1, 8), True, {"n_heads": 8})):
+    cfg = config_lib.validate(config_lib.apply_overrides(_config(sizes, **model), [f"mesh.strict={strict}"]))
     try:
-      with unittest.mock.patch.object(task_lib.data_lib, "open_source", short_last):
+      with unittest.mock.patch.object(task_lib.data_lib, "open_source", short_split):
         task_lib.language_task(cfg, make_optimizer(cfg.train))
-      out[strict] = None
+      out[name] = None
     except ConfigError as e:
-      out[strict] = str(e)
+      out[name] = str(e)
   return out
 
 

@@ -99,9 +99,12 @@ def test_kernels_init_and_checkpoints_across_meshes(tmp_path):
   # alone was off by 2.5e-3).
   r = result["memory_mixers"]
   assert abs(r["loss"] - r["ref_loss"]) < 1e-5 and r["grad_diff"] < 1e-5 * max(r["grad_scale"], 1e-3), r
-  # A last validation batch of 5 rows on data=8: replicated on purpose, which mesh.strict refuses before training.
+  # A validation batch of 5 rows on data=8: replicated on purpose, which mesh.strict refuses before training; a mesh
+  # whose batch axes are all 1 splits no batch and refuses nothing.
   r = result["strict_short_validation"]
-  assert r["false"] is None and r["true"].startswith("validation batch 1 holds 5 rows"), r
+  assert r["data8_lenient"] is None and r["tensor8"] is None, r
+  assert r["data8"].startswith("the validation split makes a batch of 5 rows, which the mesh's batch axes (8 ways) "
+                               "do not divide"), r
 
 
 # ------------------------------------------------------------------------------------------------------ bad input
