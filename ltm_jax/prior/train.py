@@ -137,9 +137,9 @@ def train_prior(workdir: str | pathlib.Path, overrides=(), *, log=None) -> Prior
         if changed:
           raise ConfigError(f"{folder} holds a prior with other {', '.join('prior.' + k for k in changed)}; use the "
                             "saved values or remove its checkpoints")
-        _check_same_posteriors(checkpointer.restore_data(at), posteriors, folder, logs)
         target = ckpt_lib.abstract(abstract_state(resumed.prior, shape, make_optimizer(resumed.prior)))
-        state, _ = checkpointer.restore(at, target)
+        state, data = checkpointer.restore(at, target)  # Checked against its checksums first.
+        _check_same_posteriors(data, posteriors, folder, logs)
         if not (np.array_equal(state.mean, posteriors.mean) and np.array_equal(state.std, posteriors.std)):
           raise _other_posteriors(folder, posteriors, logs)
         return resumed, state
