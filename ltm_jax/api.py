@@ -97,8 +97,9 @@ class LanguageModel:
       raise LtmError("this model has no latent thought vectors (latent.enabled=false)")
 
   def prior_latents(self, batch: int, seed: int = 0) -> jax.Array:
-    """z ~ p(z) = N(0, I): [B, latent layers, n_per_layer, d_model] float32."""
-    return jax.random.normal(inputs.key(seed), self.latent_shape(batch), jnp.float32)
+    """z ~ p(z) = N(0, I): [B, latent layers, n_per_layer, d_model] float32, the z that `generate(...,
+    latents="prior", seed=seed)` draws for B prompts."""
+    return jax.random.normal(_latent_key(inputs.key(seed)), self.latent_shape(batch), jnp.float32)
 
   @property
   def prior(self):
@@ -125,9 +126,10 @@ class LanguageModel:
   def dit_latents(self, batch: int, seed: int = 0, *, sampler: str | None = None,
                   steps: int | None = None) -> jax.Array:
     """z from the learned prior (`prior`): [B, latent layers, n_per_layer, d_model] float32, drawn by `sampler`
-    ("dpm++" or "ddpm"; default prior.sampler) in `steps` denoiser evaluations (default prior.sampler_steps)."""
+    ("dpm++" or "ddpm"; default prior.sampler) in `steps` denoiser evaluations (default prior.sampler_steps); with
+    the defaults, the z that `generate(..., latents="dit", seed=seed)` draws for B prompts."""
     inputs.check_int("batch", batch, low=1)
-    return self.prior.sample(batch, inputs.key(seed), sampler, steps)
+    return self.prior.sample(batch, _latent_key(inputs.key(seed)), sampler, steps)
 
   def fit_latents(self, tokens, *, steps: int | None = None, seed: int = 0) -> latent_lib.FitResult:
     """Fits q(z|x) to each row of tokens [B, T] (T >= 2: every token after the first is a target) with
@@ -360,8 +362,8 @@ class LanguageModel:
                      stops: tuple[int, ...], latents, sampling: dict) -> Iterator[np.ndarray]:
     """The on-device part of `stream_tokens`, on arguments it has checked."""
     m = self.config.model
-    sample_key, latent_key = jax.random.split(key)
-    latents = self._draw_latents(tokens, lengths, latents, latent_key)
+    sample_key = jax.random.split(key)[0]  # Token sampling's; z's is the other half (`_latent_key`).
+    latents = self._draw_latents(tokens, lengths, latents, _latent_key(key))
     # Full-attention caches sized to this call (rounded to share compilations), not to model.max_seq_len.
     model = model_lib.LM(m, self.config.latent, cache_capacity=_round_up(tokens.shape[1] + max_new_tokens, 64))
     decoding = generation.prefill(model, self.params, tokens, lengths, latents)
@@ -430,6 +432,11 @@ def build(config: Config, seed: int = 0) -> LanguageModel:
   """A freshly initialised model for `config` (parameters from `seed`); ConfigError for a config `validate` refuses."""
   config = config_lib.validate(config)
   return LanguageModel(config, model_lib.init_params(config.model, jax.random.key(seed), config.latent))
+
+
+def _latent_key(key: jax.Array) -> jax.Array:
+  """The half of a generation key that draws z; the other half samples tokens."""
+  return jax.random.split(key)[1]
 
 
 def load(workdir: str | pathlib.Path, step: int | None = None, overrides: Sequence[str] = (),

@@ -182,6 +182,11 @@ def test_dit_latents_through_the_api(workdir):
   assert not np.array_equal(z, lm.dit_latents(3, seed=1, sampler="ddpm", steps=4))
   ids = lm.generate_tokens([[72, 101], [65]], 4, key=jax.random.key(0), latents="dit")
   assert ids.shape == (2, 4)
+  # dit_latents(seed) with the prior's defaults is the z generate(latents="dit", seed) draws (the CLI's --latents
+  # dit draws it so), from the half of the key that token sampling does not use.
+  for plan, draw in (("dit", lm.dit_latents), ("prior", lm.prior_latents)):
+    drawn = lm.generate(["Hi", "A"], 6, seed=5, latents=draw(2, seed=5))
+    assert drawn == lm.generate(["Hi", "A"], 6, seed=5, latents=plan), plan
   with pytest.raises(ValueError, match="sampler steps must be a positive integer"):
     lm.dit_latents(2, steps=0)
   fresh = load(workdir)
