@@ -167,8 +167,8 @@ class Checkpointer:
   def _check_shapes(self, step: int, abstract_state) -> None:
     """ShapeMismatchError naming the first array stored at another shape than `abstract_state` has (orbax would
     report the checkpoint as unreadable)."""
-    with self._reading(step):
-      stored = ocp.StandardCheckpointHandler().metadata(self.directory / str(step) / "state")
+    with self._reading(step), contextlib.closing(ocp.StandardCheckpointHandler()) as handler:
+      stored = handler.metadata(self.directory / str(step) / "state")
     shapes = {_names(path): tuple(leaf.shape) for path, leaf in jax.tree_util.tree_leaves_with_path(stored)
               if hasattr(leaf, "shape")}
     for path, leaf in jax.tree_util.tree_leaves_with_path(abstract_state):
