@@ -362,8 +362,8 @@ class LanguageModel:
                      stops: tuple[int, ...], latents, sampling: dict) -> Iterator[np.ndarray]:
     """The on-device part of `stream_tokens`, on arguments it has checked."""
     m = self.config.model
-    sample_key = jax.random.split(key)[0]  # Token sampling's; z's is the other half (`_latent_key`).
-    latents = self._draw_latents(tokens, lengths, latents, _latent_key(key))
+    sample_key, latent_key = jax.random.split(key)  # latent_key is `_latent_key(key)`.
+    latents = self._draw_latents(tokens, lengths, latents, latent_key)
     # Full-attention caches sized to this call (rounded to share compilations), not to model.max_seq_len.
     model = model_lib.LM(m, self.config.latent, cache_capacity=_round_up(tokens.shape[1] + max_new_tokens, 64))
     decoding = generation.prefill(model, self.params, tokens, lengths, latents)

@@ -412,9 +412,7 @@ def _scanned(cfg: ModelConfig, latent, capacity, layout: ScanLayout, x, v_first,
     raise ValueError("SplitLatents (latents chosen per position) need model.scan_layers=false")
   if latents is not None:  # [B, n_layers, n, d] -> [units, B, period, n, d]: repeat u's blocks are its layers.
     z = latents[:, start:].reshape(latents.shape[0], units, period, *latents.shape[2:]).swapaxes(0, 1)
-  n_stages = pipeline.stages()
-  if not pipelined:
-    n_stages = 1
+  n_stages = pipeline.stages() if pipelined else 1
   if n_stages > 1 and state is None and x.shape[0] % cfg.pipeline_micro_batches:
     warnings.warn(f"model: a batch of {x.shape[0]} rows does not divide into model.pipeline_micro_batches="
                   f"{cfg.pipeline_micro_batches}, so the {n_stages} pipeline stages run as one plain scan (every "

@@ -75,7 +75,8 @@ def _token_output(u, k, v, num, den, mx):
   p = jnp.maximum(mx, uk)
   e_state, e_tok = jnp.exp(mx - p), jnp.exp(uk - p)
   # 0 only for a token of weight 0 on an empty state (left padding): y = 0 there, and its gradients finite.
-  den_hat = jnp.where(e_state * den + e_tok > 0, e_state * den + e_tok, 1.0)
+  den_hat = e_state * den + e_tok
+  den_hat = jnp.where(den_hat > 0, den_hat, 1.0)
   y = (e_state * num + e_tok * v) / den_hat
   return y, e_state, e_tok, den_hat
 

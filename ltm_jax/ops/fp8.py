@@ -45,7 +45,7 @@ def scale_for(x: jax.Array, dtype) -> jax.Array:
   or a NaN the scale is that max (inf or NaN), so the whole rounded x is NaN: the clip to the FP8 range would
   otherwise make an overflow finite, hiding it from loss scaling and the divergence checks."""
   amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
-  return jnp.where(amax > 0, amax / float(jnp.finfo(dtype).max), jnp.where(amax == 0, 1.0, amax))
+  return jnp.where(amax == 0, 1.0, amax / float(jnp.finfo(dtype).max))
 
 
 def round_to(x: jax.Array, dtype) -> jax.Array:

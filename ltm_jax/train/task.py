@@ -80,8 +80,8 @@ def language_task(cfg: Config, optimizer: optax.GradientTransformation) -> Task:
     rows = [len(b["inputs"]) for b in eval_batches]
     # A validation split smaller than one batch makes one short batch, replicated where the batch axes cannot split
     # it; mesh.strict refuses the ops that then cannot split their rows: refused now, not after training steps.
-    if sharded.strict and any(n % shards for n in rows):
-      short = next(n for n in rows if n % shards)
+    short = next((n for n in rows if n % shards), None)
+    if sharded.strict and short is not None:
       fits = short // shards * shards  # The largest batch of its windows that the axes split.
       raise ConfigError(f"the validation split makes a batch of {short} rows, which the mesh's batch axes "
                         f"({shards} ways) do not divide, and mesh.strict refuses an op it cannot split: "
