@@ -498,9 +498,10 @@ def _model_cases() -> list[Case]:
   attention = ATTENTION_KERNELS
   return [
       # The RWKV-7 layers bound their decay (the op's w_min), so the chunked WKV-7 kernels run without the sequential
-      # ones beside them; the attention blocks' add and norm are the add_norm kernels.
+      # ones beside them; the attention blocks' add and norm are the add_norm kernels. The norm + mixes' backward is
+      # XLA's on GPUs (ops.norm_mix.AUTO; its kernel has cases of its own above).
       Case("train_small_rwkv7", "small_rwkv7 train step, bf16 B32 T1024 (WKV-7 N64, window-512 attention D64)",
-           WKV7_CHUNKED_KERNELS + attention + ADD_NORM_KERNELS + NORM_MIX_KERNELS, train_step("small_rwkv7"),
+           WKV7_CHUNKED_KERNELS + attention + ADD_NORM_KERNELS, train_step("small_rwkv7"),
            group="models",
            head_dim=64),
       Case("train_base_125m", "base_125m train step, bf16 B64 T2048 (GQA 12:4 attention D64)",
